@@ -1,0 +1,308 @@
+"""GradientNormMonitor: measure the global gradient norm once per optimizer step, clip, skip non-finite steps."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_stability.errors import StabilityConfigError, config_error
+from lightning_stability.ledger import FlushValues, Outcome, StepLedger, loss_scaler
+from lightning_stability.norms import clip_coefficient, combine_norms, group_norms, per_tensor_norms, scale_
+
+_K_STEPS = "grad_norm_monitor/steps"
+_K_CLIPPED = "grad_norm_monitor/clipped"
+_UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy")
+
+
+def _parse_norm_type(norm_type: float | str) -> float:
+    if isinstance(norm_type, bool):
+        raise config_error("norm_type", norm_type, "is not a norm order", "pass 2.0, 1.0, float('inf') or any p > 0")
+    if isinstance(norm_type, str):
+        if norm_type.lower() not in ("inf", "+inf"):
+            raise config_error("norm_type", norm_type, "is not a norm order", "pass 2.0, 1.0, 'inf' or any p > 0")
+        return math.inf
+    value = float(norm_type)
+    if math.isnan(value) or value <= 0:
+        raise config_error(
+            "norm_type", norm_type, "must be a positive p or inf", "use 2.0 (Euclidean, the usual choice) or 'inf'"
+        )
+    return value
+
+
+class GradientNormMonitor(Callback):
+    """Measure, and optionally clip, the gradient norm of the whole model once per optimizer step.
+
+    The norm is taken in ``on_before_optimizer_step``: after the backward passes of all accumulated
+    micro-batches, after fp16 gradients were unscaled, and before the update (seed rows 1, 3, 14). It
+    is the norm of the model's whole gradient: identical on every rank under DDP, and reduced across
+    shards for sharded (``DTensor``) parameters, never the norm of one shard. All of it happens on the
+    device; steps that do not log add no host synchronisation.
+
+    Clipping multiplies every gradient by ``min(1, max_norm / (norm + 1e-6))``, the coefficient of
+    ``torch.nn.utils.clip_grad_norm_``, kept as a tensor.
+
+    A step whose gradient norm is NaN or inf is skipped when ``skip_nonfinite`` is set: weights and
+    optimizer state (moments, step counts, weight decay) are left exactly as they were, and every
+    rank decides alike because the norm is global. Under fp16 the loss scaler's own overflow decision
+    is reused. A warning on the next logging step names the first layer with a non-finite gradient
+    and the layers with the largest gradient norms, so the start of an explosion can be found.
+
+    Logged keys (on logging steps, to every Lightning logger):
+
+    ==================================  ===========================================================
+    Key                                 Meaning
+    ==================================  ===========================================================
+    ``stability/grad_norm``             global gradient norm before clipping (this step)
+    ``stability/grad_norm_clipped``     norm after clipping (only with ``max_norm``)
+    ``stability/clip_coef``             clip coefficient, ``<= 1`` (only with ``max_norm``)
+    ``stability/clip_fraction``         share of steps clipped since the last log (``max_norm``)
+    ``stability/skipped_steps``         optimizer steps skipped since the start, for any reason
+    ``stability/grad_norm/<module>``    per-module norm (with ``per_layer``; top-k with an int)
+    ==================================  ===========================================================
+
+    Args:
+        max_norm: clip the global norm to this value; ``None`` measures only.
+        norm_type: the p of the p-norm: ``2.0``, ``1.0``, ``float('inf')`` (or ``'inf'``), any p > 0.
+        log_every_n_steps: log every this many optimizer steps; default: the Trainer's.
+        per_layer: ``False`` (off), ``True`` (every module that owns parameters) or an int ``k`` (the
+            ``k`` modules with the largest norm at that step).
+        skip_nonfinite: skip the update when the gradient norm is NaN/inf.
+        warn_top_k: how many of the largest layers the non-finite warning names.
+
+    Raises:
+        StabilityConfigError: for a bad argument, or at ``setup`` when the Trainer also clips with
+            ``gradient_clip_val`` or runs a strategy whose gradients this callback cannot see whole.
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[GradientNormMonitor(max_norm=1.0)])
+    """
+
+    def __init__(
+        self,
+        max_norm: float | None = None,
+        norm_type: float | str = 2.0,
+        log_every_n_steps: int | None = None,
+        per_layer: bool | int = False,
+        skip_nonfinite: bool = True,
+        warn_top_k: int = 3,
+    ) -> None:
+        if max_norm is not None:
+            if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+                raise config_error("max_norm", max_norm, "is not a number", "pass a positive float such as 1.0, or None")
+            if not math.isfinite(max_norm) or max_norm <= 0:
+                raise config_error(
+                    "max_norm", max_norm, "must be a positive, finite number",
+                    "pass e.g. 1.0 (BERT-like), 0.5 (GPT-like) or 2.0 (mixture of experts), or None to only measure",
+                )
+        if log_every_n_steps is not None and (
+            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
+        ):
+            raise config_error(
+                "log_every_n_steps", log_every_n_steps, "must be an int >= 1", "pass e.g. 50, or None for the Trainer's"
+            )
+        if not isinstance(per_layer, (bool, int)) or (not isinstance(per_layer, bool) and per_layer < 1):
+            raise config_error("per_layer", per_layer, "is not False, True or a positive int", "pass True or e.g. 5")
+        if not isinstance(skip_nonfinite, bool):
+            raise config_error("skip_nonfinite", skip_nonfinite, "must be a bool", "pass True or False")
+        if isinstance(warn_top_k, bool) or not isinstance(warn_top_k, int) or warn_top_k < 0:
+            raise config_error("warn_top_k", warn_top_k, "must be an int >= 0", "pass e.g. 3")
+        self.max_norm = None if max_norm is None else float(max_norm)
+        self.norm_type = _parse_norm_type(norm_type)
+        self.log_every_n_steps = log_every_n_steps
+        self.per_layer = per_layer
+        self.skip_nonfinite = skip_nonfinite
+        self.warn_top_k = warn_top_k
+        self._every_n = log_every_n_steps or 50
+        self._names: dict[int, str] = {}
+        self._index_cache: tuple[tuple[int, ...], Tensor, list[str]] | None = None
+        self._bad_seen: Tensor | None = None
+        self._bad_snapshot: Tensor | None = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(max_norm=self.max_norm, norm_type=self.norm_type)
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if self.max_norm is not None and trainer.gradient_clip_val:
+            raise StabilityConfigError(
+                f"GradientNormMonitor(max_norm={self.max_norm}) and Trainer(gradient_clip_val="
+                f"{trainer.gradient_clip_val}) would clip twice. Fix: remove `gradient_clip_val` from the Trainer, "
+                "or pass `max_norm=None` to GradientNormMonitor to only measure."
+            )
+        clippers = [
+            cb for cb in trainer.callbacks if isinstance(cb, GradientNormMonitor) and cb.max_norm is not None  # type: ignore[attr-defined]
+        ]
+        if len(clippers) > 1:
+            raise StabilityConfigError(
+                f"{len(clippers)} GradientNormMonitor callbacks clip gradients (max_norm="
+                f"{[cb.max_norm for cb in clippers]}). Fix: keep one with `max_norm`; give the others `max_norm=None`."
+            )
+        strategy = type(trainer.strategy).__name__
+        if strategy in _UNSUPPORTED_STRATEGIES:
+            raise StabilityConfigError(
+                f"GradientNormMonitor cannot measure the global norm under strategy={strategy!r}: its gradients "
+                "are flat local shards. Fix: use an FSDP2 (DTensor) strategy such as Lightning's "
+                "ModelParallelStrategy, or DDP."
+            )
+        self._every_n = self.log_every_n_steps or trainer.log_every_n_steps or 1
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._names = {id(p): name for name, p in pl_module.named_parameters()}
+        self._index_cache = None
+        self._bad_seen = self._bad_snapshot = None
+
+    # ------------------------------------------------------------------ the step
+    def _layer_index(self, params: list[Tensor], device: torch.device) -> tuple[Tensor, list[str]]:
+        key = tuple(id(p) for p in params)
+        if self._index_cache is not None and self._index_cache[0] == key:
+            return self._index_cache[1], self._index_cache[2]
+        groups: dict[str, int] = {}
+        index = []
+        for i, p in enumerate(params):
+            name = self._names.get(id(p), f"param_{i}")
+            module = name.rsplit(".", 1)[0] if "." in name else name
+            index.append(groups.setdefault(module, len(groups)))
+        index_t = torch.tensor(index, dtype=torch.int64, device=device)
+        self._index_cache = (key, index_t, list(groups))
+        self._bad_seen = self._bad_snapshot = None
+        return index_t, list(groups)
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        ledger = StepLedger.of(trainer)
+        ledger.open_step(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        grads = [p.grad for p in params]
+        norms = per_tensor_norms(grads, self.norm_type)  # type: ignore[arg-type]
+        total = combine_norms(norms, self.norm_type)
+        finite = torch.isfinite(total)
+        ledger.put("grad_norm", total)
+        ledger.put("grad_finite", finite)
+        ledger.accumulate(_K_STEPS, 1.0)
+        coef = None
+        if self.max_norm is not None:
+            coef = clip_coefficient(total, self.max_norm)
+            scale_(grads, coef)  # type: ignore[arg-type]
+            ledger.put("clip_coef", coef)
+            ledger.accumulate(_K_CLIPPED, coef < 1.0)
+        index, names = self._layer_index(params, norms.device)
+        layer_norms = group_norms(norms, index, len(names), self.norm_type)
+        self._remember_first_bad(finite, layer_norms)
+        if self.skip_nonfinite and loss_scaler(trainer) is None:
+            # Under fp16 the scaler already found these values and skips the step itself.
+            ledger.mark_skip(Outcome.SKIPPED_NONFINITE, ~finite)
+        if ledger.is_logging_step(self._every_n):
+            self._queue_logs(ledger, total, coef, layer_norms, names)
+
+    def _remember_first_bad(self, finite: Tensor, layer_norms: Tensor) -> None:
+        bad = ~finite
+        if self._bad_seen is None or self._bad_snapshot is None:
+            self._bad_seen = torch.zeros((), dtype=torch.bool, device=finite.device)
+            self._bad_snapshot = torch.zeros_like(layer_norms)
+        first = bad & ~self._bad_seen
+        self._bad_snapshot = torch.where(first, layer_norms, self._bad_snapshot)
+        self._bad_seen = self._bad_seen | bad
+
+    def _queue_logs(
+        self, ledger: StepLedger, total: Tensor, coef: Tensor | None, layer_norms: Tensor, names: list[str]
+    ) -> None:
+        ledger.log("stability/grad_norm", total)
+        steps = ledger.pop_window(_K_STEPS)
+        if coef is not None:
+            ledger.log("stability/grad_norm_clipped", total * coef)
+            ledger.log("stability/clip_coef", coef)
+            ledger.log("stability/clip_fraction", ledger.pop_window(_K_CLIPPED) / steps.clamp(min=1.0))
+        # counted when the step closes, so the current step's outcome is included
+        ledger.on_close(lambda closed: closed.log("stability/skipped_steps", closed.skipped_steps))
+        if self.per_layer is True:
+            ledger.log("_grad_norm_monitor/layers", layer_norms)
+        elif self.per_layer:
+            k = min(int(self.per_layer), layer_norms.numel())
+            top = torch.topk(torch.nan_to_num(layer_norms, nan=math.inf), k)
+            ledger.log("_grad_norm_monitor/top_values", layer_norms[top.indices])
+            ledger.log("_grad_norm_monitor/top_indices", top.indices)
+        self._queue_bad_report(ledger)
+        ledger.on_flush(lambda values: self._on_flush(values, names))
+
+    def _queue_bad_report(self, ledger: StepLedger) -> None:
+        if self._bad_seen is None or self._bad_snapshot is None:
+            return
+        snap = self._bad_snapshot
+        ledger.log("_grad_norm_monitor/bad_seen", self._bad_seen)
+        ledger.log("_grad_norm_monitor/first_bad", torch.argmax((~torch.isfinite(snap)).to(torch.int32)))
+        k = min(self.warn_top_k, snap.numel())
+        if k:
+            top = torch.topk(torch.nan_to_num(snap, nan=math.inf), k)
+            ledger.log("_grad_norm_monitor/bad_top_values", snap[top.indices])
+            ledger.log("_grad_norm_monitor/bad_top_indices", top.indices)
+        self._bad_seen = torch.zeros_like(self._bad_seen)
+
+    def _on_flush(self, values: FlushValues, names: list[str]) -> dict[str, float]:
+        extra: dict[str, float] = {}
+        layers = values.get("_grad_norm_monitor/layers")
+        if isinstance(layers, list):
+            extra.update({f"stability/grad_norm/{n}": v for n, v in zip(names, layers, strict=True)})
+        top_values, top_indices = values.get("_grad_norm_monitor/top_values"), values.get("_grad_norm_monitor/top_indices")
+        if isinstance(top_values, list) and isinstance(top_indices, list):
+            extra.update({f"stability/grad_norm/{names[int(i)]}": v for i, v in zip(top_indices, top_values, strict=True)})
+        if values.get("_grad_norm_monitor/bad_seen"):
+            first = names[int(values["_grad_norm_monitor/first_bad"])]  # type: ignore[arg-type]
+            bad_values = values.get("_grad_norm_monitor/bad_top_values", [])
+            bad_indices = values.get("_grad_norm_monitor/bad_top_indices", [])
+            assert isinstance(bad_values, list) and isinstance(bad_indices, list)
+            top = ", ".join(f"{names[int(i)]}={v:.3g}" for i, v in zip(bad_indices, bad_values, strict=True))
+            action = "skipped" if self.skip_nonfinite else "NOT skipped (skip_nonfinite=False)"
+            warnings.warn(
+                f"Non-finite gradient norm: the update was {action}. First module with a non-finite gradient: "
+                f"'{first}'. Largest gradient norms at that step: {top}. An explosion usually starts in the "
+                "first module named; lower the learning rate or clip harder (max_norm).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return extra
+
+    # ------------------------------------------------------------------ after the step
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        ledger = StepLedger.of(trainer)
+        ledger.close_step()
+        ledger.flush()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Report a non-finite step that happened after the last logging step.
+        ledger = StepLedger.of(trainer)
+        if self._bad_seen is not None and self._index_cache is not None:
+            names = self._index_cache[2]
+            self._queue_bad_report(ledger)
+            ledger.on_flush(lambda values: self._on_flush(values, names))
+            ledger.flush()
+
+    # ------------------------------------------------------------------ checkpointing
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        StepLedger.of(trainer).save_into(checkpoint)
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        StepLedger.of(trainer).load_from(checkpoint)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"max_norm": self.max_norm, "norm_type": self.norm_type}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_index_cache=None, _bad_seen=None, _bad_snapshot=None, _names={})
+        return state

@@ -1,0 +1,129 @@
+"""Gradient norms without host synchronisation.
+
+Pure functions: they take lists of tensors and return tensors. Nothing here calls ``.item()``.
+
+* Plain tensors (single device, DDP) are grouped by device and dtype and measured with one
+  ``torch._foreach_norm`` per group, accumulating in fp32.
+* Sharded tensors (``DTensor``, e.g. FSDP2 parameters) are measured on their local shard and the
+  per-tensor results are reduced across the shard dimensions of their mesh with **one** collective
+  per (mesh, placements) group, so the norm is the norm of the whole gradient, never of one shard.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+try:  # DTensor is public from torch 2.5
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+except ImportError:  # pragma: no cover - torch built without distributed
+    DTensor = None  # type: ignore[assignment,misc]
+
+
+def _is_dtensor(t: Tensor) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def _local_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor:
+    """Per-tensor norms (fp32) of plain tensors, stacked on the first tensor's device."""
+    buckets: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
+    for i, t in enumerate(tensors):
+        buckets[(t.device, t.dtype)].append(i)
+    out_device = tensors[0].device
+    if len(buckets) == 1:  # the common case: one device, one dtype, already in order
+        return torch.stack(torch._foreach_norm(list(tensors), norm_type, dtype=torch.float32))
+    out = torch.empty(len(tensors), dtype=torch.float32, device=out_device)
+    for (_, _), idx in buckets.items():
+        norms = torch._foreach_norm([tensors[i] for i in idx], norm_type, dtype=torch.float32)
+        stacked = torch.stack(norms).to(out_device, non_blocking=True)
+        out[torch.tensor(idx, device=out_device)] = stacked
+    return out
+
+
+def _reduce_sharded(local: Tensor, norm_type: float, mesh: object, placements: tuple[object, ...]) -> Tensor:
+    """Combine per-shard norms into global per-tensor norms with one collective."""
+    if math.isinf(norm_type):
+        partial = Partial("max")
+        value = local
+    else:
+        partial = Partial("sum")
+        value = local.pow(norm_type)
+    reduced_placements = [partial if isinstance(p, Shard) else Replicate() for p in placements]
+    if not any(isinstance(p, Partial) for p in reduced_placements):
+        return local
+    full = DTensor.from_local(value, mesh, reduced_placements, run_check=False).full_tensor()  # type: ignore[arg-type]
+    return full if math.isinf(norm_type) else full.pow(1.0 / norm_type)
+
+
+def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
+    """The ``norm_type``-norm of every tensor, as one fp32 vector (no host sync).
+
+    Sharded ``DTensor`` inputs get the norm of the whole (unsharded) tensor.
+    """
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float32)
+    plain_idx = [i for i, t in enumerate(tensors) if not _is_dtensor(t)]
+    if len(plain_idx) == len(tensors):
+        return _local_norms(tensors, norm_type)
+    sharded: dict[tuple[object, tuple[object, ...]], list[int]] = defaultdict(list)
+    for i, t in enumerate(tensors):
+        if _is_dtensor(t):
+            sharded[(t.device_mesh, tuple(t.placements))].append(i)  # type: ignore[attr-defined]
+    first = tensors[0]
+    device = first.to_local().device if _is_dtensor(first) else first.device  # type: ignore[attr-defined]
+    out = torch.empty(len(tensors), dtype=torch.float32, device=device)
+    if plain_idx:
+        norms = _local_norms([tensors[i] for i in plain_idx], norm_type)
+        out[torch.tensor(plain_idx, device=device)] = norms.to(device)
+    for (mesh, placements), idx in sharded.items():
+        local = _local_norms([tensors[i].to_local() for i in idx], norm_type)  # type: ignore[attr-defined]
+        full = _reduce_sharded(local, norm_type, mesh, placements)
+        out[torch.tensor(idx, device=device)] = full.to(device)
+    return out
+
+
+def combine_norms(norms: Tensor, norm_type: float = 2.0) -> Tensor:
+    """The norm of a concatenation, from the norms of its parts."""
+    if norms.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=norms.device)
+    return torch.linalg.vector_norm(norms, norm_type)
+
+
+def group_norms(norms: Tensor, group_index: Tensor, num_groups: int, norm_type: float = 2.0) -> Tensor:
+    """Combine per-tensor norms into per-group norms (e.g. per module), on the device.
+
+    Args:
+        norms: per-tensor norms, shape ``(N,)``.
+        group_index: group id of each tensor, shape ``(N,)``, int64, same device.
+        num_groups: number of groups ``G``; the result has shape ``(G,)``.
+        norm_type: the p of the p-norm.
+    """
+    out = torch.zeros(num_groups, dtype=norms.dtype, device=norms.device)
+    if math.isinf(norm_type):
+        return out.scatter_reduce_(0, group_index, norms, reduce="amax", include_self=True)
+    out.index_add_(0, group_index, norms.pow(norm_type))
+    return out.pow(1.0 / norm_type)
+
+
+def clip_coefficient(total_norm: Tensor, max_norm: float, eps: float = 1e-6) -> Tensor:
+    """``min(1, max_norm / (total_norm + eps))`` as a tensor, like ``torch.nn.utils.clip_grad_norm_``."""
+    return torch.clamp(max_norm / (total_norm + eps), max=1.0)
+
+
+def scale_(tensors: Sequence[Tensor], coef: Tensor) -> None:
+    """Multiply tensors in place by a scalar tensor; sharded tensors are scaled shard by shard."""
+    buckets: dict[torch.device, list[Tensor]] = defaultdict(list)
+    for t in tensors:
+        local = t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined]
+        buckets[local.device].append(local)
+    for device, group in buckets.items():
+        torch._foreach_mul_(group, coef.to(device, non_blocking=True))
+
+
+def total_norm(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
+    """The norm of all tensors taken together (a 0-dim fp32 tensor, no host sync)."""
+    return combine_norms(per_tensor_norms(tensors, norm_type), norm_type)

@@ -1,0 +1,166 @@
+"""Shared test utilities: a tiny model, a host-sync counter, a torchrun launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader, TensorDataset
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts host-device synchronisations: ``aten._local_scalar_dense`` (``.item()``, ``bool(t)``, ...)
+    and copies to the CPU (``.cpu()``/``.tolist()`` of a device tensor; on a CPU-only run, explicit
+    ``.to('cpu', copy=True)``, which is how the package moves logged values to the host)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        elif func is torch.ops.aten._to_copy.default and kwargs.get("device") == torch.device("cpu"):
+            src = args[0]
+            # a move to the host: from another device, or a same-dtype copy (no mere dtype conversion)
+            if src.device.type != "cpu" or kwargs.get("dtype", src.dtype) == src.dtype:
+                self.count += 1
+        return func(*args, **kwargs)
+
+
+class StepSyncCounter(pl.Callback):
+    """Attributes the syncs counted by a :class:`SyncCounter` (entered around ``trainer.fit``) to steps.
+
+    ``per_step[i]`` is everything between the start of batch ``i`` and the start of batch ``i + 1``
+    (the last one ends at ``on_train_end``): forward, backward, optimizer step, every callback's
+    batch-end work and Lightning's own logging.
+    """
+
+    def __init__(self, counter: SyncCounter) -> None:
+        self.counter = counter
+        self.marks: list[int] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
+        self.marks.append(self.counter.count)
+
+    def on_train_end(self, trainer, pl_module):  # type: ignore[no-untyped-def]
+        self.marks.append(self.counter.count)
+
+    @property
+    def per_step(self) -> list[int]:
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+def count_syncs_per_step(trainer: pl.Trainer, module: pl.LightningModule) -> list[int]:
+    """Fit ``module`` with ``trainer`` under a :class:`SyncCounter`; return the syncs of each step."""
+    counter = SyncCounter()
+    boundaries = StepSyncCounter(counter)
+    trainer.callbacks.insert(0, boundaries)
+    with counter:
+        trainer.fit(module)
+    return boundaries.per_step
+
+
+def make_data(n: int = 64, dim: int = 8, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=g)
+    w = torch.randn(dim, 1, generator=g)
+    y = x @ w + 0.1 * torch.randn(n, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+class TinyModule(pl.LightningModule):
+    """A small MLP regression model with hooks to inject a bad gradient.
+
+    Args:
+        optimizer: "adamw", "adamw_fused", "sgd", "sgd_fused".
+        inf_at_step: multiply the loss by inf at this global step (optionally on one rank only).
+        inf_rank: the rank that injects (None: all ranks).
+    """
+
+    def __init__(
+        self,
+        dim: int = 8,
+        hidden: int = 16,
+        lr: float = 0.05,
+        optimizer: str = "adamw",
+        weight_decay: float = 0.01,
+        inf_at_step: int | Sequence[int] | None = None,
+        inf_rank: int | None = None,
+        batch_size: int = 8,
+        n: int = 64,
+    ) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+        self.lr = lr
+        self.optimizer_name = optimizer
+        self.weight_decay = weight_decay
+        self.inf_steps = {inf_at_step} if isinstance(inf_at_step, int) else set(inf_at_step or ())
+        self.inf_rank = inf_rank
+        self.batch_size = batch_size
+        self.n = n
+        self.dim = dim
+        self.losses: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x).float(), y)
+        if self.global_step in self.inf_steps and (self.inf_rank is None or self.inf_rank == self.global_rank):
+            loss = loss * float("inf")
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        fused = self.optimizer_name.endswith("_fused")
+        if self.optimizer_name.startswith("adamw"):
+            return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay, fused=fused or None)
+        return torch.optim.SGD(
+            self.parameters(), lr=self.lr, momentum=0.9, weight_decay=self.weight_decay, fused=fused or None
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(make_data(self.n, self.dim), batch_size=self.batch_size, shuffle=False)
+
+
+def quiet_trainer(**kwargs: Any) -> pl.Trainer:
+    """A CPU Trainer without progress bars, summaries or checkpoints unless asked for."""
+    defaults: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    defaults.update(kwargs)
+    return pl.Trainer(**defaults)
+
+
+def torchrun(script: Path, nproc: int, out_dir: Path, *args: str, timeout: int = 300, nnodes: int = 1) -> list[dict[str, Any]]:
+    """Run ``script`` under ``torchrun`` with ``nproc`` CPU processes (gloo); return each rank's JSON result.
+
+    The script must write ``{out_dir}/rank{RANK}.json``.
+    """
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+        "--master_port=0" if nnodes == 1 else "--master_port=29533", str(script), str(out_dir), *args,
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=out_dir)
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]
