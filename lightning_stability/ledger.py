@@ -29,7 +29,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -105,7 +105,7 @@ class StepLedger:
             when the decision was never brought to the host).
     """
 
-    _registry: weakref.WeakKeyDictionary[Any, StepLedger] = weakref.WeakKeyDictionary()
+    _registry: ClassVar[weakref.WeakKeyDictionary[Any, StepLedger]] = weakref.WeakKeyDictionary()
 
     def __init__(self, trainer: pl.Trainer | None = None) -> None:
         self._trainer_ref = weakref.ref(trainer) if trainer is not None else None
@@ -318,7 +318,7 @@ class StepLedger:
         """
         self._flush_hooks.append(hook)
 
-    def flush(self) -> FlushValues:
+    def flush(self) -> dict[str, float]:
         """Move every queued tensor to the host in one transfer and log the metrics. Returns them."""
         if not self._pending and not self._flush_hooks:
             return {}
@@ -342,7 +342,7 @@ class StepLedger:
             extra = hook(values)
             if extra:
                 values.update(extra)
-        metrics = {k: v for k, v in values.items() if not k.startswith("_") and isinstance(v, float)}
+        metrics: dict[str, float] = {k: v for k, v in values.items() if not k.startswith("_") and isinstance(v, float)}
         trainer = self.trainer
         if metrics and trainer is not None:
             for logger in trainer.loggers:

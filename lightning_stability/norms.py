@@ -28,17 +28,27 @@ def _is_dtensor(t: Tensor) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
 
 
+def _foreach_norm_fp32(tensors: list[Tensor], norm_type: float) -> tuple[Tensor, ...]:
+    """One fused norm kernel per call; low-precision tensors accumulate in fp32."""
+    if tensors[0].dtype in (torch.float32, torch.float64):
+        return tuple(n.float() for n in torch._foreach_norm(tensors, norm_type))
+    return tuple(torch._foreach_norm(tensors, norm_type, dtype=torch.float32))
+
+
 def _local_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor:
     """Per-tensor norms (fp32) of plain tensors, stacked on the first tensor's device."""
+    if any(t.numel() == 0 for t in tensors):
+        # An empty local shard (uneven sharding) has norm 0; the inf-norm of an empty tensor would raise.
+        tensors = [t if t.numel() else t.new_zeros(1) for t in tensors]
     buckets: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
     for i, t in enumerate(tensors):
         buckets[(t.device, t.dtype)].append(i)
     out_device = tensors[0].device
     if len(buckets) == 1:  # the common case: one device, one dtype, already in order
-        return torch.stack(torch._foreach_norm(list(tensors), norm_type, dtype=torch.float32))
+        return torch.stack(_foreach_norm_fp32(list(tensors), norm_type))
     out = torch.empty(len(tensors), dtype=torch.float32, device=out_device)
     for (_, _), idx in buckets.items():
-        norms = torch._foreach_norm([tensors[i] for i in idx], norm_type, dtype=torch.float32)
+        norms = _foreach_norm_fp32([tensors[i] for i in idx], norm_type)
         stacked = torch.stack(norms).to(out_device, non_blocking=True)
         out[torch.tensor(idx, device=out_device)] = stacked
     return out

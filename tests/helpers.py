@@ -60,7 +60,7 @@ class StepSyncCounter(pl.Callback):
 
     @property
     def per_step(self) -> list[int]:
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)]
 
 
 def count_syncs_per_step(trainer: pl.Trainer, module: pl.LightningModule) -> list[int]:
@@ -103,7 +103,9 @@ class TinyModule(pl.LightningModule):
         n: int = 64,
     ) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 1))
+        self.net = nn.Sequential(
+            nn.Linear(dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 1)
+        )
         self.lr = lr
         self.optimizer_name = optimizer
         self.weight_decay = weight_decay
@@ -150,15 +152,21 @@ def quiet_trainer(**kwargs: Any) -> pl.Trainer:
     return pl.Trainer(**defaults)
 
 
-def torchrun(script: Path, nproc: int, out_dir: Path, *args: str, timeout: int = 300, nnodes: int = 1) -> list[dict[str, Any]]:
-    """Run ``script`` under ``torchrun`` with ``nproc`` CPU processes (gloo); return each rank's JSON result.
+def torchrun(script: Path, nproc: int, out_dir: Path, *args: str, timeout: int = 300) -> list[dict[str, Any]]:
+    """Run ``script`` under ``torchrun --standalone`` (one node, a free port) with ``nproc`` CPU processes.
 
-    The script must write ``{out_dir}/rank{RANK}.json``.
+    The script must write ``{out_dir}/rank{RANK}.json``; the parsed files are returned in rank order.
     """
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-        "--master_port=0" if nnodes == 1 else "--master_port=29533", str(script), str(out_dir), *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(script),
+        str(out_dir),
+        *args,
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=out_dir)
     if proc.returncode != 0:

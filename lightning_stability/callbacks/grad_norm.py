@@ -1,4 +1,4 @@
-"""GradientNormMonitor: measure the global gradient norm once per optimizer step, clip, skip non-finite steps."""
+"""GradientNormMonitor: measure the global gradient norm once per optimizer step; clip; skip non-finite steps."""
 
 from __future__ import annotations
 
@@ -31,7 +31,10 @@ def _parse_norm_type(norm_type: float | str) -> float:
     value = float(norm_type)
     if math.isnan(value) or value <= 0:
         raise config_error(
-            "norm_type", norm_type, "must be a positive p or inf", "use 2.0 (Euclidean, the usual choice) or 'inf'"
+            "norm_type",
+            norm_type,
+            "must be a positive p or inf",
+            "use 2.0 (Euclidean, the usual choice) or 'inf'",
         )
     return value
 
@@ -96,17 +99,24 @@ class GradientNormMonitor(Callback):
     ) -> None:
         if max_norm is not None:
             if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
-                raise config_error("max_norm", max_norm, "is not a number", "pass a positive float such as 1.0, or None")
+                raise config_error(
+                    "max_norm", max_norm, "is not a number", "pass a positive float such as 1.0, or None"
+                )
             if not math.isfinite(max_norm) or max_norm <= 0:
                 raise config_error(
-                    "max_norm", max_norm, "must be a positive, finite number",
+                    "max_norm",
+                    max_norm,
+                    "must be a positive, finite number",
                     "pass e.g. 1.0 (BERT-like), 0.5 (GPT-like) or 2.0 (mixture of experts), or None to only measure",
                 )
         if log_every_n_steps is not None and (
             isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
         ):
             raise config_error(
-                "log_every_n_steps", log_every_n_steps, "must be an int >= 1", "pass e.g. 50, or None for the Trainer's"
+                "log_every_n_steps",
+                log_every_n_steps,
+                "must be an int >= 1",
+                "pass e.g. 50, or None for the Trainer's",
             )
         if not isinstance(per_layer, (bool, int)) or (not isinstance(per_layer, bool) and per_layer < 1):
             raise config_error("per_layer", per_layer, "is not False, True or a positive int", "pass True or e.g. 5")
@@ -141,7 +151,9 @@ class GradientNormMonitor(Callback):
                 "or pass `max_norm=None` to GradientNormMonitor to only measure."
             )
         clippers = [
-            cb for cb in trainer.callbacks if isinstance(cb, GradientNormMonitor) and cb.max_norm is not None  # type: ignore[attr-defined]
+            cb
+            for cb in trainer.callbacks  # type: ignore[attr-defined]
+            if isinstance(cb, GradientNormMonitor) and cb.max_norm is not None
         ]
         if len(clippers) > 1:
             raise StabilityConfigError(
@@ -155,7 +167,7 @@ class GradientNormMonitor(Callback):
                 "are flat local shards. Fix: use an FSDP2 (DTensor) strategy such as Lightning's "
                 "ModelParallelStrategy, or DDP."
             )
-        self._every_n = self.log_every_n_steps or trainer.log_every_n_steps or 1
+        self._every_n = self.log_every_n_steps or trainer.log_every_n_steps or 1  # type: ignore[attr-defined]
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._names = {id(p): name for name, p in pl_module.named_parameters()}
@@ -186,8 +198,8 @@ class GradientNormMonitor(Callback):
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not params:
             return
-        grads = [p.grad for p in params]
-        norms = per_tensor_norms(grads, self.norm_type)  # type: ignore[arg-type]
+        grads: list[Tensor] = [p.grad for p in params]
+        norms = per_tensor_norms(grads, self.norm_type)
         total = combine_norms(norms, self.norm_type)
         finite = torch.isfinite(total)
         ledger.put("grad_norm", total)
@@ -196,7 +208,7 @@ class GradientNormMonitor(Callback):
         coef = None
         if self.max_norm is not None:
             coef = clip_coefficient(total, self.max_norm)
-            scale_(grads, coef)  # type: ignore[arg-type]
+            scale_(grads, coef)
             ledger.put("clip_coef", coef)
             ledger.accumulate(_K_CLIPPED, coef < 1.0)
         index, names = self._layer_index(params, norms.device)
@@ -242,12 +254,14 @@ class GradientNormMonitor(Callback):
         if self._bad_seen is None or self._bad_snapshot is None:
             return
         snap = self._bad_snapshot
+        finite = torch.isfinite(snap)
         ledger.log("_grad_norm_monitor/bad_seen", self._bad_seen)
-        ledger.log("_grad_norm_monitor/first_bad", torch.argmax((~torch.isfinite(snap)).to(torch.int32)))
+        ledger.log("_grad_norm_monitor/first_bad", torch.argmax((~finite).to(torch.int32)))
+        ledger.log("_grad_norm_monitor/bad_count", (~finite).sum())
         k = min(self.warn_top_k, snap.numel())
         if k:
-            top = torch.topk(torch.nan_to_num(snap, nan=math.inf), k)
-            ledger.log("_grad_norm_monitor/bad_top_values", snap[top.indices])
+            top = torch.topk(torch.where(finite, snap, -1.0), k)
+            ledger.log("_grad_norm_monitor/bad_top_values", top.values)
             ledger.log("_grad_norm_monitor/bad_top_indices", top.indices)
         self._bad_seen = torch.zeros_like(self._bad_seen)
 
@@ -256,20 +270,27 @@ class GradientNormMonitor(Callback):
         layers = values.get("_grad_norm_monitor/layers")
         if isinstance(layers, list):
             extra.update({f"stability/grad_norm/{n}": v for n, v in zip(names, layers, strict=True)})
-        top_values, top_indices = values.get("_grad_norm_monitor/top_values"), values.get("_grad_norm_monitor/top_indices")
+        top_values, top_indices = (
+            values.get("_grad_norm_monitor/top_values"),
+            values.get("_grad_norm_monitor/top_indices"),
+        )
         if isinstance(top_values, list) and isinstance(top_indices, list):
-            extra.update({f"stability/grad_norm/{names[int(i)]}": v for i, v in zip(top_indices, top_values, strict=True)})
+            extra.update(
+                {f"stability/grad_norm/{names[int(i)]}": v for i, v in zip(top_indices, top_values, strict=True)}
+            )
         if values.get("_grad_norm_monitor/bad_seen"):
             first = names[int(values["_grad_norm_monitor/first_bad"])]  # type: ignore[arg-type]
             bad_values = values.get("_grad_norm_monitor/bad_top_values", [])
             bad_indices = values.get("_grad_norm_monitor/bad_top_indices", [])
             assert isinstance(bad_values, list) and isinstance(bad_indices, list)
-            top = ", ".join(f"{names[int(i)]}={v:.3g}" for i, v in zip(bad_indices, bad_values, strict=True))
+            top = ", ".join(f"{names[int(i)]}={v:.3g}" for i, v in zip(bad_indices, bad_values, strict=True) if v >= 0)
+            count = int(values["_grad_norm_monitor/bad_count"])  # type: ignore[arg-type]
             action = "skipped" if self.skip_nonfinite else "NOT skipped (skip_nonfinite=False)"
             warnings.warn(
                 f"Non-finite gradient norm: the update was {action}. First module with a non-finite gradient: "
-                f"'{first}'. Largest gradient norms at that step: {top}. An explosion usually starts in the "
-                "first module named; lower the learning rate or clip harder (max_norm).",
+                f"'{first}' ({count} of {len(names)} modules non-finite). Largest finite gradient norms at that "
+                f"step: {top or 'none'}. An explosion usually starts in the first module named; lower the "
+                "learning rate or clip harder (max_norm).",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -293,10 +314,14 @@ class GradientNormMonitor(Callback):
             ledger.flush()
 
     # ------------------------------------------------------------------ checkpointing
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         StepLedger.of(trainer).save_into(checkpoint)
 
-    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         StepLedger.of(trainer).load_from(checkpoint)
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,53 @@
+"""Command line: ``lightning-stability demo``."""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from collections.abc import Sequence
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from lightning_stability.demo import run_demo
+
+    print(
+        f"Training a small transformer LM for {args.steps} steps (max_norm={args.max_norm}, "
+        f"NaN loss injected at step {args.nan_at_step}) ..."
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run_demo(steps=args.steps, max_norm=args.max_norm, nan_at_step=args.nan_at_step)
+    for w in caught:
+        if "Non-finite gradient" in str(w.message):
+            print(f"warning: {w.message}")
+    norms = result.grad_norms
+    finite = [n for n in norms if n == n and n != float("inf")]
+    print()
+    print(f"optimizer steps         {result.steps}")
+    print(f"applied / skipped (NaN) {result.applied} / {result.skipped_nonfinite}")
+    print(
+        f"grad norm first/median  {finite[0]:.3f} / {sorted(finite)[len(finite) // 2]:.3f} (clipped to {args.max_norm})"
+    )
+    print(f"loss first -> last      {result.first_loss:.3f} -> {result.last_loss:.3f} (mean of 10 steps)")
+    print(f"weights finite          {result.weights_finite}")
+    ok = result.weights_finite and result.last_loss < result.first_loss and result.skipped_nonfinite == 1
+    print("demo " + ("OK: the broken step was skipped and training went on." if ok else "FAILED"))
+    return 0 if ok else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="lightning-stability", description="Stable large-model training for Lightning."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="train a small transformer with the stability callbacks and report")
+    demo.add_argument("--steps", type=int, default=60)
+    demo.add_argument("--max-norm", type=float, default=1.0)
+    demo.add_argument("--nan-at-step", type=int, default=20)
+    demo.set_defaults(func=_demo)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

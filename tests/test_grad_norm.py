@@ -1,0 +1,373 @@
+"""GradientNormMonitor with real Lightning Trainers on CPU."""
+
+from __future__ import annotations
+
+import csv
+import math
+import pickle
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins import MixedPrecision
+
+from lightning_stability import GradientNormMonitor, Outcome, StabilityConfigError, StepLedger
+from tests.helpers import TinyModule, count_syncs_per_step, quiet_trainer
+
+
+class GradCapture(pl.Callback):
+    """Placed BEFORE the monitor: copies the gradients it is about to see, and the loss scale."""
+
+    def __init__(self) -> None:
+        self.grads: list[list[torch.Tensor]] = []
+        self.scales: list[float] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.grads.append([p.grad.detach().clone() for p in pl_module.parameters()])
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.scales.append(scaler.get_scale() if scaler is not None else 1.0)
+
+
+class LedgerCapture(pl.Callback):
+    """Placed AFTER the monitor: copies what the ledger recorded and the gradients as clipped."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+        self.coefs: list[float] = []
+        self.clipped: list[list[torch.Tensor]] = []
+        self.outcomes: list[int] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        ledger = StepLedger.of(trainer)
+        self.norms.append(ledger.record["grad_norm"].item())
+        if "clip_coef" in ledger.record:
+            self.coefs.append(ledger.record["clip_coef"].item())
+        self.clipped.append([p.grad.detach().clone() if p.grad is not None else None for p in pl_module.parameters()])
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        ledger = StepLedger.of(trainer)
+        ledger.close_step()
+        self.outcomes.append(int(ledger.outcome))
+
+
+class StateSnapshot(pl.Callback):
+    """Snapshots weights and optimizer state before the update of every step, and after it."""
+
+    def __init__(self) -> None:
+        self.before: list[dict[str, torch.Tensor]] = []
+        self.after: list[dict[str, torch.Tensor]] = []
+
+    @staticmethod
+    def _snap(pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        out = {f"param/{n}": p.detach().clone() for n, p in pl_module.named_parameters()}
+        for i, p in enumerate(pl_module.parameters()):
+            for k, v in optimizer.state.get(p, {}).items():
+                out[f"state/{i}/{k}"] = v.detach().clone() if isinstance(v, torch.Tensor) else torch.tensor(v)
+        return out
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.before.append(self._snap(pl_module, trainer.optimizers[0]))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.after.append(self._snap(pl_module, trainer.optimizers[0]))
+
+
+def _reference_norm(grads: list[torch.Tensor], norm_type: float) -> float:
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    return torch.nn.utils.clip_grad_norm_(params, max_norm=1e12, norm_type=norm_type).item()
+
+
+# ---------------------------------------------------------------------------------------------- ground truth
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])
+def test_norm_and_clipping_match_torch(norm_type: float, optimizer: str) -> None:
+    before, after = GradCapture(), LedgerCapture()
+    monitor = GradientNormMonitor(max_norm=0.05, norm_type=norm_type)
+    trainer = quiet_trainer(max_steps=5, callbacks=[before, monitor, after])
+    trainer.fit(TinyModule(optimizer=optimizer))
+    assert len(after.norms) == 5
+    for grads, norm, coef, clipped in zip(before.grads, after.norms, after.coefs, after.clipped, strict=True):
+        assert norm == pytest.approx(_reference_norm(grads, norm_type), rel=1e-5)
+        params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        torch.nn.utils.clip_grad_norm_(params, max_norm=0.05, norm_type=norm_type)
+        for p, c in zip(params, clipped, strict=True):
+            torch.testing.assert_close(c, p.grad)
+        assert coef == pytest.approx(min(1.0, 0.05 / (norm + 1e-6)), rel=1e-5)
+
+
+def test_monitor_only_leaves_gradients_alone() -> None:
+    before, after = GradCapture(), LedgerCapture()
+    trainer = quiet_trainer(max_steps=3, callbacks=[before, GradientNormMonitor(), after])
+    trainer.fit(TinyModule())
+    for grads, clipped in zip(before.grads, after.clipped, strict=True):
+        for g, c in zip(grads, clipped, strict=True):
+            assert torch.equal(g, c)
+    assert after.coefs == []
+
+
+# ---------------------------------------------------------------------------------------------- fp16
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])
+def test_fp16_norm_is_of_unscaled_gradients(optimizer: str) -> None:
+    """Lightning unscales before the hook for plain optimizers; for fused ones the ledger does."""
+    before, after = GradCapture(), LedgerCapture()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    trainer = quiet_trainer(
+        max_steps=4,
+        callbacks=[before, GradientNormMonitor(max_norm=1.0), after],
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+    )
+    trainer.fit(TinyModule(optimizer=optimizer))
+    assert len(after.norms) == 4
+    for grads, scale, norm in zip(before.grads, before.scales, after.norms, strict=True):
+        raw = _reference_norm(grads, 2.0)
+        # fused optimizers reach the hook still scaled; the measured norm must divide the scale out
+        expected = raw / scale if optimizer.endswith("_fused") else raw
+        assert norm == pytest.approx(expected, rel=1e-4)
+        assert norm < 1e3  # a scaled norm would be ~4096x larger
+    assert all(o == Outcome.APPLIED for o in after.outcomes)
+
+
+def test_fp16_overflow_is_skipped_by_the_scaler_and_recorded() -> None:
+    after = LedgerCapture()
+    snap = StateSnapshot()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    trainer = quiet_trainer(
+        max_steps=5,
+        callbacks=[snap, GradientNormMonitor(max_norm=1.0), after],
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+    )
+    trainer.fit(TinyModule(inf_at_step=2))
+    assert after.outcomes == [0, 0, int(Outcome.SKIPPED_SCALER), 0, 0]
+    for key, value in snap.before[2].items():
+        assert torch.equal(value, snap.after[2][key]), key
+    assert StepLedger.of(trainer).applied_steps.item() == 4
+
+
+# ---------------------------------------------------------------------------------------------- skipping
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused", "sgd", "sgd_fused"])
+def test_nan_step_leaves_weights_and_optimizer_state_unchanged(optimizer: str) -> None:
+    snap, after = StateSnapshot(), LedgerCapture()
+    trainer = quiet_trainer(max_steps=6, callbacks=[snap, GradientNormMonitor(max_norm=1.0), after])
+    with pytest.warns(RuntimeWarning, match="Non-finite gradient norm"):
+        trainer.fit(TinyModule(optimizer=optimizer, inf_at_step=3, weight_decay=0.1))
+    assert after.outcomes == [0, 0, 0, int(Outcome.SKIPPED_NONFINITE), 0, 0]
+    bad_before, bad_after = snap.before[3], snap.after[3]
+    assert bad_before.keys() == bad_after.keys()
+    for key in bad_before:
+        assert torch.equal(bad_before[key], bad_after[key]), f"{key} changed on the skipped step"
+    # the other steps did update, and training went on with finite weights
+    assert not torch.equal(snap.before[4]["param/net.0.weight"], snap.after[4]["param/net.0.weight"])
+    assert all(torch.isfinite(v).all() for v in snap.after[-1].values())
+    ledger = StepLedger.of(trainer)
+    assert ledger.applied_steps.item() == 5 and ledger.skipped_steps.item() == 1
+    assert ledger.steps == 6
+    if optimizer.startswith("adamw"):
+        assert snap.after[-1]["state/0/step"].item() == 5  # Adam's step count did not advance on the bad step
+
+
+def test_skip_nonfinite_false_applies_the_bad_update() -> None:
+    snap = StateSnapshot()
+    trainer = quiet_trainer(max_steps=3, callbacks=[snap, GradientNormMonitor(skip_nonfinite=False)])
+    with pytest.warns(RuntimeWarning, match="NOT skipped"):
+        trainer.fit(TinyModule(inf_at_step=1))
+    assert not torch.isfinite(snap.after[1]["param/net.0.weight"]).all()
+
+
+class InfInOneLayer(pl.Callback):
+    """Placed before the monitor: makes one module's gradient inf at one step."""
+
+    def __init__(self, step: int, module: str) -> None:
+        self.step, self.module = step, module
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if trainer.global_step == self.step:
+            pl_module.get_submodule(self.module).weight.grad[0, 0] = float("inf")
+
+
+def test_warning_names_the_first_nonfinite_layer() -> None:
+    monitor = GradientNormMonitor(max_norm=1.0, log_every_n_steps=3)
+    trainer = quiet_trainer(max_steps=6, callbacks=[InfInOneLayer(4, "net.2"), monitor])
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"First module with a non-finite gradient: 'net\.2' \(1 of 3 modules non-finite\)\. "
+        r"Largest finite gradient norms at that step: net\.\d=\d",
+    ):
+        trainer.fit(TinyModule())
+
+
+# ---------------------------------------------------------------------------------------------- accumulation
+def test_one_measurement_per_optimizer_step_under_accumulation() -> None:
+    before, after = GradCapture(), LedgerCapture()
+    trainer = quiet_trainer(
+        max_steps=3, accumulate_grad_batches=4, callbacks=[before, GradientNormMonitor(max_norm=10.0), after]
+    )
+    trainer.fit(TinyModule(n=96))
+    assert len(after.norms) == 3 and StepLedger.of(trainer).steps == 3
+    # the norm is of the gradient accumulated over the 4 micro-batches
+    for grads, norm in zip(before.grads, after.norms, strict=True):
+        assert norm == pytest.approx(_reference_norm(grads, 2.0), rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- logging
+def _read_csv(log_dir: Path) -> list[dict[str, str]]:
+    (metrics,) = log_dir.rglob("metrics.csv")
+    with metrics.open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_logged_keys_and_values(tmp_path: Path) -> None:
+    after = LedgerCapture()
+    monitor = GradientNormMonitor(max_norm=0.05, log_every_n_steps=2, per_layer=True)
+    trainer = quiet_trainer(max_steps=6, callbacks=[monitor, after], logger=CSVLogger(tmp_path), log_every_n_steps=50)
+    with pytest.warns(RuntimeWarning):
+        trainer.fit(TinyModule(inf_at_step=2))
+    rows = [r for r in _read_csv(tmp_path) if r.get("stability/grad_norm")]
+    assert [int(r["step"]) for r in rows] == [2, 4, 6]
+    for row, step in zip(rows, [2, 4, 6], strict=True):  # the bad step (3) is not a logging step
+        assert float(row["stability/grad_norm"]) == pytest.approx(after.norms[step - 1], rel=1e-5)
+    assert [float(r["stability/skipped_steps"]) for r in rows] == [0.0, 1.0, 1.0]
+    assert float(rows[0]["stability/clip_fraction"]) == 1.0
+    for module in ("net.0", "net.2", "net.4"):
+        assert f"stability/grad_norm/{module}" in rows[0]
+    per_layer = [float(rows[0][f"stability/grad_norm/{m}"]) for m in ("net.0", "net.2", "net.4")]
+    assert math.sqrt(sum(v * v for v in per_layer)) == pytest.approx(float(rows[0]["stability/grad_norm"]), rel=1e-5)
+
+
+def test_per_layer_top_k(tmp_path: Path) -> None:
+    monitor = GradientNormMonitor(log_every_n_steps=1, per_layer=2)
+    trainer = quiet_trainer(max_steps=2, callbacks=[monitor], logger=CSVLogger(tmp_path))
+    trainer.fit(TinyModule())
+    rows = [r for r in _read_csv(tmp_path) if r.get("stability/grad_norm")]
+    for row in rows:
+        layer_keys = [k for k, v in row.items() if k.startswith("stability/grad_norm/") and v]
+        assert len(layer_keys) == 2
+
+
+def test_default_log_interval_is_the_trainers(tmp_path: Path) -> None:
+    trainer = quiet_trainer(
+        max_steps=6, callbacks=[GradientNormMonitor()], logger=CSVLogger(tmp_path), log_every_n_steps=3
+    )
+    trainer.fit(TinyModule())
+    rows = [r for r in _read_csv(tmp_path) if r.get("stability/grad_norm")]
+    assert [int(r["step"]) for r in rows] == [3, 6]
+
+
+# ---------------------------------------------------------------------------------------------- host syncs
+@pytest.mark.parametrize(
+    ("optimizer", "skip_nonfinite", "extra_per_step"),
+    [("adamw_fused", True, 0), ("sgd_fused", True, 0), ("adamw", False, 0), ("adamw", True, 1)],
+)
+def test_host_syncs_against_a_bare_trainer(optimizer: str, skip_nonfinite: bool, extra_per_step: int) -> None:
+    """Non-logging steps add no sync (one only where a non-fused optimizer must be told to skip on the host);
+    a logging step adds exactly one batched transfer."""
+    bare = count_syncs_per_step(quiet_trainer(max_steps=8, log_every_n_steps=4), TinyModule(optimizer=optimizer))
+    monitor = GradientNormMonitor(max_norm=1.0, skip_nonfinite=skip_nonfinite, per_layer=True)
+    ours = count_syncs_per_step(
+        quiet_trainer(max_steps=8, log_every_n_steps=4, callbacks=[monitor]), TinyModule(optimizer=optimizer)
+    )
+    assert len(bare) == len(ours) == 8
+    for step, (b, o) in enumerate(zip(bare, ours, strict=True), start=1):
+        logging = step % 4 == 0
+        assert o - b == extra_per_step + (1 if logging else 0), f"step {step}: bare {b}, with monitor {o}"
+
+
+def test_host_syncs_fp16_reuse_the_scaler_decision() -> None:
+    def plugins() -> list[Any]:
+        return [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
+
+    bare = count_syncs_per_step(quiet_trainer(max_steps=8, log_every_n_steps=4, plugins=plugins()), TinyModule())
+    monitor = GradientNormMonitor(max_norm=1.0)
+    ours = count_syncs_per_step(
+        quiet_trainer(max_steps=8, log_every_n_steps=4, plugins=plugins(), callbacks=[monitor]), TinyModule()
+    )
+    for step, (b, o) in enumerate(zip(bare, ours, strict=True), start=1):
+        assert o - b == (1 if step % 4 == 0 else 0), f"step {step}: bare {b}, with monitor {o}"
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def test_resume_restores_the_ledger(tmp_path: Path) -> None:
+    """One epoch (4 steps), save, resume for a second == two epochs straight: same counts, same weights."""
+    pl.seed_everything(0)
+    first = quiet_trainer(max_epochs=1, callbacks=[GradientNormMonitor(max_norm=1.0)])
+    with pytest.warns(RuntimeWarning):
+        first.fit(TinyModule(inf_at_step=1, optimizer="adamw_fused", n=32))  # 4 batches: one epoch
+    first.save_checkpoint(tmp_path / "stop.ckpt")
+    saved = torch.load(tmp_path / "stop.ckpt", weights_only=False)
+    assert saved["lightning_stability"]["ledger"]["counts"] == [3, 0, 1, 0]
+
+    second = quiet_trainer(max_epochs=2, callbacks=[GradientNormMonitor(max_norm=1.0)])
+    second.fit(TinyModule(optimizer="adamw_fused", n=32), ckpt_path=tmp_path / "stop.ckpt")
+    ledger = StepLedger.of(second)
+    assert ledger.steps == 8
+    assert ledger.counts.tolist() == [7, 0, 1, 0]
+
+    pl.seed_everything(0)
+    straight = quiet_trainer(max_epochs=2, callbacks=[GradientNormMonitor(max_norm=1.0)])
+    with pytest.warns(RuntimeWarning):
+        straight.fit(TinyModule(inf_at_step=1, optimizer="adamw_fused", n=32))
+    assert StepLedger.of(straight).counts.tolist() == [7, 0, 1, 0]
+    for p, q in zip(second.lightning_module.parameters(), straight.lightning_module.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_pickle_and_state_key() -> None:
+    monitor = GradientNormMonitor(max_norm=0.5, norm_type="inf", per_layer=3)
+    clone = pickle.loads(pickle.dumps(monitor))
+    assert clone.max_norm == 0.5 and math.isinf(clone.norm_type) and clone.per_layer == 3
+    assert clone.state_key == monitor.state_key
+    assert GradientNormMonitor(max_norm=1.0).state_key != GradientNormMonitor(max_norm=0.5).state_key
+    trainer = quiet_trainer(max_steps=2, callbacks=[monitor])
+    trainer.fit(TinyModule())
+    pickle.loads(pickle.dumps(monitor))  # still picklable after a run (device tensors are dropped)
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_norm": -1.0}, r"`max_norm=-1.0` must be a positive, finite number.*Fix"),
+        ({"max_norm": 0}, r"`max_norm=0` must be a positive"),
+        ({"max_norm": float("nan")}, r"`max_norm=nan`"),
+        ({"max_norm": "1"}, r"`max_norm='1'` is not a number"),
+        ({"norm_type": 0}, r"`norm_type=0` must be a positive p or inf.*Fix"),
+        ({"norm_type": -2.0}, r"`norm_type=-2.0`"),
+        ({"norm_type": "fro"}, r"`norm_type='fro'` is not a norm order"),
+        ({"norm_type": True}, r"`norm_type=True` is not a norm order"),
+        ({"log_every_n_steps": 0}, r"`log_every_n_steps=0` must be an int >= 1"),
+        ({"per_layer": 0}, r"`per_layer=0` is not False, True or a positive int"),
+        ({"per_layer": "all"}, r"`per_layer='all'`"),
+        ({"skip_nonfinite": "yes"}, r"`skip_nonfinite='yes'` must be a bool"),
+        ({"warn_top_k": -1}, r"`warn_top_k=-1`"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(StabilityConfigError, match=match):
+        GradientNormMonitor(**kwargs)
+
+
+def test_clipping_twice_is_a_configuration_error() -> None:
+    trainer = quiet_trainer(max_steps=1, gradient_clip_val=1.0, callbacks=[GradientNormMonitor(max_norm=1.0)])
+    with pytest.raises(StabilityConfigError, match=r"would clip twice.*remove `gradient_clip_val`"):
+        trainer.fit(TinyModule())
+
+
+def test_measuring_beside_the_trainers_clipping_is_allowed() -> None:
+    after = LedgerCapture()
+    trainer = quiet_trainer(max_steps=2, gradient_clip_val=0.01, callbacks=[GradientNormMonitor(), after])
+    trainer.fit(TinyModule())
+    assert len(after.norms) == 2 and after.norms[0] > 0.01  # measured before the Trainer clipped
+
+
+def test_two_clipping_monitors_are_an_error() -> None:
+    trainer = quiet_trainer(
+        max_steps=1, callbacks=[GradientNormMonitor(max_norm=1.0), GradientNormMonitor(max_norm=2.0)]
+    )
+    with pytest.raises(StabilityConfigError, match="keep one with `max_norm`"):
+        trainer.fit(TinyModule())

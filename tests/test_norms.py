@@ -1,0 +1,88 @@
+"""The pure norm functions against torch's own clip_grad_norm_ (no Trainer)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_stability.norms import (
+    clip_coefficient,
+    combine_norms,
+    group_norms,
+    per_tensor_norms,
+    scale_,
+    total_norm,
+)
+
+
+def _grads(seed: int = 0, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(7, 5), (5,), (3, 4, 2), (1,), (11,)]
+    return [torch.randn(s, generator=g).to(dtype) * (i + 1) for i, s in enumerate(shapes)]
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, 0.5, math.inf])
+def test_total_norm_matches_clip_grad_norm(norm_type: float) -> None:
+    grads = _grads()
+    params = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    expected = torch.nn.utils.clip_grad_norm_(params, max_norm=1e9, norm_type=norm_type)
+    torch.testing.assert_close(total_norm(grads, norm_type), expected)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_clipping_matches_clip_grad_norm(norm_type: float) -> None:
+    grads = _grads(1)
+    params = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(params, max_norm=0.5, norm_type=norm_type)
+    ours = [g.clone() for g in grads]
+    coef = clip_coefficient(total_norm(ours, norm_type), 0.5)
+    scale_(ours, coef)
+    for p, g in zip(params, ours, strict=True):
+        torch.testing.assert_close(g, p.grad)
+    assert coef.item() < 1.0
+
+
+def test_no_clipping_below_threshold() -> None:
+    grads = _grads(2)
+    coef = clip_coefficient(total_norm(grads), 1e6)
+    assert coef.item() == 1.0
+
+
+def test_mixed_dtypes_accumulate_in_fp32() -> None:
+    grads = _grads(3)
+    mixed = [g.half() if i % 2 else g.bfloat16() for i, g in enumerate(grads)]
+    norms = per_tensor_norms(mixed)
+    assert norms.dtype == torch.float32
+    expected = torch.stack([torch.linalg.vector_norm(g.float()) for g in mixed])
+    torch.testing.assert_close(norms, expected)
+
+
+def test_group_norms_combine_per_module() -> None:
+    grads = _grads(4)
+    norms = per_tensor_norms(grads)
+    index = torch.tensor([0, 0, 1, 2, 2])
+    groups = group_norms(norms, index, 3)
+    torch.testing.assert_close(groups[0], torch.linalg.vector_norm(torch.cat([grads[0].flatten(), grads[1]])))
+    torch.testing.assert_close(groups[1], torch.linalg.vector_norm(grads[2]))
+    inf_groups = group_norms(per_tensor_norms(grads, math.inf), index, 3, math.inf)
+    torch.testing.assert_close(inf_groups[2], torch.cat([grads[3], grads[4]]).abs().max())
+    torch.testing.assert_close(combine_norms(groups), combine_norms(norms))
+
+
+def test_nonfinite_gradient_gives_nonfinite_norm() -> None:
+    grads = _grads(5)
+    grads[2][0, 0, 0] = float("nan")
+    assert not torch.isfinite(total_norm(grads))
+    grads[2][0, 0, 0] = float("inf")
+    assert torch.isinf(total_norm(grads))
+
+
+def test_empty_list() -> None:
+    assert total_norm([]).item() == 0.0
