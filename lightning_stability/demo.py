@@ -55,9 +55,7 @@ class TinyGPT(pl.LightningModule):
         super().__init__()
         self.embed = nn.Embedding(vocab, d_model)
         self.pos = nn.Parameter(torch.zeros(1, 64, d_model))
-        block = nn.TransformerEncoderLayer(
-            d_model, heads, 4 * d_model, dropout=0.0, batch_first=True, norm_first=True
-        )
+        block = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0, batch_first=True, norm_first=True)
         self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
         self.head = nn.Linear(d_model, vocab)
         self.lr = lr
@@ -97,9 +95,7 @@ class _NormTrace(pl.Callback):
     def __init__(self) -> None:
         self.norms: list[Any] = []
 
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
-    ) -> None:
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self.norms.append(StepLedger.of(trainer).record.get("grad_norm"))
 
 
