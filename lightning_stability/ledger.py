@@ -157,6 +157,8 @@ class StepLedger:
         if self._device is None:
             self._device = self._device_of(optimizer)
             self._window = {k: v.to(self._device) for k, v in self._window.items()}
+            if self._counts is not None:
+                self._counts = self._counts.to(self._device)
         if id(optimizer) not in self._hooked:
             self._hooked[id(optimizer)] = optimizer.register_step_post_hook(self._after_optimizer_step)
         trainer = self.trainer
@@ -190,12 +192,14 @@ class StepLedger:
             raise RuntimeError("mark_skip() called outside an optimizer step; call open_step() first")
         if reason is Outcome.APPLIED:
             raise ValueError("Outcome.APPLIED is not a skip reason")
+        if reason is not Outcome.SKIPPED_SCALER:
+            flag = self._enforce(self._open, flag)
         previous = self._skip.get(reason, False)
         self._skip[reason] = _or(previous, flag)
-        if reason is not Outcome.SKIPPED_SCALER:
-            self._enforce(self._open, flag)
 
-    def _enforce(self, optimizer: Optimizer, flag: Flag) -> None:
+    def _enforce(self, optimizer: Optimizer, flag: Flag) -> Flag:
+        """Make the optimizer skip this update when ``flag`` is true; return the flag as it is now known
+        (a host ``bool`` once it had to be read on the host, so the outcome stays host-known)."""
         trainer = self.trainer
         scaler = loss_scaler(trainer) if trainer is not None else None
         if isinstance(flag, Tensor) and scaler is None and getattr(optimizer, "_step_supports_amp_scaling", False):
@@ -207,13 +211,15 @@ class StepLedger:
             optimizer.found_inf = found  # type: ignore[attr-defined]
             optimizer.grad_scale = None  # type: ignore[attr-defined]
             self._found_inf_set = True
-            return
+            return flag
         # HOST SYNC: any other optimizer can only be told on the host. Without gradients, every torch
         # optimizer leaves the parameter and its state alone for this step.
-        if bool(flag):
+        skip = bool(flag)
+        if skip:
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     p.grad = None
+        return skip
 
     def _after_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         if self._open is optimizer:

@@ -1,5 +1,7 @@
 """Thin Lightning adapters, one per concern."""
 
+from lightning_stability.callbacks.accumulation import GradientAccumulation
 from lightning_stability.callbacks.grad_norm import GradientNormMonitor
+from lightning_stability.callbacks.lr_schedule import ScheduledLR, WarmupConstantCosineLR
 
-__all__ = ["GradientNormMonitor"]
+__all__ = ["GradientAccumulation", "GradientNormMonitor", "ScheduledLR", "WarmupConstantCosineLR"]

@@ -1,0 +1,376 @@
+"""GradientAccumulation on real Trainers: step counts, full-batch gradient, LR scaling, BatchNorm, resume."""
+
+from __future__ import annotations
+
+import csv
+import math
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.func import functional_call
+
+from lightning_stability.callbacks.accumulation import GradientAccumulation
+from lightning_stability.callbacks.grad_norm import GradientNormMonitor
+from lightning_stability.callbacks.lr_schedule import WarmupConstantCosineLR
+from lightning_stability.errors import StabilityConfigError
+from lightning_stability.schedules import warmup_constant_cosine
+from tests.helpers import TinyModule, count_syncs_per_step, make_data, quiet_trainer
+
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+
+
+class StepRecorder(Callback):
+    """Per optimizer step: the batch indices it accumulated, its LR, weights before it and its gradients."""
+
+    def __init__(self, keep_tensors: bool = False) -> None:
+        self.keep_tensors = keep_tensors
+        self.windows: list[list[tuple[int, int]]] = []
+        self.lrs: list[float] = []
+        self.weights: list[dict[str, torch.Tensor]] = []
+        self.grads: list[dict[str, torch.Tensor]] = []
+        self._current: list[tuple[int, int]] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._current.append((trainer.current_epoch, batch_idx))
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        self.windows.append(self._current)
+        self._current = []
+        self.lrs.append(float(optimizer.param_groups[0]["lr"]))
+        if self.keep_tensors:
+            named = dict(pl_module.net.named_parameters())
+            self.weights.append({k: p.detach().clone() for k, p in named.items()})
+            self.grads.append({k: p.grad.detach().clone() for k, p in named.items()})
+
+    @property
+    def sizes(self) -> list[int]:
+        return [len(w) for w in self.windows]
+
+
+def fit(
+    module: pl.LightningModule, callbacks: list[Callback], **trainer_kwargs: Any
+) -> tuple[pl.Trainer, StepRecorder]:
+    rec = next((cb for cb in callbacks if isinstance(cb, StepRecorder)), None)
+    if rec is None:
+        rec = StepRecorder()
+        callbacks = [*callbacks, rec]
+    trainer = quiet_trainer(callbacks=callbacks, **trainer_kwargs)
+    trainer.fit(module)
+    return trainer, rec
+
+
+# ------------------------------------------------------------------ counts
+def test_accumulation_4_over_40_batches_gives_10_steps_and_10_lrs() -> None:
+    acc = GradientAccumulation(steps=4, lr_scaling="none")
+    trainer, rec = fit(TinyModule(n=160, batch_size=4, lr=0.05), [acc, WarmupConstantCosineLR()], max_epochs=1)
+    assert trainer.num_training_batches == 40
+    assert trainer.global_step == 10
+    assert rec.sizes == [4] * 10
+    assert rec.lrs == pytest.approx([0.05 * warmup_constant_cosine(n, 10) for n in range(10)])
+
+
+@pytest.mark.parametrize(
+    ("steps", "n", "epochs", "expected"),
+    [
+        # switch at update 3 from 2 to 4 after 6 batches (6 % 4 != 0: Lightning's modulo rule gets this wrong)
+        ({0: 2, 3: 4}, 160, 1, [2, 2, 2] + [4] * 8 + [2]),
+        # before the first key the factor is 1; the last window of each epoch is shorter
+        ({2: 3, 5: 2}, 40, 2, [1, 1, 3, 3, 2] + [2] * 5),
+        ({0: 3}, 40, 2, [3, 3, 3, 1] * 2),
+    ],
+)
+def test_changing_schedule_gives_the_expected_counts(steps: Any, n: int, epochs: int, expected: list[int]) -> None:
+    acc = GradientAccumulation(steps=steps, lr_scaling="none")
+    trainer, rec = fit(TinyModule(n=n, batch_size=4), [acc], max_epochs=epochs)
+    assert rec.sizes == expected
+    assert trainer.global_step == len(expected)
+    if not acc.is_constant:
+        assert acc.estimated_optimizer_steps(trainer) == len(expected)
+
+
+def test_callers_dict_is_not_changed() -> None:
+    steps = {2: 3}
+    GradientAccumulation(steps=steps)
+    assert steps == {2: 3}
+
+
+# ------------------------------------------------------------------ the gradient
+def _full_batch_grads(
+    module: TinyModule, weights: dict[str, torch.Tensor], batches: list[int]
+) -> dict[str, torch.Tensor]:
+    data = make_data(module.n, module.dim)
+    idx = torch.cat([torch.arange(b * module.batch_size, min((b + 1) * module.batch_size, module.n)) for b in batches])
+    x, y = data.tensors[0][idx], data.tensors[1][idx]
+    params = {k: v.clone().requires_grad_(True) for k, v in weights.items()}
+    loss = nn.functional.mse_loss(functional_call(module.net, params, (x,)), y)
+    grads = torch.autograd.grad(loss, list(params.values()))
+    return dict(zip(params, grads, strict=True))
+
+
+@pytest.mark.parametrize("steps", [4, {0: 2, 3: 4}])
+def test_gradient_equals_the_full_batch_gradient(steps: Any) -> None:
+    rec = StepRecorder(keep_tensors=True)
+    module = TinyModule(
+        n=80, batch_size=4, lr=0.05
+    )  # 20 batches: also a shorter last window for steps=4? no: 20 % 4 == 0
+    fit(module, [GradientAccumulation(steps=steps, lr_scaling="none"), rec], max_epochs=1)
+    assert len(rec.windows) >= 5
+    for window, weights, grads in zip(rec.windows, rec.weights, rec.grads, strict=True):
+        reference = _full_batch_grads(module, weights, [b for _, b in window])
+        for name in grads:
+            torch.testing.assert_close(grads[name], reference[name], rtol=1e-5, atol=1e-7)
+
+
+def test_shorter_last_window_is_still_the_mean() -> None:
+    rec = StepRecorder(keep_tensors=True)
+    module = TinyModule(n=40, batch_size=4, lr=0.05)  # 10 batches, factor 4: windows 4, 4, 2
+    fit(module, [GradientAccumulation(steps=4, lr_scaling="none"), rec], max_epochs=1)
+    assert rec.sizes == [4, 4, 2]
+    reference = _full_batch_grads(module, rec.weights[-1], [8, 9])
+    for name, grad in rec.grads[-1].items():
+        torch.testing.assert_close(grad, reference[name], rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------ the clock: applied updates
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])
+def test_skipped_step_delays_the_switch(optimizer: str) -> None:
+    # inf loss at global step 2 (the third attempt): the factor changes after 3 *applied* updates
+    module = TinyModule(n=64, batch_size=4, optimizer=optimizer, inf_at_step=[2])
+    _, rec = fit(module, [GradientNormMonitor(), GradientAccumulation(steps={3: 2}, lr_scaling="none")], max_steps=6)
+    assert rec.sizes == [1, 1, 1, 1, 2, 2]
+
+
+# ------------------------------------------------------------------ LR scaling
+@pytest.mark.parametrize(("scaling", "scale"), [("linear", lambda k: k), ("sqrt", math.sqrt), ("none", lambda k: 1.0)])
+def test_lr_follows_the_factor(scaling: str, scale: Any) -> None:
+    acc = GradientAccumulation(steps={2: 4, 4: 2}, lr_scaling=scaling)
+    _, rec = fit(TinyModule(n=64, batch_size=4, lr=0.01), [acc], max_steps=7)
+    factors = [1, 1, 4, 4, 2, 2, 2]
+    assert rec.sizes == factors
+    assert rec.lrs == pytest.approx([0.01 * scale(k) for k in factors])
+
+
+def test_lr_scaling_composes_with_the_schedule() -> None:
+    acc = GradientAccumulation(steps={0: 1, 3: 4}, lr_scaling="sqrt")
+    trainer, rec = fit(TinyModule(n=160, batch_size=4, lr=0.01), [WarmupConstantCosineLR(), acc], max_epochs=1)
+    total = 3 + math.ceil(37 / 4)
+    assert trainer.global_step == total
+    factors = [1, 1, 1] + [4] * (total - 3)
+    expected = [0.01 * warmup_constant_cosine(n, total) * math.sqrt(k) for n, k in enumerate(factors)]
+    assert rec.lrs == pytest.approx(expected)
+
+
+# ------------------------------------------------------------------ conflicts and bad input
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"steps": 0}, r"`steps=0` must be an int >= 1"),
+        ({"steps": True}, r"`steps=True` must be an int >= 1"),
+        ({"steps": {}}, r"`steps={}` is an empty schedule"),
+        ({"steps": {-1: 2}}, r"`steps={-1: 2}` has key -1"),
+        ({"steps": {0: 0}}, r"`steps={0: 0}` maps 0 to 0"),
+        ({"steps": {0.5: 2}}, r"has key 0.5"),
+        ({"lr_scaling": "cubic"}, r"`lr_scaling='cubic'` is not one of"),
+        ({"batchnorm": "layer_norm"}, r"`batchnorm='layer_norm'` is not one of"),
+        ({"log_every_n_steps": 0}, r"`log_every_n_steps=0` must be an int >= 1"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(StabilityConfigError, match=match):
+        GradientAccumulation(**kwargs)
+
+
+def test_trainer_accumulation_is_a_conflict() -> None:
+    trainer = quiet_trainer(max_steps=2, accumulate_grad_batches=2, callbacks=[GradientAccumulation(4)])
+    with pytest.raises(StabilityConfigError, match=r"Trainer\(accumulate_grad_batches=2\) and .* Fix: remove"):
+        trainer.fit(TinyModule())
+
+
+def test_lightning_scheduler_is_a_conflict() -> None:
+    cbs = [GradientAccumulationScheduler({0: 2}), GradientAccumulation(4)]
+    with pytest.raises(StabilityConfigError, match="GradientAccumulationScheduler and GradientAccumulation"):
+        quiet_trainer(max_steps=2, callbacks=cbs).fit(TinyModule())
+
+
+def test_two_instances_are_a_conflict() -> None:
+    with pytest.raises(StabilityConfigError, match="Several GradientAccumulation"):
+        quiet_trainer(max_steps=2, callbacks=[GradientAccumulation(2), GradientAccumulation(3)]).fit(TinyModule())
+
+
+class Manual(TinyModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        opt.zero_grad()  # type: ignore[union-attr]
+        self.manual_backward(loss)
+        opt.step()  # type: ignore[union-attr]
+        return loss
+
+
+def test_manual_optimization_is_an_error() -> None:
+    with pytest.raises(StabilityConfigError, match=r"`automatic_optimization = False`"):
+        quiet_trainer(max_steps=2, callbacks=[GradientAccumulation(2)]).fit(Manual())
+
+
+def test_trainer_is_clean_after_fit() -> None:
+    acc = GradientAccumulation({0: 2, 2: 3})
+    trainer, _ = fit(TinyModule(), [acc], max_steps=3)
+    assert trainer.accumulate_grad_batches == 1
+    assert "_accumulated_batches_reached" not in vars(trainer.fit_loop.epoch_loop)
+    trainer.fit(TinyModule())  # a second fit on the same Trainer: no false conflict
+
+
+# ------------------------------------------------------------------ BatchNorm
+class BNModule(TinyModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def test_batchnorm_warns_by_default() -> None:
+    with pytest.warns(UserWarning, match=r"BatchNorm layers \['net.1'\] under gradient accumulation"):
+        quiet_trainer(max_steps=2, callbacks=[GradientAccumulation(2)]).fit(BNModule())
+
+
+def test_no_warning_without_accumulation_or_when_ignored() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        quiet_trainer(max_steps=2, callbacks=[GradientAccumulation(1)]).fit(BNModule())
+        quiet_trainer(max_steps=2, callbacks=[GradientAccumulation(2, batchnorm="ignore")]).fit(BNModule())
+
+
+def test_group_norm_conversion_happens_before_the_optimizer_is_built() -> None:
+    module = BNModule()
+    module.lr = 1e-4
+    bn_weight = torch.linspace(0.5, 2.0, 16)
+    with torch.no_grad():
+        module.net[1].weight.copy_(bn_weight)
+    trainer = quiet_trainer(max_steps=1, callbacks=[GradientAccumulation(2, batchnorm="group_norm")])
+    trainer.fit(module)
+    gn = module.net[1]
+    assert isinstance(gn, nn.GroupNorm) and gn.num_channels == 16 and gn.num_groups == 16
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+    optimized = {id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]}
+    assert optimized == {id(p) for p in module.parameters()}
+    # the affine weights were carried over (then one AdamW step moved them by about lr)
+    assert torch.allclose(gn.weight.detach(), bn_weight, atol=1e-3)
+
+
+def test_sync_batchnorm_needs_ddp() -> None:
+    cb = GradientAccumulation(2, batchnorm="sync_batchnorm")
+    with pytest.raises(StabilityConfigError, match=r"`batchnorm='sync_batchnorm'` needs DDP"):
+        quiet_trainer(max_steps=1, callbacks=[cb]).fit(BNModule())
+
+
+# ------------------------------------------------------------------ resume
+def _resume_run(tmp_path: Path, ckpt: Path | None) -> tuple[list[float], list[int], list[torch.Tensor]]:
+    pl.seed_everything(0)
+    module = TinyModule(n=48, batch_size=4, lr=0.02)  # 12 batches per epoch
+    rec = StepRecorder()
+    # epochs 0-1: factor 2 (6 steps each), epochs 2-3: factor 3 (4 steps each); update 12 ends epoch 1
+    callbacks = [
+        WarmupConstantCosineLR(warmup=0.1, decay=0.5),
+        GradientAccumulation(steps={0: 2, 12: 3}, lr_scaling="sqrt"),
+        rec,
+        ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=12, save_top_k=-1),
+    ]
+    trainer = quiet_trainer(max_steps=20, enable_checkpointing=True, callbacks=callbacks)
+    trainer.fit(module, ckpt_path=ckpt)
+    return rec.lrs, rec.sizes, [p.detach().clone() for p in module.parameters()]
+
+
+def test_resume_is_exact(tmp_path: Path) -> None:
+    lrs, sizes, weights = _resume_run(tmp_path / "a", None)
+    assert sizes == [2] * 12 + [3] * 8
+    ckpt = tmp_path / "a" / "epoch=1-step=12.ckpt"
+    resumed_lrs, resumed_sizes, resumed_weights = _resume_run(tmp_path / "b", ckpt)
+    assert resumed_sizes == sizes[12:]
+    assert resumed_lrs == lrs[12:]
+    assert all(torch.equal(a, b) for a, b in zip(weights, resumed_weights, strict=True))
+
+
+def test_pickling_and_state() -> None:
+    acc = GradientAccumulation({0: 2, 3: 4}, lr_scaling="sqrt")
+    fit(TinyModule(), [acc], max_steps=4)
+    clone = pickle.loads(pickle.dumps(acc))
+    assert clone.factor_at(3) == 4 and clone.state_key == acc.state_key
+    state = acc.state_dict()
+    assert state["applied_steps"] == 4 and state["factor"] == 4
+
+
+# ------------------------------------------------------------------ host syncs
+def test_no_host_sync_beyond_lightnings_own_accumulation() -> None:
+    pl.seed_everything(0)
+    native = count_syncs_per_step(
+        quiet_trainer(max_steps=4, accumulate_grad_batches=4), TinyModule(n=128, batch_size=4)
+    )
+    pl.seed_everything(0)
+    ours = count_syncs_per_step(
+        quiet_trainer(max_steps=4, callbacks=[GradientAccumulation(4)]), TinyModule(n=128, batch_size=4)
+    )
+    assert ours == native
+    pl.seed_everything(0)
+    scheduled = count_syncs_per_step(
+        quiet_trainer(max_steps=4, callbacks=[GradientAccumulation({0: 2, 2: 6})]),
+        TinyModule(n=128, batch_size=4),
+    )
+    assert len(scheduled) == 16 and sum(scheduled) == sum(native)
+
+
+# ------------------------------------------------------------------ AdaScale (optional extra)
+class SameBatch(TinyModule):
+    """Every batch is the same 4 samples: all micro-batch gradients agree (no gradient noise)."""
+
+    def train_dataloader(self) -> Any:
+        data = make_data(4, self.dim)
+        x, y = data.tensors
+        repeated = torch.utils.data.TensorDataset(x.repeat(16, 1), y.repeat(16, 1))
+        return torch.utils.data.DataLoader(repeated, batch_size=4, shuffle=False)
+
+
+def _gains(module: TinyModule, tmp_path: Path) -> list[float]:
+    logger = CSVLogger(tmp_path)
+    acc = GradientAccumulation(steps=4, lr_scaling="adascale", log_every_n_steps=1)
+    quiet_trainer(max_steps=4, logger=logger, callbacks=[acc]).fit(module)
+    logger.save()
+    with open(Path(logger.log_dir) / "metrics.csv") as f:
+        return [float(r["stability/lr_scale"]) for r in csv.DictReader(f) if r.get("stability/lr_scale")]
+
+
+def test_adascale_gain_is_one_without_noise_and_above_one_with_noise(tmp_path: Path) -> None:
+    pytest.importorskip("fairscale")
+    pl.seed_everything(0)
+    quiet = _gains(SameBatch(), tmp_path / "quiet")
+    pl.seed_everything(0)
+    noisy = _gains(TinyModule(n=64, batch_size=4), tmp_path / "noisy")
+    assert len(quiet) == len(noisy) == 4
+    assert all(abs(g - 1.0) < 1e-3 for g in quiet), quiet
+    assert all(1.05 < g <= 4.0 for g in noisy), noisy
+
+
+def test_adascale_without_fairscale_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_fairscale(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name.startswith("fairscale"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_fairscale)
+    with pytest.raises(StabilityConfigError, match=r"lightning-stability\[fairscale\]"):
+        GradientAccumulation(4, lr_scaling="adascale")
