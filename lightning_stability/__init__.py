@@ -13,6 +13,7 @@ from lightning_stability.schedules import (
     StepSchedule,
     WarmupConstantCosineSchedule,
 )
+from lightning_stability.strategies import StableFSDPPrecision, StableFSDPStrategy, consolidate_checkpoint
 
 __all__ = [
     "CosineSchedule",
@@ -24,9 +25,12 @@ __all__ = [
     "Schedule",
     "ScheduledLR",
     "StabilityConfigError",
+    "StableFSDPPrecision",
+    "StableFSDPStrategy",
     "StepLedger",
     "StepSchedule",
     "WarmupConstantCosineLR",
     "WarmupConstantCosineSchedule",
+    "consolidate_checkpoint",
 ]
 __version__ = "0.1.0"

@@ -28,6 +28,8 @@ def _demo(args: argparse.Namespace) -> int:
     print(
         f"grad norm first/median  {finite[0]:.3f} / {sorted(finite)[len(finite) // 2]:.3f} (clipped to {args.max_norm})"
     )
+    lrs = result.lrs
+    print(f"LR warmup/peak/final    {lrs[0]:.2e} / {max(lrs):.2e} / {lrs[-1]:.2e} (warmup -> constant -> cosine)")
     print(f"loss first -> last      {result.first_loss:.3f} -> {result.last_loss:.3f} (mean of 10 steps)")
     print(f"weights finite          {result.weights_finite}")
     ok = result.weights_finite and result.last_loss < result.first_loss and result.skipped_nonfinite == 1

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_stability.callbacks.grad_norm import GradientNormMonitor
+from lightning_stability.callbacks.lr_schedule import WarmupConstantCosineLR
 from lightning_stability.ledger import Outcome, StepLedger
 
 
@@ -89,14 +90,19 @@ class DemoResult:
     last_loss: float
     weights_finite: bool
     grad_norms: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
 
 
-class _NormTrace(pl.Callback):
+class _Trace(pl.Callback):
+    """Records the gradient norm and the LR each update used (the demo prints them)."""
+
     def __init__(self) -> None:
         self.norms: list[Any] = []
+        self.lrs: list[float] = []
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self.norms.append(StepLedger.of(trainer).record.get("grad_norm"))
+        self.lrs.append(float(optimizer.param_groups[0]["lr"]))
 
 
 def run_demo(
@@ -106,7 +112,7 @@ def run_demo(
     pl.seed_everything(seed, verbose=False)
     model = TinyGPT(nan_at_step=nan_at_step)
     data = DataLoader(BigramSequences(seed=seed), batch_size=batch_size, shuffle=True)
-    trace = _NormTrace()
+    trace = _Trace()
     trainer = pl.Trainer(
         max_steps=steps,
         accelerator="auto",
@@ -115,7 +121,7 @@ def run_demo(
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[GradientNormMonitor(max_norm=max_norm), trace],
+        callbacks=[GradientNormMonitor(max_norm=max_norm), WarmupConstantCosineLR(warmup=0.1, decay=0.3), trace],
     )
     trainer.fit(model, data)
     ledger = StepLedger.of(trainer)
@@ -130,4 +136,5 @@ def run_demo(
         last_loss=sum(finite_losses[-window:]) / window,
         weights_finite=all(bool(torch.isfinite(p).all()) for p in model.parameters()),
         grad_norms=[float(n) for n in trace.norms if n is not None],
+        lrs=trace.lrs,
     )

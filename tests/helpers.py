@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -168,7 +169,16 @@ def torchrun(script: Path, nproc: int, out_dir: Path, *args: str, timeout: int =
         str(out_dir),
         *args,
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=out_dir)
+    # A session of its own, so that a timeout kills the workers too, not only the torchrun agent.
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=out_dir, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
     if proc.returncode != 0:
-        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{stdout[-4000:]}\n{stderr[-8000:]}")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]

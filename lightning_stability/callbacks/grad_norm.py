@@ -161,7 +161,7 @@ class GradientNormMonitor(Callback):
                 f"{[cb.max_norm for cb in clippers]}). Fix: keep one with `max_norm`; give the others `max_norm=None`."
             )
         strategy = type(trainer.strategy).__name__
-        if strategy in _UNSUPPORTED_STRATEGIES:
+        if strategy in _UNSUPPORTED_STRATEGIES or getattr(trainer.strategy, "gradients_are_local_shards", False):
             raise StabilityConfigError(
                 f"GradientNormMonitor cannot measure the global norm under strategy={strategy!r}: its gradients "
                 "are flat local shards. Fix: use an FSDP2 (DTensor) strategy such as Lightning's "

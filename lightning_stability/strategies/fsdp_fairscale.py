@@ -1,0 +1,143 @@
+"""``backend="fairscale"``: FairScale's own FSDP with the seed's keywords, for CUDA users who want it.
+
+FairScale needs CUDA streams, flattens each unit's parameters into one local shard (so gradients are
+plain tensors, not DTensors) and checkpoints whole state dicts gathered on every rank. The strategy
+uses it only on CUDA; checkpoints are ``full`` files. Checked by ``tests/gpu/test_fsdp_fairscale.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_stability.errors import StabilityConfigError
+from lightning_stability.strategies.fsdp_wrap import ShardedRoot, WrapPlan
+
+#: every keyword of ``fairscale.nn.FullyShardedDataParallel`` (FairScale 0.4.13)
+FAIRSCALE_KEYWORDS = frozenset(
+    {
+        "process_group",
+        "process_group_reduce_scatter",
+        "reshard_after_forward",
+        "disable_reshard_on_root",
+        "mixed_precision",
+        "fp32_reduce_scatter",
+        "flatten_parameters",
+        "move_params_to_cpu",
+        "compute_dtype",
+        "buffer_dtype",
+        "move_grads_to_cpu",
+        "bucket_cap_mb",
+        "compute_device",
+        "no_broadcast_optim_state",
+        "state_dict_device",
+        "clear_autocast_cache",
+        "force_input_to_fp32",
+        "verbose",
+        "cpu_offload",
+        "state_dict_on_rank_0_only",
+        "gradient_predivide_factor",
+        "allow_reset_parameters",
+    }
+)
+
+#: what each FairScale-only keyword becomes under the native (FSDP2) backend
+NATIVE_EQUIVALENT = {
+    "bucket_cap_mb": "FSDP2 reduce-scatters each wrapped unit's gradients in one collective, so the unit is "
+    "the bucket: size buckets with `auto_wrap_policy` (e.g. a parameter count)",
+    "fp32_reduce_scatter": "gradients are reduced in fp32 by default: see `reduce_dtype`",
+    "compute_dtype": "pass `mixed_precision='bf16-mixed'` or `'16-mixed'`",
+    "buffer_dtype": "buffers follow the compute dtype of their unit: see `mixed_precision`",
+    "move_params_to_cpu": "pass `cpu_offload=True`",
+    "move_grads_to_cpu": "pass `cpu_offload=True` (FSDP2 offloads parameters, gradients and optimizer state together)",
+}
+
+
+def require_fairscale() -> Any:
+    """Import FairScale's FSDP class, or explain how to install it."""
+    try:
+        from fairscale.nn.data_parallel import FullyShardedDataParallel
+    except ImportError as err:
+        raise StabilityConfigError(
+            "`backend='fairscale'` needs FairScale, which is not installed. Fix: "
+            "`pip install 'lightning-stability[fairscale]'`, or use the default `backend='native'` (PyTorch FSDP2)."
+        ) from err
+    return FullyShardedDataParallel
+
+
+def fairscale_kwargs(
+    *,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    flatten_parameters: bool | None,
+    cpu_offload: bool,
+    reshard_after_forward: bool | int,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
+    """The keywords of every FairScale FSDP unit, from the strategy's arguments."""
+    kwargs: dict[str, Any] = {
+        "reshard_after_forward": bool(reshard_after_forward),
+        "flatten_parameters": True if flatten_parameters is None else flatten_parameters,
+        "cpu_offload": cpu_offload,
+    }
+    if param_dtype is not None:
+        kwargs.update(
+            mixed_precision=True, compute_dtype=param_dtype, fp32_reduce_scatter=reduce_dtype == torch.float32
+        )
+    kwargs.update(extra)
+    return kwargs
+
+
+def _replace(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    for module in root.modules():
+        for name, child in module.named_children():
+            if child is old:
+                setattr(module, name, new)
+                return
+    raise RuntimeError(f"{type(old).__name__} is not a submodule of {type(root).__name__}")
+
+
+def wrap_fairscale(module: nn.Module, plan: WrapPlan, kwargs: dict[str, Any]) -> nn.Module:
+    """Wrap blocks, then top-level units, then a root around ``module`` in FairScale FSDP (not in place)."""
+    fsdp_cls = require_fairscale()
+    from fairscale.nn.checkpoint import checkpoint_wrapper
+
+    checkpointed = {id(m) for m in plan.checkpointed}
+    for block in [*plan.blocks, *plan.units]:
+        inner = checkpoint_wrapper(block) if id(block) in checkpointed else block
+        _replace(module, block, fsdp_cls(inner, **kwargs))
+    return fsdp_cls(ShardedRoot(module), **kwargs)
+
+
+def model_state(root: nn.Module) -> dict[str, Any]:
+    """The full state dict (every rank must call), with the names of the LightningModule."""
+    state = root.state_dict()
+    return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+def optimizer_state(root: Any, optimizer: Optimizer) -> dict[str, Any]:
+    """The full optimizer state on rank 0 (``{}`` elsewhere); every rank must call."""
+    return root.gather_full_optim_state_dict(optimizer) or {}
+
+
+def load_full(root: Any, optimizers: list[Optimizer], checkpoint: dict[str, Any], strict: bool) -> None:
+    """Load a full checkpoint into the FairScale root and the optimizers' local shards."""
+    root.load_state_dict({f"module.{k}": v for k, v in checkpoint.pop("state_dict").items()}, strict=strict)
+    for optimizer, osd in zip(optimizers, checkpoint.pop("optimizer_states", []), strict=False):
+        optimizer.load_state_dict(root.get_shard_from_optim_state_dict(osd))
+
+
+def refuse_shard_local_monitors(trainer: Any) -> None:
+    """GradientNormMonitor would measure one rank's flat shard here, not the model's gradient."""
+    from lightning_stability.callbacks.grad_norm import GradientNormMonitor
+
+    if any(isinstance(cb, GradientNormMonitor) for cb in trainer.callbacks):
+        raise StabilityConfigError(
+            "GradientNormMonitor cannot measure the global gradient norm under "
+            "StableFSDPStrategy(backend='fairscale'): FairScale's gradients are flat local shards. Fix: use "
+            "backend='native' (FSDP2), or clip with Trainer(gradient_clip_val=...), which calls FairScale's own "
+            "clip_grad_norm_."
+        )

@@ -1,0 +1,29 @@
+"""The command line, run in-process as a user would run it."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_stability.cli import main
+from lightning_stability.demo import run_demo
+
+
+def test_demo_command_reports_a_skipped_step_and_a_falling_loss(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--steps", "30", "--nan-at-step", "10"]) == 0
+    out = capsys.readouterr().out
+    assert "applied / skipped (NaN) 29 / 1" in out
+    assert "weights finite          True" in out
+    assert "demo OK" in out
+
+
+def test_demo_lr_holds_still_on_the_skipped_step() -> None:
+    # the NaN step falls inside the warmup (3 of 30 updates), where every applied update raises the LR
+    result = run_demo(steps=30, nan_at_step=1)
+    assert result.applied == 29 and result.skipped_nonfinite == 1
+    assert result.lrs[2] == result.lrs[1]  # the update after the skipped one reuses its LR
+    assert result.lrs[1] > result.lrs[0] and result.lrs[3] > result.lrs[2]
+
+
+def test_unknown_command_exits_with_usage() -> None:
+    with pytest.raises(SystemExit):
+        main(["bogus"])
