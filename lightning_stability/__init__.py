@@ -2,9 +2,13 @@
 
 from lightning_stability.callbacks.accumulation import GradientAccumulation
 from lightning_stability.callbacks.grad_norm import GradientNormMonitor
+from lightning_stability.callbacks.loss_scale import LossScaleFloorError, LossScaleTuner
 from lightning_stability.callbacks.lr_schedule import ScheduledLR, WarmupConstantCosineLR
+from lightning_stability.diagnostics import PrecisionDiagnostics, TrainingStatus, check_training_status
 from lightning_stability.errors import StabilityConfigError
+from lightning_stability.grad_scaler import FusedClipMixedPrecision, TunedGradScaler
 from lightning_stability.ledger import Outcome, StepLedger
+from lightning_stability.scaling import ScaleRule, auto_initial_scale, update_scale
 from lightning_stability.schedules import (
     CosineSchedule,
     InverseSqrtSchedule,
@@ -17,11 +21,16 @@ from lightning_stability.strategies import StableFSDPPrecision, StableFSDPStrate
 
 __all__ = [
     "CosineSchedule",
+    "FusedClipMixedPrecision",
     "GradientAccumulation",
     "GradientNormMonitor",
     "InverseSqrtSchedule",
     "LinearSchedule",
+    "LossScaleFloorError",
+    "LossScaleTuner",
     "Outcome",
+    "PrecisionDiagnostics",
+    "ScaleRule",
     "Schedule",
     "ScheduledLR",
     "StabilityConfigError",
@@ -29,8 +38,13 @@ __all__ = [
     "StableFSDPStrategy",
     "StepLedger",
     "StepSchedule",
+    "TrainingStatus",
+    "TunedGradScaler",
     "WarmupConstantCosineLR",
     "WarmupConstantCosineSchedule",
+    "auto_initial_scale",
+    "check_training_status",
     "consolidate_checkpoint",
+    "update_scale",
 ]
 __version__ = "0.1.0"

@@ -95,6 +95,21 @@ def _unscale_if_deferred(scaler: Any, optimizer: Optimizer) -> None:
         scaler.unscale_(optimizer)
 
 
+def _found_inf_is_safe(optimizer: Optimizer) -> bool:
+    """Whether a ``found_inf`` skip leaves this fused optimizer exactly as it was.
+
+    torch's fused SGD with momentum (2.13) leaves ``momentum_buffer`` uninitialised when its very first
+    step is skipped through ``found_inf``; until every buffer exists, skip by dropping gradients instead.
+    """
+    if not isinstance(optimizer, torch.optim.SGD):
+        return True
+    return all(
+        not group.get("momentum")
+        or all(optimizer.state.get(p, {}).get("momentum_buffer") is not None for p in group["params"])
+        for group in optimizer.param_groups
+    )
+
+
 class StepLedger:
     """The record of every optimizer step: values and flags as tensors, outcome counts on the device.
 
@@ -202,7 +217,12 @@ class StepLedger:
         (a host ``bool`` once it had to be read on the host, so the outcome stays host-known)."""
         trainer = self.trainer
         scaler = loss_scaler(trainer) if trainer is not None else None
-        if isinstance(flag, Tensor) and scaler is None and getattr(optimizer, "_step_supports_amp_scaling", False):
+        if (
+            isinstance(flag, Tensor)
+            and scaler is None
+            and getattr(optimizer, "_step_supports_amp_scaling", False)
+            and _found_inf_is_safe(optimizer)
+        ):
             # Fused optimizers read `found_inf` in their kernel and leave params, moments and step counts
             # untouched when it is 1: the decision stays on the device.
             found = flag.to(device=self.device, dtype=torch.float32)

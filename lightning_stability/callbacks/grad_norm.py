@@ -135,10 +135,14 @@ class GradientNormMonitor(Callback):
         self._index_cache: tuple[tuple[int, ...], Tensor, list[str]] | None = None
         self._bad_seen: Tensor | None = None
         self._bad_snapshot: Tensor | None = None
+        self._state_key: str | None = None
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(max_norm=self.max_norm, norm_type=self.norm_type)
+        # Lightning reads this around every hook call: build the string once.
+        if self._state_key is None:
+            self._state_key = self._generate_state_key(max_norm=self.max_norm, norm_type=self.norm_type)
+        return self._state_key
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -1,0 +1,171 @@
+"""Benchmark: updates lost to loss-scale calibration, ``init_scale="auto"`` versus 65536, in one run.
+
+For models whose gradients are scaled by a factor (the loss times ``grad_mult``), train fp16 on the CPU
+with three scalers and count the optimizer steps skipped before the first applied update, and in all:
+
+* torch's ``GradScaler(init_scale=65536)`` (no hysteresis),
+* ``LossScaleTuner(init_scale=65536)`` (hysteresis 2, the default),
+* ``LossScaleTuner(init_scale="auto")``.
+
+Then the time per step of the tuner against torch's scaler on the same model (warm-up first, median
+and best of interleaved repeats), as a ratio, and the cost of ``update()`` alone.
+Run: ``python benchmarks/loss_scale_auto.py [--steps 30] [--repeats 5] [--timed-steps 60]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins import MixedPrecision
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_stability.callbacks.loss_scale import LossScaleTuner
+from lightning_stability.grad_scaler import TunedGradScaler
+
+
+class MLP(pl.LightningModule):
+    def __init__(self, grad_mult: float, width: int = 128, n: int = 4096) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.Linear(32, width), nn.GELU(), nn.Linear(width, width), nn.GELU(), nn.Linear(width, 1)
+        )
+        self.grad_mult = grad_mult
+        x = torch.randn(n, 32)
+        self.data = TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x).float(), y) * self.grad_mult
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=64)
+
+
+class Applied(pl.Callback):
+    """Whether each step changed the weights (a skipped step leaves them bit-identical)."""
+
+    def __init__(self) -> None:
+        self.applied: list[bool] = []
+        self._before: torch.Tensor | None = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._before = next(pl_module.parameters()).detach().clone()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        assert self._before is not None
+        self.applied.append(not torch.equal(self._before, next(pl_module.parameters())))
+
+
+class StepTimer(pl.Callback):
+    """Per-step CPU time of this thread (torch runs single-threaded here, so other jobs on a shared
+    machine do not count) and wall time."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.steps = warmup, 0
+        self.cpu = self.wall = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step == self.warmup:
+            self.cpu, self.wall = time.thread_time(), time.perf_counter()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.steps = trainer.global_step - self.warmup
+        self.cpu = (time.thread_time() - self.cpu) / self.steps
+        self.wall = (time.perf_counter() - self.wall) / self.steps
+
+
+def fit(grad_mult: float, scaler: str, steps: int, callbacks: list[pl.Callback]) -> pl.Trainer:
+    torch_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    if scaler == "tuner-65536":
+        callbacks = [LossScaleTuner(init_scale=2.0**16, fit_start_checks=False), *callbacks]
+    elif scaler == "tuner-auto":
+        callbacks = [LossScaleTuner(init_scale="auto", fit_start_checks=False), *callbacks]
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch_scaler)],
+    )  # fmt: skip
+    trainer.fit(MLP(grad_mult))
+    return trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--timed-steps", type=int, default=60)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)  # one thread: its CPU time is the whole cost of a step
+    import logging
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+
+    scalers = ["torch-65536", "tuner-65536", "tuner-auto"]
+    print(f"Steps skipped before the first applied update (and in all, of {args.steps}):")
+    print(f"{'grad x':>8} | " + " | ".join(f"{s:>18}" for s in scalers))
+    for grad_mult in (1e-3, 1.0, 1e2, 1e3, 1e4):
+        cells = []
+        for scaler in scalers:
+            applied = Applied()
+            trainer = fit(grad_mult, scaler, args.steps, [applied])
+            first = applied.applied.index(True) if any(applied.applied) else args.steps
+            final = trainer.precision_plugin.scaler.get_scale()  # type: ignore[attr-defined]
+            cells.append(f"{first:>3} ({args.steps - sum(applied.applied):>2}) s={final:<8g}")
+        print(f"{grad_mult:>8g} | " + " | ".join(f"{c:>18}" for c in cells))
+
+    # Per-step cost. The machine may be shared: runs are interleaved and the best and median reported.
+    timers: dict[str, list[StepTimer]] = {"torch-65536": [], "tuner-auto": []}
+    for _ in range(args.repeats):
+        for scaler in timers:
+            timer = StepTimer(warmup=10)
+            fit(1.0, scaler, 10 + args.timed_steps, [timer])
+            timers[scaler].append(timer)
+    print(f"\nTime per training step, median of {args.repeats} interleaved runs of {args.timed_steps} steps:")
+    for clock in ("cpu", "wall"):
+        base = statistics.median(getattr(t, clock) for t in timers["torch-65536"])
+        tuned = statistics.median(getattr(t, clock) for t in timers["tuner-auto"])
+        print(
+            f"  {clock:>4} time: torch GradScaler {base * 1e3:.2f} ms, LossScaleTuner {tuned * 1e3:.2f} ms, "
+            f"ratio {tuned / base:.3f}"
+        )
+
+    # The update rule alone: torch's fused `_amp_update_scale_` against the rule as tensor ops.
+    costs: dict[str, list[float]] = {"torch": [], "tuned": []}
+    for _ in range(args.repeats):
+        for name in costs:
+            costs[name].append(update_cost(name, calls=2000))
+    base, tuned = min(costs["torch"]), min(costs["tuned"])
+    print(f"\nscaler.update() alone (CPU thread time, best of {args.repeats} x 2000 calls):")
+    print(f"  torch GradScaler {base * 1e6:.1f} us, TunedGradScaler {tuned * 1e6:.1f} us, ratio {tuned / base:.2f}")
+
+
+def update_cost(name: str, calls: int) -> float:
+    """Seconds per ``update()`` call, with one finite overflow flag recorded before each."""
+    scaler = torch.amp.GradScaler("cpu") if name == "torch" else TunedGradScaler("cpu")
+    param = nn.Parameter(torch.ones(4))
+    opt = torch.optim.SGD([param], lr=0.0)
+    scaler.scale(param.sum()).backward()
+    found = {torch.device("cpu"): torch.zeros(())}
+    total = 0.0
+    for _ in range(calls):
+        scaler._per_optimizer_states[id(opt)]["found_inf_per_device"] = dict(found)
+        start = time.thread_time()
+        scaler.update()
+        total += time.thread_time() - start
+    return total / calls
+
+
+if __name__ == "__main__":
+    main()
