@@ -317,6 +317,12 @@ class StepLedger:
         """Applied updates as a host integer, when every outcome so far was decided on the host."""
         return None if self._host_counts is None else self._host_counts[Outcome.APPLIED]
 
+    def applied_steps_now(self) -> int:
+        """Applied updates as a host integer; reads the device counter when needed (a HOST SYNC: use it
+        for checkpoints and setup, not in the step)."""
+        host = self.applied_steps_host
+        return host if host is not None else int(self.applied_steps)
+
     def accumulate(self, key: str, value: Tensor | float) -> None:
         """Add ``value`` to the window sum ``key`` (kept on the device, saved in checkpoints)."""
         current = self._window.get(key)

@@ -10,10 +10,11 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_stability.callbacks.base import LedgerCallback
 from lightning_stability.errors import StabilityConfigError, config_error
 from lightning_stability.ledger import StepLedger
 
@@ -82,7 +83,7 @@ def _convert_to_group_norm(module: nn.Module) -> None:
             _convert_to_group_norm(child)
 
 
-class GradientAccumulation(Callback):
+class GradientAccumulation(LedgerCallback):
     """Accumulate gradients over several micro-batches per optimizer step; the factor may change by step.
 
     ``steps`` is a constant or a schedule keyed by the number of applied optimizer updates, e.g.
@@ -431,9 +432,7 @@ class GradientAccumulation(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._restore_stash()  # training_step returned None: no backward ran
-        ledger = StepLedger.of(trainer)
-        ledger.close_step()
-        ledger.flush()
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     # ------------------------------------------------------------------ AdaScale
     def _start_adascale(self) -> None:
@@ -516,25 +515,15 @@ class GradientAccumulation(Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        StepLedger.of(trainer).save_into(checkpoint)
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)
         # AdaScale keeps numpy arrays in the optimizer state, which `torch.load(weights_only=True)` refuses;
         # they travel as lists in this callback's state instead.
         for opt_state in checkpoint.get("optimizer_states", []):
             opt_state.get("state", {}).pop("adascale", None)
 
-    def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        StepLedger.of(trainer).load_from(checkpoint)
-
     def state_dict(self) -> dict[str, Any]:
         trainer = self._trainer_ref() if self._trainer_ref is not None else None
-        applied = None
-        if trainer is not None:
-            ledger = StepLedger.of(trainer)
-            applied = ledger.applied_steps_host
-            if applied is None:
-                applied = int(ledger.applied_steps)  # HOST SYNC: checkpointing only
+        applied = StepLedger.of(trainer).applied_steps_now() if trainer is not None else None
         adascale = None
         if self._optimizer is not None and "adascale" in _store(self._optimizer):
             adascale = {k: [float(x) for x in v] for k, v in _store(self._optimizer)["adascale"].items()}

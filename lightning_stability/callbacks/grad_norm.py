@@ -8,10 +8,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_stability.callbacks.base import LedgerCallback
 from lightning_stability.errors import StabilityConfigError, config_error
 from lightning_stability.ledger import FlushValues, Outcome, StepLedger, loss_scaler
 from lightning_stability.norms import clip_coefficient, combine_norms, group_norms, per_tensor_norms, scale_
@@ -39,7 +39,7 @@ def _parse_norm_type(norm_type: float | str) -> float:
     return value
 
 
-class GradientNormMonitor(Callback):
+class GradientNormMonitor(LedgerCallback):
     """Measure, and optionally clip, the gradient norm of the whole model once per optimizer step.
 
     The norm is taken in ``on_before_optimizer_step``: after the backward passes of all accumulated
@@ -301,13 +301,6 @@ class GradientNormMonitor(Callback):
         return extra
 
     # ------------------------------------------------------------------ after the step
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        ledger = StepLedger.of(trainer)
-        ledger.close_step()
-        ledger.flush()
-
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Report a non-finite step that happened after the last logging step.
         ledger = StepLedger.of(trainer)
@@ -318,16 +311,6 @@ class GradientNormMonitor(Callback):
             ledger.flush()
 
     # ------------------------------------------------------------------ checkpointing
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        StepLedger.of(trainer).save_into(checkpoint)
-
-    def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        StepLedger.of(trainer).load_from(checkpoint)
-
     def state_dict(self) -> dict[str, Any]:
         return {"max_norm": self.max_norm, "norm_type": self.norm_type}
 

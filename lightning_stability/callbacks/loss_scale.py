@@ -11,11 +11,11 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
+from lightning_stability.callbacks.base import LedgerCallback
 from lightning_stability.diagnostics import PrecisionDiagnostics, check_loss, run_fit_start_checks
 from lightning_stability.errors import StabilityConfigError, config_error
 from lightning_stability.grad_scaler import (
@@ -42,7 +42,7 @@ class LossScaleFloorError(RuntimeError):
     """The loss scale sat at ``min_scale`` and the gradients still overflowed (``on_min_scale="raise"``)."""
 
 
-class LossScaleTuner(Callback):
+class LossScaleTuner(LedgerCallback):
     """Own fp16 dynamic loss scaling: hysteresis, a floor, an automatic first scale, rank-consistent skips.
 
     At ``setup`` it replaces the ``GradScaler`` of the precision plugin (Lightning's
@@ -295,9 +295,7 @@ class LossScaleTuner(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        ledger = StepLedger.of(trainer)
-        ledger.close_step()
-        ledger.flush()
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self._check_loss:
             self._check_loss = False
             check_loss(trainer, outputs)
@@ -317,16 +315,6 @@ class LossScaleTuner(Callback):
             raise error
 
     # ------------------------------------------------------------------ checkpointing
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        StepLedger.of(trainer).save_into(checkpoint)
-
-    def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        StepLedger.of(trainer).load_from(checkpoint)
-
     def state_dict(self) -> dict[str, Any]:
         """The tuner's own state; the scale and its trackers travel with the precision plugin's state."""
         return {"floor_hits_seen": self._floor_hits_seen, "warned": self._warned}

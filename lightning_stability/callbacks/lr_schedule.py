@@ -9,10 +9,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_stability.callbacks.base import LedgerCallback
 from lightning_stability.errors import StabilityConfigError, config_error
 from lightning_stability.ledger import StepLedger
 from lightning_stability.schedules import Schedule, WarmupConstantCosineSchedule
@@ -53,7 +53,7 @@ def _device_of(optimizer: Optimizer) -> torch.device:
     return torch.device("cpu")
 
 
-class ScheduledLR(Callback):
+class ScheduledLR(LedgerCallback):
     """Set every param group's LR to ``base_lr * schedule(applied_updates)`` before each optimizer update.
 
     ``applied_updates`` is the :class:`~lightning_stability.ledger.StepLedger`'s count of updates that
@@ -282,35 +282,13 @@ class ScheduledLR(Callback):
                 )
         ledger.on_close(self._set_from_ledger)
 
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        ledger = StepLedger.of(trainer)
-        ledger.close_step()
-        ledger.flush()
-
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._table = None
 
     # ------------------------------------------------------------------ checkpointing
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        StepLedger.of(trainer).save_into(checkpoint)
-
-    def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        StepLedger.of(trainer).load_from(checkpoint)
-
     def state_dict(self) -> dict[str, Any]:
         trainer = self._trainer_ref() if self._trainer_ref is not None else None
-        applied = None
-        if trainer is not None:
-            ledger = StepLedger.of(trainer)
-            applied = ledger.applied_steps_host
-            if applied is None:
-                applied = int(ledger.applied_steps)  # HOST SYNC: checkpointing only
+        applied = StepLedger.of(trainer).applied_steps_now() if trainer is not None else None
         return {
             "base_lrs": [list(b) for b in self._base_lrs],
             "total_steps": self._total,
