@@ -8,7 +8,11 @@ from collections.abc import Sequence
 
 
 def _demo(args: argparse.Namespace) -> int:
+    import logging
+
     from lightning_stability.demo import run_demo
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no "GPU available" / tip banners
 
     print(
         f"Training a small transformer LM for {args.steps} steps (max_norm={args.max_norm}, "
