@@ -10,9 +10,17 @@ from collections.abc import Sequence
 def _demo(args: argparse.Namespace) -> int:
     import logging
 
-    from lightning_stability.demo import run_demo
+    lightning_logger = logging.getLogger("lightning.pytorch")
+    previous_level = lightning_logger.level
+    lightning_logger.setLevel(logging.WARNING)  # no "GPU available" / tip banners
+    try:
+        return _run_demo(args)
+    finally:
+        lightning_logger.setLevel(previous_level)
 
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no "GPU available" / tip banners
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from lightning_stability.demo import run_demo
 
     print(
         f"Training a small transformer LM for {args.steps} steps (max_norm={args.max_norm}, "

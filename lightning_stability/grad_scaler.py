@@ -288,9 +288,10 @@ class TunedGradScaler(torch.amp.GradScaler):
             found = torch.where(peak == 0, torch.ones_like(found), found)
         else:
             found = self._reduce_max(local)
-        return {dev: found if dev == device else found.to(dev, non_blocking=True) for dev in per_device} or {
-            device: found
-        }
+        # One entry, on the scale's device, for the gradients of every device: torch's `step` and `update` only
+        # sum the entries. A copy back to the host for CPU-offloaded gradients would be a non-blocking
+        # device-to-host transfer that `step()` could read (`.item()` on a CPU tensor) before it completes.
+        return {device: found}
 
     # ------------------------------------------------------------------ the update
     def update(self, new_scale: float | Tensor | None = None) -> None:

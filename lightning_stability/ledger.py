@@ -5,8 +5,10 @@ One :class:`StepLedger` exists per ``Trainer`` (:meth:`StepLedger.of`). During o
 1. The first callback to reach ``on_before_optimizer_step`` calls :meth:`StepLedger.open_step`
    (every callback calls it; only the first call opens). Opening unscales fp16 gradients for
    optimizers that would otherwise unscale inside ``step()`` (fused Adam/AdamW/SGD), and records
-   the loss scaler's overflow flag as a skip reason, so every callback sees unscaled gradients and
-   nobody checks for overflow twice.
+   the loss scaler's overflow decision as a skip reason, so every callback sees unscaled gradients
+   and nobody checks for overflow twice. For fused optimizers that decision is the scaler's
+   ``found_inf`` tensor; for the others the scaler reads it on the host itself and calls
+   ``optimizer.step()`` only without overflow, so whether the step ran *is* the decision (host-known).
 2. Callbacks write the step's values with :meth:`put` (gradient norm, clip coefficient, ...) and
    ask for the update to be skipped with :meth:`mark_skip` (a ``bool`` or a 0-dim bool tensor).
    The ledger enforces the skip: on a fused optimizer as the ``found_inf`` tensor the optimizer
@@ -20,8 +22,9 @@ One :class:`StepLedger` exists per ``Trainer`` (:meth:`StepLedger.of`). During o
    tensor, moves them to the host in **one** transfer and hands them to every Lightning logger.
 
 Nothing here calls ``.item()`` on a step that does not log, except where a non-fused optimizer
-must be told on the host to skip (documented above). The ledger is saved once in the checkpoint
-under ``checkpoint["lightning_stability"]["ledger"]``.
+must be told on the host to skip (documented above), and no tensor is built from host data in the
+step (on a GPU that is a blocking copy too). The ledger is saved once in the checkpoint under
+``checkpoint["lightning_stability"]["ledger"]``.
 """
 
 from __future__ import annotations
@@ -55,8 +58,13 @@ class Outcome(IntEnum):
 
 
 def _or(a: Flag, b: Flag) -> Flag:
-    if isinstance(a, Tensor) or isinstance(b, Tensor):
-        return torch.logical_or(torch.as_tensor(a), torch.as_tensor(b))
+    # No tensor is made from host data here: on a GPU that would be a blocking host-to-device copy.
+    if isinstance(a, Tensor) and isinstance(b, Tensor):
+        return a.bool() | b.to(a.device, non_blocking=True).bool()
+    if isinstance(a, Tensor):
+        return a.bool() | bool(b)
+    if isinstance(b, Tensor):
+        return b.bool() | bool(a)
     return a or b
 
 
@@ -135,6 +143,8 @@ class StepLedger:
         self._open: Optimizer | None = None
         self._skip: dict[Outcome, Flag] = {}
         self._found_inf_set = False
+        self._stepped = False  # the optimizer's step() ran for the open step
+        self._scaler_on_host = False  # the scaler decides this step on the host (non-fused optimizer)
         self._close_hooks: list[Callable[[StepLedger], None]] = []
         self._pending: dict[str, Tensor | float] = {}
         self._flush_hooks: list[FlushHook] = []
@@ -176,13 +186,20 @@ class StepLedger:
                 self._counts = self._counts.to(self._device)
         if id(optimizer) not in self._hooked:
             self._hooked[id(optimizer)] = optimizer.register_step_post_hook(self._after_optimizer_step)
+        self._stepped = False
+        self._scaler_on_host = False
         trainer = self.trainer
         scaler = loss_scaler(trainer) if trainer is not None else None
         if scaler is not None:
             _unscale_if_deferred(scaler, optimizer)
-            found_inf = _scaler_found_inf(scaler, optimizer)
-            if found_inf is not None:
-                self._skip[Outcome.SKIPPED_SCALER] = found_inf
+            if getattr(optimizer, "_step_supports_amp_scaling", False):
+                found_inf = _scaler_found_inf(scaler, optimizer)
+                if found_inf is not None:
+                    self._skip[Outcome.SKIPPED_SCALER] = found_inf
+            else:
+                # The scaler reads its overflow flag on the host itself and calls `optimizer.step()` only when
+                # it found none: whether the step post-hook ran is the outcome, known without another sync.
+                self._scaler_on_host = True
         return True
 
     @property
@@ -243,6 +260,7 @@ class StepLedger:
 
     def _after_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         if self._open is optimizer:
+            self._stepped = True
             self.close_step()
 
     def on_close(self, hook: Callable[[StepLedger], None]) -> None:
@@ -258,16 +276,17 @@ class StepLedger:
             del optimizer.found_inf  # type: ignore[attr-defined]
             del optimizer.grad_scale  # type: ignore[attr-defined]
             self._found_inf_set = False
+        if self._scaler_on_host:
+            self._skip[Outcome.SKIPPED_SCALER] = _or(self._skip.get(Outcome.SKIPPED_SCALER, False), not self._stepped)
+            self._scaler_on_host = False
         counts = self._device_counts()
         outcome: Outcome | Tensor = Outcome.APPLIED
-        for reason in sorted(self._skip, reverse=True):
+        for reason in sorted(self._skip, reverse=True):  # the lowest reason that applies wins
             flag = self._skip[reason]
-            if isinstance(flag, Tensor) or isinstance(outcome, Tensor):
-                outcome = torch.where(
-                    torch.as_tensor(flag, device=self.device),
-                    torch.tensor(int(reason), device=self.device),
-                    torch.as_tensor(int(outcome), device=self.device) if not isinstance(outcome, Tensor) else outcome,
-                )
+            if isinstance(flag, Tensor):
+                # scalars, not host-made tensors: on a GPU those would be blocking host-to-device copies
+                other = outcome if isinstance(outcome, Tensor) else int(outcome)
+                outcome = torch.where(flag.to(self.device, non_blocking=True).bool(), int(reason), other)
             elif flag:
                 outcome = reason
         if isinstance(outcome, Tensor):
@@ -327,10 +346,13 @@ class StepLedger:
         """Add ``value`` to the window sum ``key`` (kept on the device, saved in checkpoints)."""
         current = self._window.get(key)
         if isinstance(value, Tensor):
-            value_t = value.to(torch.float32)
+            value = value.to(torch.float32)
+        if current is None:
+            # a fill plus a scalar, never torch.tensor(value, device=...): on a GPU that is a blocking copy
+            zero = torch.zeros((), dtype=torch.float32, device=self.device)
+            self._window[key] = zero + value
         else:
-            value_t = torch.tensor(float(value), device=self.device)
-        self._window[key] = value_t.clone() if current is None else current + value_t
+            self._window[key] = current + value
 
     def pop_window(self, key: str) -> Tensor:
         """Return the window sum ``key`` and reset it to zero."""
@@ -378,7 +400,9 @@ class StepLedger:
         trainer = self.trainer
         if metrics and trainer is not None:
             for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=self.steps)
+                # Lightning labels the k-th optimizer step k - 1 (its `self.log` and LearningRateMonitor):
+                # the same label puts `stability/` metrics on the same rows as the module's own.
+                logger.log_metrics(metrics, step=max(self.steps - 1, 0))
         return metrics
 
     # ------------------------------------------------------------------ checkpointing

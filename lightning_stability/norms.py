@@ -43,15 +43,15 @@ def _local_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor:
     buckets: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
     for i, t in enumerate(tensors):
         buckets[(t.device, t.dtype)].append(i)
-    out_device = tensors[0].device
     if len(buckets) == 1:  # the common case: one device, one dtype, already in order
         return torch.stack(_foreach_norm_fp32(list(tensors), norm_type))
-    out = torch.empty(len(tensors), dtype=torch.float32, device=out_device)
-    for (_, _), idx in buckets.items():
-        norms = _foreach_norm_fp32([tensors[i] for i in idx], norm_type)
-        stacked = torch.stack(norms).to(out_device, non_blocking=True)
-        out[torch.tensor(idx, device=out_device)] = stacked
-    return out
+    out_device = tensors[0].device
+    ordered: list[Tensor] = [tensors[0]] * len(tensors)  # placeholders, all overwritten below
+    for idx in buckets.values():
+        for i, norm in zip(idx, _foreach_norm_fp32([tensors[i] for i in idx], norm_type), strict=True):
+            ordered[i] = norm.to(out_device, non_blocking=True)
+    # Stacked back in input order; no index tensor is built from host data (a blocking copy on a GPU).
+    return torch.stack(ordered)
 
 
 def _reduce_sharded(local: Tensor, norm_type: float, mesh: object, placements: tuple[object, ...]) -> Tensor:
@@ -85,15 +85,18 @@ def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tenso
             sharded[(t.device_mesh, tuple(t.placements))].append(i)  # type: ignore[attr-defined]
     first = tensors[0]
     device = first.to_local().device if _is_dtensor(first) else first.device  # type: ignore[attr-defined]
-    out = torch.empty(len(tensors), dtype=torch.float32, device=device)
+    ordered: list[Tensor] = [first] * len(tensors)  # placeholders, all overwritten below
+    groups: list[tuple[list[int], Tensor]] = []
     if plain_idx:
-        norms = _local_norms([tensors[i] for i in plain_idx], norm_type)
-        out[torch.tensor(plain_idx, device=device)] = norms.to(device)
+        groups.append((plain_idx, _local_norms([tensors[i] for i in plain_idx], norm_type)))
     for (mesh, placements), idx in sharded.items():
         local = _local_norms([tensors[i].to_local() for i in idx], norm_type)  # type: ignore[attr-defined]
-        full = _reduce_sharded(local, norm_type, mesh, placements)
-        out[torch.tensor(idx, device=device)] = full.to(device)
-    return out
+        groups.append((idx, _reduce_sharded(local, norm_type, mesh, placements)))
+    for idx, norms in groups:
+        for i, norm in zip(idx, norms.to(device, non_blocking=True).unbind(), strict=True):
+            ordered[i] = norm
+    # Stacked back in input order; no index tensor is built from host data (a blocking copy on a GPU).
+    return torch.stack(ordered)
 
 
 def combine_norms(norms: Tensor, norm_type: float = 2.0) -> Tensor:

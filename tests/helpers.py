@@ -49,7 +49,7 @@ class StepSyncCounter(pl.Callback):
     batch-end work and Lightning's own logging.
     """
 
-    def __init__(self, counter: SyncCounter) -> None:
+    def __init__(self, counter: SyncCounter | HostDataCounter) -> None:
         self.counter = counter
         self.marks: list[int] = []
 
@@ -69,6 +69,34 @@ def count_syncs_per_step(trainer: pl.Trainer, module: pl.LightningModule) -> lis
     counter = SyncCounter()
     boundaries = StepSyncCounter(counter)
     trainer.callbacks.insert(0, boundaries)
+    with counter:
+        trainer.fit(module)
+    return boundaries.per_step
+
+
+class HostDataCounter(TorchDispatchMode):
+    """Counts tensors built from host data (``torch.tensor(x)``, ``torch.as_tensor(x)``: ``aten.lift_fresh``).
+
+    On a GPU each such tensor made for the device is a blocking host-to-device copy (torch synchronises
+    the stream for a pageable copy), a host sync that :class:`~tests.helpers.SyncCounter` cannot see on
+    a CPU-only machine. Compared against a bare Trainer, the step must add none.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten.lift_fresh.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_host_data_per_step(trainer: pl.Trainer, module: pl.LightningModule) -> list[int]:
+    """Fit under a :class:`HostDataCounter`; return the host-made tensors of each optimizer step."""
+    counter = HostDataCounter()
+    boundaries = StepSyncCounter(counter)
+    trainer.callbacks.insert(0, boundaries)  # type: ignore[attr-defined]
     with counter:
         trainer.fit(module)
     return boundaries.per_step

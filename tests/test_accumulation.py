@@ -118,9 +118,7 @@ def _full_batch_grads(
 @pytest.mark.parametrize("steps", [4, {0: 2, 3: 4}])
 def test_gradient_equals_the_full_batch_gradient(steps: Any) -> None:
     rec = StepRecorder(keep_tensors=True)
-    module = TinyModule(
-        n=80, batch_size=4, lr=0.05
-    )  # 20 batches: also a shorter last window for steps=4? no: 20 % 4 == 0
+    module = TinyModule(n=80, batch_size=4, lr=0.05)  # 20 batches; the shorter last window is tested below
     fit(module, [GradientAccumulation(steps=steps, lr_scaling="none"), rec], max_epochs=1)
     assert len(rec.windows) >= 5
     for window, weights, grads in zip(rec.windows, rec.weights, rec.grads, strict=True):
@@ -224,6 +222,31 @@ def test_manual_optimization_is_an_error() -> None:
         quiet_trainer(max_steps=2, callbacks=[GradientAccumulation(2)]).fit(Manual())
 
 
+class WithLambdaLR(TinyModule):
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def test_lr_scaling_beside_the_modules_own_scheduler_is_an_error() -> None:
+    # Both would write the LR: the scheduler recomputes it from its own base and drops the scaling.
+    with pytest.raises(StabilityConfigError, match=r"`lr_scaling='linear'` writes the LR.*\['LambdaLR'\].*Fix: let"):
+        quiet_trainer(max_steps=2, callbacks=[GradientAccumulation({0: 1, 1: 2})]).fit(WithLambdaLR())
+    # with lr_scaling="none" the module's scheduler alone writes the LR: allowed
+    _, rec = fit(WithLambdaLR(lr=0.1, n=64), [GradientAccumulation({0: 1, 1: 2}, lr_scaling="none")], max_steps=3)
+    assert rec.lrs == pytest.approx([0.1, 0.05, 0.1 / 3])
+
+
+def test_endless_run_with_a_schedule_asks_for_the_length() -> None:
+    # max_epochs=-1 without max_steps never ends: the run length must be given, not crash on infinity
+    trainer = quiet_trainer(
+        max_epochs=-1, callbacks=[GradientAccumulation({0: 1, 3: 2}), WarmupConstantCosineLR(warmup=0.1)]
+    )
+    with pytest.raises(StabilityConfigError, match=r"needs the run length.*Fix: pass `total_steps=`"):
+        trainer.fit(TinyModule())
+
+
 def test_trainer_is_clean_after_fit() -> None:
     acc = GradientAccumulation({0: 2, 2: 3})
     trainer, _ = fit(TinyModule(), [acc], max_steps=3)
@@ -308,7 +331,8 @@ def test_pickling_and_state() -> None:
     clone = pickle.loads(pickle.dumps(acc))
     assert clone.factor_at(3) == 4 and clone.state_key == acc.state_key
     state = acc.state_dict()
-    assert state["applied_steps"] == 4 and state["factor"] == 4
+    # factor 4 from update 3 on; the window is cut to the 2 batches left in the epoch
+    assert state["factor"] == 4 and state["size"] == 2 and "applied_steps" not in state  # the count is the ledger's
 
 
 # ------------------------------------------------------------------ host syncs

@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins import MixedPrecision
 
 from lightning_stability import GradientNormMonitor, Outcome, StabilityConfigError, StepLedger
-from tests.helpers import TinyModule, count_syncs_per_step, quiet_trainer
+from tests.helpers import TinyModule, count_host_data_per_step, count_syncs_per_step, quiet_trainer
 
 
 class GradCapture(pl.Callback):
@@ -134,16 +134,19 @@ def test_fp16_norm_is_of_unscaled_gradients(optimizer: str) -> None:
     assert all(o == Outcome.APPLIED for o in after.outcomes)
 
 
-def test_fp16_overflow_is_skipped_by_the_scaler_and_recorded() -> None:
+@pytest.mark.parametrize("skip_nonfinite", [True, False])
+def test_fp16_overflow_is_skipped_by_the_scaler_and_recorded(skip_nonfinite: bool) -> None:
     after = LedgerCapture()
     snap = StateSnapshot()
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     trainer = quiet_trainer(
         max_steps=5,
-        callbacks=[snap, GradientNormMonitor(max_norm=1.0), after],
+        callbacks=[snap, GradientNormMonitor(max_norm=1.0, skip_nonfinite=skip_nonfinite), after],
         plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
     )
-    trainer.fit(TinyModule(inf_at_step=2))
+    # the scaler skips whatever skip_nonfinite says, and the warning tells so
+    with pytest.warns(RuntimeWarning, match="the update was skipped by the fp16 loss scaler"):
+        trainer.fit(TinyModule(inf_at_step=2))
     assert after.outcomes == [0, 0, int(Outcome.SKIPPED_SCALER), 0, 0]
     for key, value in snap.before[2].items():
         assert torch.equal(value, snap.after[2][key]), key
@@ -244,7 +247,7 @@ def test_logged_keys_and_values(tmp_path: Path) -> None:
     with pytest.warns(RuntimeWarning):
         trainer.fit(TinyModule(inf_at_step=2))
     rows = [r for r in _read_csv(tmp_path) if r.get("stability/grad_norm")]
-    assert [int(r["step"]) for r in rows] == [2, 4, 6]
+    assert [int(r["step"]) for r in rows] == [1, 3, 5]  # optimizer steps 2, 4, 6 under Lightning's labels
     for row, step in zip(rows, [2, 4, 6], strict=True):  # the bad step (3) is not a logging step
         assert float(row["stability/grad_norm"]) == pytest.approx(after.norms[step - 1], rel=1e-5)
     assert [float(r["stability/skipped_steps"]) for r in rows] == [0.0, 1.0, 1.0]
@@ -255,23 +258,68 @@ def test_logged_keys_and_values(tmp_path: Path) -> None:
     assert math.sqrt(sum(v * v for v in per_layer)) == pytest.approx(float(rows[0]["stability/grad_norm"]), rel=1e-5)
 
 
+def test_clip_fraction_is_the_share_of_clipped_steps_since_the_last_log(tmp_path: Path) -> None:
+    # lr=0: the weights never move, so both runs see the same gradients whatever the clipping does
+    probe = LedgerCapture()
+    pl.seed_everything(0)
+    quiet_trainer(max_steps=8, callbacks=[GradientNormMonitor(), probe]).fit(TinyModule(lr=0.0))
+    max_norm = sorted(probe.norms)[4]  # the four largest norms clip
+    after = LedgerCapture()
+    monitor = GradientNormMonitor(max_norm=max_norm, log_every_n_steps=4)
+    pl.seed_everything(0)
+    quiet_trainer(max_steps=8, callbacks=[monitor, after], logger=CSVLogger(tmp_path)).fit(TinyModule(lr=0.0))
+    assert after.norms == probe.norms
+    clipped = [c < 1.0 for c in after.coefs]
+    # 3 then 1 of 4: a window that was not reset at the first log would read 4/8 at the second
+    assert sum(clipped[:4]) == 3 and sum(clipped[4:]) == 1
+    rows = [r for r in _read_csv(tmp_path) if r.get("stability/clip_fraction")]
+    assert [float(r["stability/clip_fraction"]) for r in rows] == [sum(clipped[:4]) / 4, sum(clipped[4:]) / 4]
+
+
+def _layer_rows(tmp_path: Path, per_layer: bool | int) -> list[dict[str, float]]:
+    pl.seed_everything(0)
+    monitor = GradientNormMonitor(log_every_n_steps=1, per_layer=per_layer)
+    quiet_trainer(max_steps=3, callbacks=[monitor], logger=CSVLogger(tmp_path)).fit(TinyModule())
+    rows = [r for r in _read_csv(tmp_path) if r.get("stability/grad_norm")]
+    return [{k: float(v) for k, v in r.items() if k.startswith("stability/grad_norm/") and v} for r in rows]
+
+
 def test_per_layer_top_k(tmp_path: Path) -> None:
-    monitor = GradientNormMonitor(log_every_n_steps=1, per_layer=2)
-    trainer = quiet_trainer(max_steps=2, callbacks=[monitor], logger=CSVLogger(tmp_path))
-    trainer.fit(TinyModule())
-    rows = [r for r in _read_csv(tmp_path) if r.get("stability/grad_norm")]
-    for row in rows:
-        layer_keys = [k for k, v in row.items() if k.startswith("stability/grad_norm/") and v]
-        assert len(layer_keys) == 2
+    every = _layer_rows(tmp_path / "all", True)
+    top = _layer_rows(tmp_path / "top", 2)
+    assert len(every) == len(top) == 3
+    for full, two in zip(every, top, strict=True):
+        assert len(full) == 3  # net.0, net.2, net.4
+        largest = dict(sorted(full.items(), key=lambda kv: kv[1], reverse=True)[:2])
+        assert two == pytest.approx(largest, rel=1e-6)  # the two largest layers, with their norms
 
 
-def test_default_log_interval_is_the_trainers(tmp_path: Path) -> None:
+class LoggingModule(TinyModule):
+    """Logs its loss with ``self.log``: Lightning's own step labels, to compare ours with."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_default_log_interval_is_the_trainers(tmp_path: Path, accumulate: int) -> None:
+    """Logged on the same optimizer steps as Lightning's own metrics, under the same labels (Lightning labels
+    the k-th optimizer step k - 1), also under gradient accumulation."""
     trainer = quiet_trainer(
-        max_steps=6, callbacks=[GradientNormMonitor()], logger=CSVLogger(tmp_path), log_every_n_steps=3
+        max_steps=6,
+        callbacks=[GradientNormMonitor()],
+        logger=CSVLogger(tmp_path),
+        log_every_n_steps=3,
+        accumulate_grad_batches=accumulate,
     )
-    trainer.fit(TinyModule())
-    rows = [r for r in _read_csv(tmp_path) if r.get("stability/grad_norm")]
-    assert [int(r["step"]) for r in rows] == [3, 6]
+    trainer.fit(LoggingModule(n=96))
+    rows = _read_csv(tmp_path)
+    ours = [int(r["step"]) for r in rows if r.get("stability/grad_norm")]
+    lightnings = [int(r["step"]) for r in rows if r.get("train_loss")]
+    assert ours == [2, 5]  # optimizer steps 3 and 6
+    assert lightnings == ours
 
 
 # ---------------------------------------------------------------------------------------------- host syncs
@@ -296,6 +344,29 @@ def test_host_syncs_against_a_bare_trainer(optimizer: str, skip_nonfinite: bool,
         first_step_host_skip = optimizer == "sgd_fused" and skip_nonfinite and step == 1
         expected = extra_per_step + (1 if logging else 0) + (1 if first_step_host_skip else 0)
         assert o - b == expected, f"step {step}: bare {b}, with monitor {o}"
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "fp16"), [("adamw", False), ("adamw_fused", False), ("adamw", True), ("adamw_fused", True)]
+)
+def test_no_tensor_is_built_from_host_data_in_the_step(optimizer: str, fp16: bool) -> None:
+    """On a GPU, `torch.tensor(x, device="cuda")` blocks the host like `.item()`. After the first step (which
+    builds two small one-time tables), the monitor builds no tensor from host data: not on logging steps, not
+    with skips decided on the device (fused `found_inf`, the fp16 scaler's flag)."""
+
+    def trainer(callbacks: list[pl.Callback]) -> pl.Trainer:
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        plugins = [MixedPrecision("16-mixed", "cpu", scaler=scaler)] if fp16 else []
+        return quiet_trainer(max_steps=8, log_every_n_steps=4, callbacks=callbacks, plugins=plugins)
+
+    pl.seed_everything(0)
+    bare = count_host_data_per_step(trainer([]), TinyModule(optimizer=optimizer, inf_at_step=3))
+    pl.seed_everything(0)
+    monitor = GradientNormMonitor(max_norm=1.0, per_layer=True)
+    with pytest.warns(RuntimeWarning, match="Non-finite gradient norm"):
+        ours = count_host_data_per_step(trainer([monitor]), TinyModule(optimizer=optimizer, inf_at_step=3))
+    assert len(ours) == len(bare) == 8
+    assert ours[1:] == bare[1:]
 
 
 def test_host_syncs_fp16_reuse_the_scaler_decision() -> None:

@@ -17,10 +17,12 @@ from lightning.pytorch.plugins import MixedPrecision
 
 from lightning_stability.callbacks.grad_norm import GradientNormMonitor
 from lightning_stability.callbacks.loss_scale import LossScaleFloorError, LossScaleTuner
+from lightning_stability.callbacks.lr_schedule import WarmupConstantCosineLR
 from lightning_stability.errors import StabilityConfigError
 from lightning_stability.grad_scaler import FusedClipMixedPrecision, TunedGradScaler
 from lightning_stability.ledger import Outcome, StepLedger
 from lightning_stability.scaling import auto_initial_scale
+from lightning_stability.schedules import warmup_constant_cosine
 from tests.helpers import TinyModule, count_syncs_per_step, quiet_trainer
 
 # Injected overflows (the loss times inf) at these steps; at scale 256 TinyModule never overflows by itself.
@@ -141,6 +143,27 @@ def test_hysteresis_1_without_floor_equals_torch_gradscaler() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+class LRs(pl.Callback):
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.lrs.append(float(optimizer.param_groups[0]["lr"]))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])
+def test_overflow_skips_hold_the_lr_schedule_still(optimizer: str) -> None:
+    # the tuner's skips reach the LR schedule only through the shared ledger (Outcome.SKIPPED_SCALER)
+    rec = LRs()
+    callbacks = [LossScaleTuner(init_scale=256, hysteresis=1), WarmupConstantCosineLR(warmup=4, decay=4), rec]
+    fit(TinyModule(lr=0.05, optimizer=optimizer, inf_at_step=[3, 4, 6]), callbacks, max_steps=10)
+    applied_before = [0, 1, 2, 3, 3, 3, 4, 4, 5, 6]
+    expected = [0.05 * warmup_constant_cosine(n, 10, 4, 4) for n in applied_before]
+    assert rec.lrs == pytest.approx(expected, rel=1e-6)  # fused: a float32 tensor LR on the device
+    attempted = [0.05 * warmup_constant_cosine(n, 10, 4, 4) for n in range(10)]
+    assert rec.lrs[-1] != pytest.approx(attempted[-1], rel=1e-3)  # what counting attempts would have given
+
+
 # ---------------------------------------------------------------------- floor
 def test_floor_raise_stops_the_run_at_the_next_logging_step() -> None:
     tuner = LossScaleTuner(init_scale=256, hysteresis=1, min_scale=64, log_every_n_steps=2)
@@ -196,13 +219,13 @@ def test_logged_keys_and_values() -> None:
     logger, rec = MemoryLogger(), Recorder()
     tuner = LossScaleTuner(init_scale=256, growth_interval=3, hysteresis=2, min_scale=None, overflow_window=4)
     fit(TinyModule(inf_at_step=INF_STEPS), [tuner, rec], max_steps=12, logger=logger, log_every_n_steps=3)
-    scales = logger.series("stability/loss_scale")
-    assert sorted(scales) == [3, 6, 9, 12]
-    assert scales == {s: rec.scales[s - 1] for s in (3, 6, 9, 12)}
+    scales = logger.series("stability/loss_scale")  # optimizer steps 3, 6, 9, 12 under Lightning's labels
+    assert sorted(scales) == [2, 5, 8, 11]
+    assert scales == {s - 1: rec.scales[s - 1] for s in (3, 6, 9, 12)}
     flags = [int(i in INF_STEPS) for i in range(12)]
-    assert logger.series("stability/overflow_steps") == {s: sum(flags[:s]) for s in (3, 6, 9, 12)}
+    assert logger.series("stability/overflow_steps") == {s - 1: sum(flags[:s]) for s in (3, 6, 9, 12)}
     rates = logger.series("stability/overflow_rate")
-    assert rates == pytest.approx({s: sum(flags[max(0, s - 4) : s]) / min(s, 4) for s in (3, 6, 9, 12)})
+    assert rates == pytest.approx({s - 1: sum(flags[max(0, s - 4) : s]) / min(s, 4) for s in (3, 6, 9, 12)})
     assert set(logger.series("stability/loss_scale_floor_hits").values()) == {0.0}
 
 

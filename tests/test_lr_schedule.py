@@ -13,6 +13,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins import MixedPrecision
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_stability.callbacks.grad_norm import GradientNormMonitor
@@ -27,20 +28,25 @@ from lightning_stability.schedules import (
     linear,
     warmup_constant_cosine,
 )
-from tests.helpers import TinyModule, count_syncs_per_step, quiet_trainer
+from tests.helpers import TinyModule, count_host_data_per_step, count_syncs_per_step, quiet_trainer
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*LitLogger.*")
 
 
 class Recorder(Callback):
-    """The LR each optimizer step uses, per param group, and the weights at the end."""
+    """The LR each optimizer step uses, per param group (tensor LRs are copied, read on the host after fit,
+    so that the recorder adds no host sync of its own)."""
 
     def __init__(self) -> None:
-        self.lrs: list[list[float]] = []
+        self._lrs: list[list[float | torch.Tensor]] = []
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        self.lrs.append([float(g["lr"]) for g in optimizer.param_groups])
+        self._lrs.append([g["lr"].clone() if torch.is_tensor(g["lr"]) else g["lr"] for g in optimizer.param_groups])
+
+    @property
+    def lrs(self) -> list[list[float]]:
+        return [[float(lr) for lr in step] for step in self._lrs]
 
 
 class TwoGroupModule(TinyModule):
@@ -147,10 +153,12 @@ def test_lr_monitor_and_stability_lr_see_the_schedule(tmp_path: Path, optimizer:
     logger.save()
     rows = _csv_rows(logger)
     expected = [0.05 * warmup_constant_cosine(n, 10, 4, 4) for n in applied_before_each_step(10, {2})]
-    monitored = [float(r["lr-AdamW"]) for r in rows if r.get("lr-AdamW")]
-    ours = [float(r["stability/lr"]) for r in rows if r.get("stability/lr")]
-    assert monitored == pytest.approx(expected, rel=1e-6)
-    assert ours == pytest.approx(expected, rel=1e-6)
+    monitored = {int(r["step"]): float(r["lr-AdamW"]) for r in rows if r.get("lr-AdamW")}
+    ours = {int(r["step"]): float(r["stability/lr"]) for r in rows if r.get("stability/lr")}
+    # the LR of each update, logged for the same updates under the same labels
+    assert list(monitored) == list(range(10)) and list(ours) == list(range(10))
+    assert list(monitored.values()) == pytest.approx(expected, rel=1e-6)
+    assert list(ours.values()) == pytest.approx(expected, rel=1e-6)
 
 
 # ------------------------------------------------------------------ errors
@@ -249,12 +257,41 @@ def test_resume_continues_the_curve_exactly(tmp_path: Path, optimizer: str) -> N
     assert straight_lrs[3] == straight_lrs[4] and straight_lrs[13] == straight_lrs[14]
 
 
+def _make_schedule() -> Any:
+    # A new function object on every call, as in a new process: the same name, another address.
+    def halve_every_two(step: int, total_steps: int | None) -> float:
+        return 0.5 ** (step // 2)
+
+    return halve_every_two
+
+
+def _run_function_schedule(tmp_path: Path, ckpt: Path | None) -> tuple[list[float], list[torch.Tensor]]:
+    pl.seed_everything(0)
+    rec = Recorder()
+    module = TinyModule(lr=0.05, n=32)  # 4 batches per epoch
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1)
+    callbacks = [ScheduledLR(_make_schedule()), rec, saver]
+    trainer = quiet_trainer(max_steps=8, enable_checkpointing=True, callbacks=callbacks)
+    trainer.fit(module, ckpt_path=ckpt)
+    return [x[0] for x in rec.lrs], [p.detach().clone() for p in module.parameters()]
+
+
+def test_resume_with_a_plain_function_schedule(tmp_path: Path) -> None:
+    """The callback's state (the base LRs) is found again although the function's repr (its address) changed;
+    otherwise the resumed run would take the scheduled LR for the base and shrink it once more."""
+    straight_lrs, straight_weights = _run_function_schedule(tmp_path / "a", None)
+    resumed_lrs, resumed_weights = _run_function_schedule(tmp_path / "b", tmp_path / "a" / "epoch=0-step=4.ckpt")
+    assert straight_lrs == pytest.approx([0.05 * 0.5 ** (n // 2) for n in range(8)], rel=1e-12)
+    assert resumed_lrs == straight_lrs[4:]
+    assert all(torch.equal(a, b) for a, b in zip(straight_weights, resumed_weights, strict=True))
+
+
 def test_state_dict_round_trip_and_pickling() -> None:
     cb = WarmupConstantCosineLR(warmup=2, decay=4)
     trainer = quiet_trainer(max_steps=6, callbacks=[cb])
     trainer.fit(TinyModule(lr=0.05))
     state = cb.state_dict()
-    assert state == {"base_lrs": [[0.05]], "total_steps": 6, "applied_steps": 6}
+    assert state == {"base_lrs": [[0.05]], "total_steps": 6}  # the applied count travels in the ledger
     fresh = WarmupConstantCosineLR(warmup=2, decay=4)
     fresh.load_state_dict(state)
     assert fresh.state_dict()["base_lrs"] == [[0.05]]
@@ -285,9 +322,49 @@ def test_device_path_adds_no_sync_to_device_decided_skips(optimizer: str) -> Non
     assert scheduled == monitor_only
 
 
+def test_device_path_builds_no_tensor_from_host_data() -> None:
+    # on a GPU `torch.tensor(x, device="cuda")` blocks like a sync; the device path must not build any
+    bare = _host_data([], "adamw_fused", [3])
+    scheduled = _host_data([GradientNormMonitor(), WarmupConstantCosineLR(warmup=2, decay=3)], "adamw_fused", [3])
+    assert scheduled[1:] == bare[1:]  # the first step builds the schedule's table (and the ledger's counters) once
+
+
+def _host_data(callbacks: list[Callback], optimizer: str, inf_at_step: list[int]) -> list[int]:
+    pl.seed_everything(0)
+    trainer = quiet_trainer(max_steps=8, callbacks=callbacks)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return count_host_data_per_step(trainer, TinyModule(optimizer=optimizer, inf_at_step=inf_at_step))
+
+
 def test_non_fused_optimizer_adds_no_sync_when_the_skip_was_decided_on_the_host() -> None:
     # A non-fused optimizer's skip is read on the host by the ledger (GradientNormMonitor's one sync),
     # so the applied count stays a host integer and the schedule adds nothing on top.
     monitor_only = _syncs([GradientNormMonitor()], "adamw", [3])
     scheduled = _syncs([GradientNormMonitor(), WarmupConstantCosineLR(warmup=2, decay=3)], "adamw", [3])
     assert scheduled == monitor_only
+
+
+def _fp16(callbacks: list[Callback], optimizer: str, rec: Recorder | None = None) -> list[int]:
+    pl.seed_everything(0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    trainer = quiet_trainer(
+        max_steps=8,
+        callbacks=[*callbacks, *([rec] if rec else [])],
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+    )
+    return count_syncs_per_step(trainer, TinyModule(lr=0.05, optimizer=optimizer, inf_at_step=[3, 4]))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])
+def test_fp16_scaler_skips_hold_the_lr_still_without_syncs(optimizer: str) -> None:
+    """Steps 3 and 4 overflow: the loss scaler skips them and the LR holds still. The schedule adds no host
+    sync to a bare fp16 Trainer: for non-fused optimizers the scaler's own host decision is reused (the
+    optimizer stepped or not), for fused ones the LR is a device tensor."""
+    bare = _fp16([], optimizer)
+    rec = Recorder()
+    scheduled = _fp16([WarmupConstantCosineLR(warmup=4, decay=4)], optimizer, rec)
+    expected = [0.05 * warmup_constant_cosine(n, 8, 4, 4) for n in applied_before_each_step(8, {3, 4})]
+    assert [x[0] for x in rec.lrs] == pytest.approx(expected, rel=1e-6)
+    assert rec.lrs[3] == rec.lrs[4] == rec.lrs[5]
+    assert scheduled == bare

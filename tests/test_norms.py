@@ -16,6 +16,7 @@ from lightning_stability.norms import (
     scale_,
     total_norm,
 )
+from tests.helpers import HostDataCounter
 
 
 def _grads(seed: int = 0, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
@@ -55,13 +56,18 @@ def test_no_clipping_below_threshold() -> None:
     assert coef.item() == 1.0
 
 
-def test_mixed_dtypes_accumulate_in_fp32() -> None:
+def test_mixed_dtypes_accumulate_in_fp32_in_input_order_without_host_data() -> None:
     grads = _grads(3)
-    mixed = [g.half() if i % 2 else g.bfloat16() for i, g in enumerate(grads)]
-    norms = per_tensor_norms(mixed)
+    # three dtype buckets, interleaved: the result must come back in input order
+    mixed = [g.half() if i % 3 == 1 else g.bfloat16() if i % 3 == 2 else g for i, g in enumerate(grads)]
+    counter = HostDataCounter()
+    with counter:
+        norms = per_tensor_norms(mixed)
     assert norms.dtype == torch.float32
     expected = torch.stack([torch.linalg.vector_norm(g.float()) for g in mixed])
     torch.testing.assert_close(norms, expected)
+    # no index tensor built from host data: on a GPU that would be a blocking copy in every step
+    assert counter.count == 0
 
 
 def test_group_norms_combine_per_module() -> None:

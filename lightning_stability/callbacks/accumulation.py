@@ -5,12 +5,13 @@ from __future__ import annotations
 import bisect
 import math
 import warnings
-import weakref
 from collections.abc import Mapping
 from typing import Any, cast
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -117,7 +118,7 @@ class GradientAccumulation(LedgerCallback):
     says so at ``setup``; ``"group_norm"`` replaces each BatchNorm by a GroupNorm with the same
     channels and affine weights before the optimizer is built (batch-independent, no running
     statistics, but a different normalisation: retrain, do not load BatchNorm statistics);
-    ``"sync_batchnorm"`` converts to ``SyncBatchNorm`` under DDP (statistics over the micro-batch of
+    ``"sync_batchnorm"`` converts to ``SyncBatchNorm`` under DDP on GPUs (statistics over the micro-batch of
     every rank: ``world_size`` times more samples, one all-reduce per BatchNorm layer per forward);
     ``"ignore"`` does nothing.
 
@@ -139,7 +140,10 @@ class GradientAccumulation(LedgerCallback):
     Raises:
         StabilityConfigError: for a bad argument or a missing ``fairscale``; at ``setup`` when the
             Trainer also accumulates (``accumulate_grad_batches``, ``GradientAccumulationScheduler``),
-            for manual optimization, or for a strategy that accumulates by itself (DeepSpeed).
+            for manual optimization, for a strategy that accumulates by itself (DeepSpeed), or for
+            ``batchnorm="sync_batchnorm"`` without DDP on GPUs; at ``on_fit_start`` when ``lr_scaling``
+            ``"linear"``/``"sqrt"`` meets an LR scheduler returned by ``configure_optimizers`` (both would
+            write the LR; use :class:`~lightning_stability.callbacks.lr_schedule.ScheduledLR` instead).
 
     Example::
 
@@ -179,7 +183,6 @@ class GradientAccumulation(LedgerCallback):
         self.batchnorm = batchnorm
         self.log_every_n_steps = log_every_n_steps
         self._every_n = log_every_n_steps or 50
-        self._trainer_ref: weakref.ReferenceType[pl.Trainer] | None = None
         self._optimizer: Optimizer | None = None
         self._micro = 0  # micro-batches seen in the current window
         self._size = 0  # micro-batches in the current window (the factor, or fewer at the end of an epoch)
@@ -204,7 +207,7 @@ class GradientAccumulation(LedgerCallback):
     # ------------------------------------------------------------------ pure schedule
     @property
     def is_constant(self) -> bool:
-        return len(set(self._factors)) == 1 and self._factors[0] == self._factors[-1] and self._keys == [0]
+        return len(set(self._factors)) == 1
 
     def factor_at(self, applied_steps: int) -> int:
         """Micro-batches per optimizer step after ``applied_steps`` applied updates."""
@@ -237,8 +240,8 @@ class GradientAccumulation(LedgerCallback):
             if n >= self._keys[-1]:  # past the last switch every epoch has the same number of steps
                 per = math.ceil(per_epoch / self._factors[-1])
                 epochs_left = math.inf if max_epochs is None or max_epochs < 0 else max_epochs - epoch
-                total = n + per * epochs_left
-                return int(min(total, max_steps)) if max_steps >= 0 else int(total)
+                total = min(n + per * epochs_left, max_steps if max_steps >= 0 else math.inf)
+                return int(total) if math.isfinite(total) else None  # None: an endless run
             done = 0
             while done < per_epoch:
                 k = self.factor_at(n)
@@ -256,7 +259,6 @@ class GradientAccumulation(LedgerCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._trainer_ref = weakref.ref(trainer)
         me = f"GradientAccumulation(steps={self.steps!r})"
         if trainer.accumulate_grad_batches != 1:
             raise StabilityConfigError(
@@ -291,7 +293,7 @@ class GradientAccumulation(LedgerCallback):
                 "training epoch loop, which GradientAccumulation drives. Fix: use lightning>=2.1,<2.7."
             )
         self._every_n = self.log_every_n_steps or trainer.log_every_n_steps or 1  # type: ignore[attr-defined]
-        self._base_lrs, self._adascale_state, self._known_applied = [], None, 0
+        self._base_lrs, self._adascale_state = [], None
         if max(self._factors) > 1:
             self._handle_batchnorm(trainer, pl_module)
         trainer.accumulate_grad_batches = self._factors[0] if self.is_constant else 1
@@ -301,14 +303,13 @@ class GradientAccumulation(LedgerCallback):
         if not names or self.batchnorm == "ignore":
             return
         if self.batchnorm == "warn":
-            warnings.warn(
+            rank_zero_warn(
                 f"BatchNorm layers {names[:5]}{' ...' if len(names) > 5 else ''} under gradient accumulation "
                 f"(up to {max(self._factors)} micro-batches per step): their batch statistics and running "
                 "averages see one micro-batch at a time, not the accumulated batch, so they are noisier than "
                 "the effective batch size suggests. Pass GradientAccumulation(batchnorm='group_norm') to use "
                 "GroupNorm (batch-independent), 'sync_batchnorm' under DDP, or 'ignore' to silence this.",
-                UserWarning,
-                stacklevel=2,
+                category=UserWarning,
             )
         elif self.batchnorm == "group_norm":
             _convert_to_group_norm(pl_module)
@@ -320,8 +321,34 @@ class GradientAccumulation(LedgerCallback):
                     f"needs DDP with several processes (world_size={trainer.world_size})",
                     "use batchnorm='group_norm', or run with devices >= 2",
                 )
+            device = trainer.strategy.root_device.type
+            if device not in ("cuda", "hpu", "xpu", torch._C._get_privateuse1_backend_name()):
+                # torch's SyncBatchNorm raises in its first forward on any other device
+                raise config_error(
+                    "batchnorm",
+                    "sync_batchnorm",
+                    f"needs GPUs, but this run trains on {device!r} (torch's SyncBatchNorm runs on GPUs only)",
+                    "use batchnorm='group_norm'",
+                )
             for name, child in list(pl_module.named_children()):
                 setattr(pl_module, name, nn.SyncBatchNorm.convert_sync_batchnorm(child))
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_stability.callbacks.lr_schedule import ScheduledLR
+
+        # `configure_optimizers` has run by now (strategy setup), so its schedulers are known.
+        has_schedule = any(isinstance(cb, ScheduledLR) for cb in trainer.callbacks)  # type: ignore[attr-defined]
+        scales = self.lr_scaling in ("linear", "sqrt") and max(self._factors) > 1
+        if scales and trainer.lr_scheduler_configs and not has_schedule:
+            names = [type(config.scheduler).__name__ for config in trainer.lr_scheduler_configs]
+            raise config_error(
+                "lr_scaling",
+                self.lr_scaling,
+                f"writes the LR, and so do the LR scheduler(s) {names} from `configure_optimizers`: one would "
+                "silently undo the other",
+                "let ScheduledLR (or WarmupConstantCosineLR) schedule the LR, which folds the accumulation scaling "
+                "in, or pass lr_scaling='none' and scale the LR yourself",
+            )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         from lightning_stability.callbacks.lr_schedule import ScheduledLR
@@ -331,10 +358,8 @@ class GradientAccumulation(LedgerCallback):
         # which is right only for a constant factor. The window count decides instead; everything that
         # depends on that decision (optimizer step, DDP no_sync, LR schedulers, logging) follows it.
         setattr(trainer.fit_loop.epoch_loop, "_accumulated_batches_reached", self._window_full)  # noqa: B010
-        ledger = StepLedger.of(trainer)
-        host = ledger.applied_steps_host
-        if host is not None:
-            self._known_applied = host
+        # HOST SYNC (once, before the first step) at most: the ledger may hold device-decided counts.
+        self._known_applied = StepLedger.of(trainer).applied_steps_now()
         self._opened = False
         has_schedule = any(isinstance(cb, ScheduledLR) for cb in trainer.callbacks)  # type: ignore[attr-defined]
         self._owns_lr = self.lr_scaling in ("linear", "sqrt") and not has_schedule
@@ -522,8 +547,6 @@ class GradientAccumulation(LedgerCallback):
             opt_state.get("state", {}).pop("adascale", None)
 
     def state_dict(self) -> dict[str, Any]:
-        trainer = self._trainer_ref() if self._trainer_ref is not None else None
-        applied = StepLedger.of(trainer).applied_steps_now() if trainer is not None else None
         adascale = None
         if self._optimizer is not None and "adascale" in _store(self._optimizer):
             adascale = {k: [float(x) for x in v] for k, v in _store(self._optimizer)["adascale"].items()}
@@ -531,7 +554,6 @@ class GradientAccumulation(LedgerCallback):
             "micro": self._micro,
             "size": self._size,
             "factor": self._factor,
-            "applied_steps": applied,
             "base_lrs": list(self._base_lrs),
             "adascale": adascale,
         }
@@ -540,12 +562,10 @@ class GradientAccumulation(LedgerCallback):
         self._micro = int(state_dict.get("micro", 0))
         self._size = int(state_dict.get("size", 0))
         self._factor = int(state_dict.get("factor", self._factors[0]))
-        applied = state_dict.get("applied_steps")
-        self._known_applied = int(applied) if applied is not None else 0
         self._base_lrs = [float(x) for x in state_dict.get("base_lrs", [])]
         self._adascale_state = state_dict.get("adascale")
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_trainer_ref=None, _optimizer=None, _stash=[], _adascale=None, _hooks=[], _saved_lrs=[])
+        state.update(_optimizer=None, _stash=[], _adascale=None, _hooks=[], _saved_lrs=[])
         return state

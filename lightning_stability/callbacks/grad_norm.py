@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -135,6 +135,7 @@ class GradientNormMonitor(LedgerCallback):
         self._index_cache: tuple[tuple[int, ...], Tensor, list[str]] | None = None
         self._bad_seen: Tensor | None = None
         self._bad_snapshot: Tensor | None = None
+        self._scaler_skips = False
         self._state_key: str | None = None
 
     @property
@@ -175,6 +176,7 @@ class GradientNormMonitor(LedgerCallback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._names = {id(p): name for name, p in pl_module.named_parameters()}
+        self._scaler_skips = loss_scaler(trainer) is not None
         self._index_cache = None
         self._bad_seen = self._bad_snapshot = None
 
@@ -289,14 +291,17 @@ class GradientNormMonitor(LedgerCallback):
             assert isinstance(bad_values, list) and isinstance(bad_indices, list)
             top = ", ".join(f"{names[int(i)]}={v:.3g}" for i, v in zip(bad_indices, bad_values, strict=True) if v >= 0)
             count = int(values["_grad_norm_monitor/bad_count"])  # type: ignore[arg-type]
-            action = "skipped" if self.skip_nonfinite else "NOT skipped (skip_nonfinite=False)"
-            warnings.warn(
+            if self._scaler_skips:
+                action = "skipped by the fp16 loss scaler"
+            else:
+                action = "skipped" if self.skip_nonfinite else "NOT skipped (skip_nonfinite=False)"
+            # Every rank saw the same global norms: warn once, not once per process.
+            rank_zero_warn(
                 f"Non-finite gradient norm: the update was {action}. First module with a non-finite gradient: "
                 f"'{first}' ({count} of {len(names)} modules non-finite). Largest finite gradient norms at that "
                 f"step: {top or 'none'}. An explosion usually starts in the first module named; lower the "
                 "learning rate or clip harder (max_norm).",
-                RuntimeWarning,
-                stacklevel=2,
+                category=RuntimeWarning,
             )
         return extra
 

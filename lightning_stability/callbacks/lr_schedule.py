@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -46,6 +45,18 @@ def supports_tensor_lr(optimizer: Optimizer) -> bool:
     return all(bool(g.get("fused")) or bool(g.get("capturable")) for g in optimizer.param_groups)
 
 
+def _schedule_name(schedule: Schedule | ScheduleFn) -> str:
+    """The schedule's name in the callback's ``state_key``: the same in every process.
+
+    A function's ``repr`` holds its memory address, which changes from run to run: keyed by it, a resumed
+    run would not find its saved state (the base LRs) and would take the scheduled LR for the base.
+    """
+    if isinstance(schedule, Schedule):
+        return repr(schedule)
+    named = schedule if hasattr(schedule, "__qualname__") else type(schedule)
+    return f"{named.__module__}.{named.__qualname__}"
+
+
 def _device_of(optimizer: Optimizer) -> torch.device:
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -71,10 +82,12 @@ class ScheduledLR(LedgerCallback):
     ``lr = base_lr * schedule(n) * accumulation.lr_scale_at(n)`` is computed in this one place.
 
     No host sync is added to a training step: the applied count is a host integer while every skip
-    decision was made on the host. When a decision stayed on the device (fused optimizers skipping via
-    ``found_inf``, the fp16 scaler), the multiplier is looked up on the device in a table of the
-    schedule (4 bytes per step) and written as a tensor ``lr``, which fused and capturable optimizers
-    read in their kernels. Other optimizers then cost one host sync per step (documented trade-off).
+    decision was made on the host (no skips; non-finite skips of non-fused optimizers; the fp16 scaler's
+    skips of non-fused optimizers). When a decision stayed on the device (fused optimizers skipping via
+    ``found_inf``, with or without the fp16 scaler), the multiplier is looked up on the device in a table
+    of the schedule (4 bytes per step) and written as a tensor ``lr``, which fused and capturable
+    optimizers read in their kernels. (Non-fused optimizers leave no decision on the device; should they
+    meet device-decided counts anyway, e.g. from a checkpoint of a fused run, they cost one sync a step.)
 
     Logged keys (on logging steps, through the ledger):
 
@@ -135,16 +148,17 @@ class ScheduledLR(LedgerCallback):
         self._every_n = log_every_n_steps or 50
         self._base_lrs: list[list[float]] = []
         self._total: int | None = None
-        self._restored_applied: int | None = None
         self._source: LRScaleSource | None = None
         self._optimizers: list[Optimizer] = []
         self._table: Tensor | None = None
-        self._pending = False
-        self._trainer_ref: weakref.ReferenceType[pl.Trainer] | None = None
+        self._state_key: str | None = None
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(schedule=repr(self.schedule))
+        # Lightning reads this around every hook call: build the string once.
+        if self._state_key is None:
+            self._state_key = self._generate_state_key(schedule=_schedule_name(self.schedule))
+        return self._state_key
 
     # ------------------------------------------------------------------ the formula
     def multiplier(self, applied_steps: int) -> float:
@@ -158,7 +172,6 @@ class ScheduledLR(LedgerCallback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._trainer_ref = weakref.ref(trainer)
         schedulers = [cb for cb in trainer.callbacks if isinstance(cb, ScheduledLR)]  # type: ignore[attr-defined]
         if len(schedulers) > 1:
             raise StabilityConfigError(
@@ -167,8 +180,8 @@ class ScheduledLR(LedgerCallback):
                 "learning rate. Fix: keep exactly one."
             )
         self._every_n = self.log_every_n_steps or trainer.log_every_n_steps or 1  # type: ignore[attr-defined]
-        # A checkpoint, if any, is loaded after this hook and refills both.
-        self._base_lrs, self._restored_applied = [], None
+        # A checkpoint, if any, is loaded after this hook and refills them.
+        self._base_lrs = []
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # `configure_optimizers` has run by now (strategy setup), so its schedulers are known.
@@ -197,15 +210,11 @@ class ScheduledLR(LedgerCallback):
         if isinstance(self.schedule, Schedule):
             self.schedule.validate(self._total)
         self._table = None
-        applied = StepLedger.of(trainer).applied_steps_host
+        ledger = StepLedger.of(trainer)
         # The LR's type follows the ledger: a float while counts are on the host, a device tensor once a
         # decision stayed on the device. A resumed run restores the ledger, hence the same type as before.
-        as_tensor = applied is None and self._tensor_lr_ok()
-        if applied is None:
-            applied = self._restored_applied
-        self._pending = applied is None
-        if applied is not None:
-            self._set_host(applied, as_tensor)
+        as_tensor = ledger.applied_steps_host is None and self._tensor_lr_ok()
+        self._set_host(ledger.applied_steps_now(), as_tensor)  # HOST SYNC (once, before the first step) at most
 
     def _resolve_total(self, trainer: pl.Trainer) -> int | None:
         if self.total_steps is not None:
@@ -270,9 +279,6 @@ class ScheduledLR(LedgerCallback):
     ) -> None:
         ledger = StepLedger.of(trainer)
         ledger.open_step(optimizer)
-        if self._pending:
-            self._pending = False
-            self._set_from_ledger(ledger)
         if ledger.is_logging_step(self._every_n):
             for i, group in enumerate(optimizer.param_groups):
                 lr = group["lr"]
@@ -287,21 +293,15 @@ class ScheduledLR(LedgerCallback):
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        trainer = self._trainer_ref() if self._trainer_ref is not None else None
-        applied = StepLedger.of(trainer).applied_steps_now() if trainer is not None else None
-        return {
-            "base_lrs": [list(b) for b in self._base_lrs],
-            "total_steps": self._total,
-            "applied_steps": applied,
-        }
+        # The position on the curve is the ledger's applied count, saved once with the ledger.
+        return {"base_lrs": [list(b) for b in self._base_lrs], "total_steps": self._total}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._base_lrs = [list(map(float, b)) for b in state_dict.get("base_lrs", [])]
-        self._restored_applied = state_dict.get("applied_steps")
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_optimizers=[], _table=None, _source=None, _trainer_ref=None)
+        state.update(_optimizers=[], _table=None, _source=None)
         return state
 
 

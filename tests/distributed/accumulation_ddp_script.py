@@ -16,9 +16,11 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from lightning_stability.callbacks.accumulation import GradientAccumulation
+from lightning_stability.errors import StabilityConfigError
 from tests.helpers import TinyModule
 
 warnings.filterwarnings("ignore")
@@ -81,12 +83,39 @@ def run(steps: Any, n: int) -> dict[str, Any]:
     }
 
 
+class BatchNormModule(TinyModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def sync_batchnorm_on_cpu() -> str:
+    """DDP on CPU with batchnorm="sync_batchnorm": torch's SyncBatchNorm would raise in its first forward."""
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        max_steps=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[GradientAccumulation(steps=2, batchnorm="sync_batchnorm")],
+    )
+    try:
+        trainer.fit(BatchNormModule())
+    except StabilityConfigError as err:
+        return str(err)
+    return "no error"
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     results = {
         "every_batch": run(1, 64),  # 8 micro-batches per rank, one all-reduce round each
         "constant_4": run(4, 128),  # 16 micro-batches per rank, 4 optimizer steps
         "schedule": run({0: 2, 2: 3}, 128),  # 2, 2, then 3s: the switch is not aligned with the epoch count
+        "sync_batchnorm_on_cpu": sync_batchnorm_on_cpu(),  # last: a failed fit tears the process group down
     }
     rank = int(os.environ["RANK"])
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))

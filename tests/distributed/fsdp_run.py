@@ -29,10 +29,12 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class CollectiveCounter:
-    """Counts reduce-scatters issued through torch.distributed (FSDP2 calls them by module attribute)."""
+    """Counts reduce-scatters issued through torch.distributed (FSDP2 calls them by module attribute) and
+    records the dtypes they reduce in."""
 
     def __init__(self) -> None:
         self.count = 0
+        self.dtypes: set[str] = set()
         self._saved: dict[str, Any] = {}
 
     def __enter__(self) -> CollectiveCounter:
@@ -42,6 +44,9 @@ class CollectiveCounter:
 
             def counting(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
                 self.count += 1
+                reduced = kwargs.get("input", args[1] if len(args) > 1 else None)
+                if isinstance(reduced, torch.Tensor):
+                    self.dtypes.add(str(reduced.dtype))
                 return _original(*args, **kwargs)
 
             setattr(dist, name, counting)
@@ -111,6 +116,8 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     )
     trainer_kwargs.update(spec.get("trainer", {}))
     trainer = pl.Trainer(strategy=strategy_from(spec.get("strategy", {})), callbacks=callbacks, **trainer_kwargs)
+    compute_dtypes: set[str] = set()  # what the first block's first MLP layer computes in
+    module.model.blocks[0].mlp[0].register_forward_hook(lambda m, i, o: compute_dtypes.add(str(o.dtype)))
     counter, sync_counter = CollectiveCounter(), SyncCounter()
     boundaries = StepSyncCounter(sync_counter)
     if spec.get("count_syncs"):
@@ -136,6 +143,8 @@ def run(spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         "local_norms": recorder.local_norms,
         "scales": recorder.scales,
         "reduce_scatters": counter.count,
+        "reduce_dtypes": sorted(counter.dtypes),
+        "compute_dtypes": sorted(compute_dtypes),
         "syncs_per_step": boundaries.per_step,
         "ledger_steps": ledger.steps,
         "ledger_counts": ledger.counts.tolist(),

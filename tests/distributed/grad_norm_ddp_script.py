@@ -55,7 +55,9 @@ trainer = quiet_trainer(
     callbacks=[GradientNormMonitor(max_norm=1.0), record],
 )
 pl.seed_everything(0)
-trainer.fit(TinyModule(optimizer=optimizer, inf_at_step=3, inf_rank=1))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    trainer.fit(TinyModule(optimizer=optimizer, inf_at_step=3, inf_rank=1))
 bad = 3
 result = {
     "outcomes": record.outcomes,
@@ -69,6 +71,7 @@ result = {
     "other_steps_changed": all(not torch.equal(record.before[s][0], record.after[s][0]) for s in range(6) if s != bad),
     "final_weights": [p.detach().flatten().tolist() for p in trainer.lightning_module.parameters()],
     "applied": StepLedger.of(trainer).applied_steps.item(),
+    "nonfinite_warnings": sum("Non-finite gradient norm" in str(w.message) for w in caught),
 }
 with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
     json.dump(result, f)

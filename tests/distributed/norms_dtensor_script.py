@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from lightning_stability.norms import per_tensor_norms, total_norm
+from tests.helpers import HostDataCounter
 
 out_dir = sys.argv[1]
 dist.init_process_group("gloo")
@@ -25,13 +26,17 @@ mesh2 = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "s
 for p in (2.0, 1.0, math.inf):
     expected = [torch.linalg.vector_norm(t, p).item() for t in full]
     ours = per_tensor_norms(sharded, p).tolist()
-    mixed_total = total_norm([*sharded, plain], p).item()
+    counter = HostDataCounter()  # tensors built from host data: blocking copies on a GPU
+    with counter:
+        mixed = total_norm([*sharded, plain], p)
+    mixed_total = mixed.item()
     expected_total = torch.linalg.vector_norm(torch.cat([*(t.flatten() for t in full), plain]), p).item()
     result[str(p)] = {
         "expected": expected,
         "ours": ours,
         "mixed_total": mixed_total,
         "expected_total": expected_total,
+        "host_data": counter.count,
     }
     if mesh2 is not None:
         hsdp = [distribute_tensor(t, mesh2, [Replicate(), Shard(0)]) for t in full]

@@ -28,4 +28,8 @@ def test_one_all_reduce_round_per_optimizer_step(tmp_path: Path) -> None:
         assert schedule["sizes"] == [2, 2, 3, 3, 3, 3]
         assert schedule["rounds"] == buckets * schedule["steps"]  # 6 rounds, not 16
         assert every["weights_equal"] and constant["weights_equal"] and schedule["weights_equal"]
+        # a clear error at setup on every rank, not torch's ValueError in the first forward
+        assert (
+            "`batchnorm='sync_batchnorm'` needs GPUs, but this run trains on 'cpu'" in result["sync_batchnorm_on_cpu"]
+        )
     assert ranks[0] == ranks[1]

@@ -214,6 +214,9 @@ def test_fp16_inf_in_one_ranks_shard_skips_the_step_on_every_rank(two_proc) -> N
     r0, r1 = results[0]["fp16_inf"], results[1]["fp16_inf"]
     assert r0["scaler"] == r1["scaler"] == "ShardedGradScaler"
     assert r0["precision"] == "16-mixed"
+    # mixed_precision=True: fp16 compute, fp32 gradient reduction and master weights
+    assert r0["compute_dtypes"] == ["torch.float16"] and r0["reduce_dtypes"] == ["torch.float32"]
+    assert r0["param_dtypes"] == ["torch.float32"]
     # only rank 1 wrote an inf (step index 3); both ranks backed off the scale and skipped
     assert r0["scales"] == r1["scales"]
     assert r0["scales"][3] == r0["scales"][2] / 2
@@ -227,6 +230,8 @@ def test_bf16_computes_in_bf16_but_keeps_fp32_master_weights_and_gradients(two_p
     _, results = two_proc
     run = results[0]["bf16"]
     assert run["precision"] == "bf16-mixed"
+    assert run["compute_dtypes"] == ["torch.bfloat16"]
+    assert run["reduce_dtypes"] == ["torch.float32"]  # the reduce-scatter inputs: fp32 by default
     assert run["param_dtypes"] == ["torch.float32"] and run["grad_dtypes"] == ["torch.float32"]
     assert run["losses"][-1] < run["losses"][0]
 
@@ -299,6 +304,8 @@ def one_proc(two_proc, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, 
 def test_sharded_checkpoint_from_two_processes_resumes_with_one(two_proc, one_proc) -> None:
     saved, results = two_proc
     out, one = one_proc
+    # each rank wrote its own shard file (torch.distributed.checkpoint names them __{rank}_{i}.distcp)
+    assert sorted(p.name.split("_")[2] for p in (saved / "sharded.ckpt").glob("*.distcp")) == ["0", "1"]
     meta = torch.load(saved / "sharded.ckpt" / META_FILE, weights_only=False)
     assert "ledger" in meta["lightning_stability"] and "state_dict" not in meta
     assert any("GradientNormMonitor" in key for key in meta["callbacks"])

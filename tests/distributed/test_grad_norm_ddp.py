@@ -26,3 +26,5 @@ def test_inf_on_one_rank_skips_on_every_rank(tmp_path: Path, optimizer: str) -> 
     # the same global norm on both ranks, and bit-identical weights at the end
     assert rank0["norms"] == rank1["norms"]
     assert rank0["final_weights"] == rank1["final_weights"]
+    # the same decision everywhere, so one warning for the run (rank 0), not one per process
+    assert (rank0["nonfinite_warnings"], rank1["nonfinite_warnings"]) == (1, 0)
