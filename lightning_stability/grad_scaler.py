@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 from torch.optim import Optimizer
 
-from lightning_stability.errors import config_error
+from lightning_stability.errors import check_positive_int, config_error
 from lightning_stability.scaling import ScaleRule, ScaleState, auto_initial_scale, update_scale
 
 if TYPE_CHECKING:
@@ -44,11 +44,6 @@ def _check_init_scale(init_scale: object, min_scale: object) -> None:
         )
 
 
-def _check_int(name: str, value: object, example: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise config_error(name, value, "must be an int >= 1", f"pass e.g. {example}")
-
-
 def _check_headroom(auto_headroom: object) -> None:
     if (
         isinstance(auto_headroom, bool)
@@ -57,6 +52,24 @@ def _check_headroom(auto_headroom: object) -> None:
         or auto_headroom < 1
     ):
         raise config_error("auto_headroom", auto_headroom, "must be a finite number >= 1", "pass e.g. 8.0")
+
+
+def check_scaler_arguments(
+    init_scale: object,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+    min_scale: float | None,
+    consecutive_hysteresis: bool,
+    overflow_window: object,
+    auto_headroom: object,
+) -> None:
+    """Every argument check of :class:`TunedGradScaler`, also run by ``LossScaleTuner`` at construction."""
+    ScaleRule(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, consecutive_hysteresis)
+    _check_init_scale(init_scale, min_scale)
+    check_positive_int("overflow_window", overflow_window, "1000")
+    _check_headroom(auto_headroom)
 
 
 def _local_grads(optimizer: Optimizer) -> list[Tensor]:
@@ -141,10 +154,17 @@ class TunedGradScaler(torch.amp.GradScaler):
         process_group: ProcessGroup | None = None,
         enabled: bool = True,
     ) -> None:
-        ScaleRule(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, consecutive_hysteresis)
-        _check_init_scale(init_scale, min_scale)
-        _check_int("overflow_window", overflow_window, "1000")
-        _check_headroom(auto_headroom)
+        check_scaler_arguments(
+            init_scale,
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            hysteresis,
+            min_scale,
+            consecutive_hysteresis,
+            overflow_window,
+            auto_headroom,
+        )
         auto = init_scale == "auto"
         super().__init__(
             device,

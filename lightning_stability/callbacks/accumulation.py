@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_stability.callbacks.base import LedgerCallback
-from lightning_stability.errors import StabilityConfigError, config_error
+from lightning_stability.errors import StabilityConfigError, check_positive_int, config_error
 from lightning_stability.ledger import StepLedger
 
 _LR_SCALINGS = ("linear", "sqrt", "none", "adascale")
@@ -169,15 +169,8 @@ class GradientAccumulation(LedgerCallback):
                 ) from err
         if batchnorm not in _BATCHNORM:
             raise config_error("batchnorm", batchnorm, f"is not one of {_BATCHNORM}", "pass 'warn' or 'group_norm'")
-        if log_every_n_steps is not None and (
-            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
-        ):
-            raise config_error(
-                "log_every_n_steps",
-                log_every_n_steps,
-                "must be an int >= 1",
-                "pass e.g. 50, or None for the Trainer's",
-            )
+        if log_every_n_steps is not None:
+            check_positive_int("log_every_n_steps", log_every_n_steps, "50, or None for the Trainer's")
         self.steps = dict(zip(self._keys, self._factors, strict=True)) if isinstance(steps, Mapping) else steps
         self.lr_scaling = lr_scaling
         self.batchnorm = batchnorm

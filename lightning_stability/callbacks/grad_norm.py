@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stability.callbacks.base import LedgerCallback
-from lightning_stability.errors import StabilityConfigError, config_error
+from lightning_stability.errors import StabilityConfigError, check_positive_int, config_error
 from lightning_stability.ledger import FlushValues, Outcome, StepLedger, loss_scaler
 from lightning_stability.norms import clip_coefficient, combine_norms, group_norms, per_tensor_norms, scale_
 
@@ -109,15 +109,8 @@ class GradientNormMonitor(LedgerCallback):
                     "must be a positive, finite number",
                     "pass e.g. 1.0 (BERT-like), 0.5 (GPT-like) or 2.0 (mixture of experts), or None to only measure",
                 )
-        if log_every_n_steps is not None and (
-            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
-        ):
-            raise config_error(
-                "log_every_n_steps",
-                log_every_n_steps,
-                "must be an int >= 1",
-                "pass e.g. 50, or None for the Trainer's",
-            )
+        if log_every_n_steps is not None:
+            check_positive_int("log_every_n_steps", log_every_n_steps, "50, or None for the Trainer's")
         if not isinstance(per_layer, (bool, int)) or (not isinstance(per_layer, bool) and per_layer < 1):
             raise config_error("per_layer", per_layer, "is not False, True or a positive int", "pass True or e.g. 5")
         if not isinstance(skip_nonfinite, bool):

@@ -17,13 +17,11 @@ from torch.optim import Optimizer
 
 from lightning_stability.callbacks.base import LedgerCallback
 from lightning_stability.diagnostics import PrecisionDiagnostics, check_loss, run_fit_start_checks
-from lightning_stability.errors import StabilityConfigError, config_error
+from lightning_stability.errors import StabilityConfigError, check_positive_int, config_error
 from lightning_stability.grad_scaler import (
     FusedClipMixedPrecision,
     TunedGradScaler,
-    _check_headroom,
-    _check_init_scale,
-    _check_int,
+    check_scaler_arguments,
 )
 from lightning_stability.ledger import FlushValues, StepLedger
 from lightning_stability.scaling import ScaleRule
@@ -142,10 +140,17 @@ class LossScaleTuner(LedgerCallback):
         log_every_n_steps: int | None = None,
         fit_start_checks: bool = True,
     ) -> None:
-        ScaleRule(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, consecutive_hysteresis)
-        _check_init_scale(init_scale, min_scale)
-        _check_int("overflow_window", overflow_window, "1000")
-        _check_headroom(auto_headroom)
+        check_scaler_arguments(
+            init_scale,
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            hysteresis,
+            min_scale,
+            consecutive_hysteresis,
+            overflow_window,
+            auto_headroom,
+        )
         if on_min_scale not in ("raise", "warn"):
             raise config_error("on_min_scale", on_min_scale, "is not 'raise' or 'warn'", "pass 'raise' or 'warn'")
         if (
@@ -155,7 +160,7 @@ class LossScaleTuner(LedgerCallback):
         ):
             raise config_error("max_overflow_rate", max_overflow_rate, "must be a number in (0, 1]", "pass e.g. 0.05")
         if log_every_n_steps is not None:
-            _check_int("log_every_n_steps", log_every_n_steps, "50, or None for the Trainer's")
+            check_positive_int("log_every_n_steps", log_every_n_steps, "50, or None for the Trainer's")
         if not isinstance(fit_start_checks, bool):
             raise config_error("fit_start_checks", fit_start_checks, "must be a bool", "pass True or False")
         self.scaler_kwargs: dict[str, Any] = dict(

@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stability.callbacks.base import LedgerCallback
-from lightning_stability.errors import StabilityConfigError, config_error
+from lightning_stability.errors import StabilityConfigError, check_positive_int, config_error
 from lightning_stability.ledger import StepLedger
 from lightning_stability.schedules import Schedule, WarmupConstantCosineSchedule
 
@@ -131,15 +131,8 @@ class ScheduledLR(LedgerCallback):
             isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1
         ):
             raise config_error("total_steps", total_steps, "must be an int >= 1", "pass e.g. 10000, or None")
-        if log_every_n_steps is not None and (
-            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
-        ):
-            raise config_error(
-                "log_every_n_steps",
-                log_every_n_steps,
-                "must be an int >= 1",
-                "pass e.g. 50, or None for the Trainer's",
-            )
+        if log_every_n_steps is not None:
+            check_positive_int("log_every_n_steps", log_every_n_steps, "50, or None for the Trainer's")
         if isinstance(schedule, Schedule) and total_steps is not None:
             schedule.validate(total_steps)
         self.schedule = schedule
