@@ -373,23 +373,33 @@ class StepLedger:
         self._flush_hooks.append(hook)
 
     def flush(self) -> dict[str, float]:
-        """Move every queued tensor to the host in one transfer and log the metrics. Returns them."""
+        """Move every queued tensor to the host in one transfer and log the metrics. Returns them.
+
+        Scalar tensor metrics also land in ``trainer.callback_metrics`` (as CPU tensors), where
+        ``ModelCheckpoint`` and ``EarlyStopping`` can monitor them.
+        """
         if not self._pending and not self._flush_hooks:
             return {}
         pending, self._pending = self._pending, {}
         hooks, self._flush_hooks = self._flush_hooks, []
         values: FlushValues = {}
+        monitored: dict[str, Tensor] = {}  # 0-dim views of the host copy, for trainer.callback_metrics
         tensor_keys = [k for k, v in pending.items() if isinstance(v, Tensor)]
         if tensor_keys:
             flat = [pending[k].detach().reshape(-1).to(torch.float64) for k in tensor_keys]  # type: ignore[union-attr]
             flat = [t if t.device == self.device else t.to(self.device, non_blocking=True) for t in flat]
             sizes = [t.numel() for t in flat]
             # HOST SYNC: the one batched device-to-host transfer of a logging step.
-            host = torch.cat(flat).to("cpu", copy=True).tolist()
+            host_tensor = torch.cat(flat).to("cpu", copy=True)
+            host = host_tensor.tolist()
             offset = 0
             for key, size in zip(tensor_keys, sizes, strict=True):
-                is_scalar = pending[key].dim() == 0  # type: ignore[union-attr]
-                values[key] = host[offset] if is_scalar else host[offset : offset + size]
+                if pending[key].dim() == 0:  # type: ignore[union-attr]
+                    values[key] = host[offset]
+                    if not key.startswith("_"):
+                        monitored[key] = host_tensor[offset].float()
+                else:
+                    values[key] = host[offset : offset + size]
                 offset += size
         values.update({k: float(v) for k, v in pending.items() if not isinstance(v, Tensor)})
         for hook in hooks:
@@ -398,6 +408,9 @@ class StepLedger:
                 values.update(extra)
         metrics: dict[str, float] = {k: v for k, v in values.items() if not k.startswith("_") and isinstance(v, float)}
         trainer = self.trainer
+        if monitored and trainer is not None:
+            # So that ModelCheckpoint / EarlyStopping can `monitor="stability/..."` (tensor-valued keys).
+            trainer.callback_metrics.update(monitored)
         if metrics and trainer is not None:
             for logger in trainer.loggers:
                 # Lightning labels the k-th optimizer step k - 1 (its `self.log` and LearningRateMonitor):

@@ -464,3 +464,22 @@ def test_two_clipping_monitors_are_an_error() -> None:
     )
     with pytest.raises(StabilityConfigError, match="keep one with `max_norm`"):
         trainer.fit(TinyModule())
+
+
+def test_stability_metrics_can_be_monitored_by_early_stopping() -> None:
+    """Scalar `stability/` metrics reach trainer.callback_metrics, so EarlyStopping can watch them."""
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    after = LedgerCapture()
+    stopper = EarlyStopping(
+        monitor="stability/grad_norm", mode="max", stopping_threshold=1e-9, check_on_train_epoch_end=True
+    )
+    trainer = quiet_trainer(
+        max_epochs=3, log_every_n_steps=2, callbacks=[GradientNormMonitor(max_norm=1.0), after, stopper]
+    )
+    trainer.fit(TinyModule(n=32))  # 4 steps per epoch: steps 2 and 4 log
+    metric = trainer.callback_metrics["stability/grad_norm"]
+    assert isinstance(metric, torch.Tensor) and metric.device.type == "cpu"
+    assert metric.item() == pytest.approx(after.norms[3], rel=1e-5)  # the last logging step's norm
+    assert trainer.callback_metrics["stability/skipped_steps"].item() == 0.0
+    assert trainer.current_epoch == 1 and stopper.stopped_epoch == 0  # the threshold stopped it after epoch 1
