@@ -148,7 +148,8 @@ class StepLedger:
         self._close_hooks: list[Callable[[StepLedger], None]] = []
         self._pending: dict[str, Tensor | float] = {}
         self._flush_hooks: list[FlushHook] = []
-        self._hooked: dict[int, Any] = {}
+        # id(optimizer) -> (weak reference, hook handle); the reference tells a reused id from the same optimizer
+        self._hooked: dict[int, tuple[weakref.ref[Optimizer], Any]] = {}
 
     # ------------------------------------------------------------------ lookup
     @classmethod
@@ -184,8 +185,10 @@ class StepLedger:
             self._window = {k: v.to(self._device) for k, v in self._window.items()}
             if self._counts is not None:
                 self._counts = self._counts.to(self._device)
-        if id(optimizer) not in self._hooked:
-            self._hooked[id(optimizer)] = optimizer.register_step_post_hook(self._after_optimizer_step)
+        hooked = self._hooked.get(id(optimizer))
+        if hooked is None or hooked[0]() is not optimizer:
+            handle = optimizer.register_step_post_hook(self._after_optimizer_step)
+            self._hooked[id(optimizer)] = (weakref.ref(optimizer), handle)
         self._stepped = False
         self._scaler_on_host = False
         trainer = self.trainer

@@ -483,3 +483,17 @@ def test_stability_metrics_can_be_monitored_by_early_stopping() -> None:
     assert metric.item() == pytest.approx(after.norms[3], rel=1e-5)  # the last logging step's norm
     assert trainer.callback_metrics["stability/skipped_steps"].item() == 0.0
     assert trainer.current_epoch == 1 and stopper.stopped_epoch == 0  # the threshold stopped it after epoch 1
+
+
+def test_ledger_hooks_a_new_optimizer_even_when_python_reuses_an_id() -> None:
+    """An optimizer of a second fit may get the id of a freed one; its step must still close the record."""
+    ledger = StepLedger()
+    old = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    new = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    ledger.open_step(old)
+    old.step()  # the post-hook closes the step
+    assert not ledger.is_open
+    ledger._hooked[id(new)] = ledger._hooked.pop(id(old))  # what a reused id looks like to the ledger
+    ledger.open_step(new)
+    new.step()
+    assert not ledger.is_open and ledger.counts.tolist() == [2, 0, 0, 0]
