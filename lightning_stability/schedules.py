@@ -91,6 +91,13 @@ def resolve_steps(length: float, total_steps: int | None, name: str = "length") 
     return round(length * total_steps)
 
 
+def _require_total(total_steps: int | None) -> int:
+    """The run length, which schedules that decay towards the end of the run cannot do without."""
+    if total_steps is None:
+        raise config_error("total_steps", None, "is needed by this schedule", "pass total_steps or set max_steps")
+    return total_steps
+
+
 def _check_floor(min_lr_ratio: float) -> None:
     if isinstance(min_lr_ratio, bool) or not isinstance(min_lr_ratio, (int, float)) or not 0 <= min_lr_ratio <= 1:
         raise config_error(
@@ -317,9 +324,7 @@ class WarmupConstantCosineSchedule(Schedule):
             )
 
     def __call__(self, step: int, total_steps: int | None) -> float:
-        if total_steps is None:
-            raise config_error("total_steps", None, "is needed by this schedule", "pass total_steps or set max_steps")
-        return warmup_constant_cosine(step, total_steps, self.warmup, self.decay, self.min_lr_ratio)
+        return warmup_constant_cosine(step, _require_total(total_steps), self.warmup, self.decay, self.min_lr_ratio)
 
 
 @dataclass(frozen=True)
@@ -339,9 +344,7 @@ class CosineSchedule(Schedule):
         _check_floor(self.min_lr_ratio)
 
     def __call__(self, step: int, total_steps: int | None) -> float:
-        if total_steps is None:
-            raise config_error("total_steps", None, "is needed by this schedule", "pass total_steps or set max_steps")
-        return cosine(step, total_steps, self.warmup, self.min_lr_ratio)
+        return cosine(step, _require_total(total_steps), self.warmup, self.min_lr_ratio)
 
 
 @dataclass(frozen=True)
@@ -361,9 +364,7 @@ class LinearSchedule(Schedule):
         _check_floor(self.min_lr_ratio)
 
     def __call__(self, step: int, total_steps: int | None) -> float:
-        if total_steps is None:
-            raise config_error("total_steps", None, "is needed by this schedule", "pass total_steps or set max_steps")
-        return linear(step, total_steps, self.warmup, self.min_lr_ratio)
+        return linear(step, _require_total(total_steps), self.warmup, self.min_lr_ratio)
 
 
 @dataclass(frozen=True)

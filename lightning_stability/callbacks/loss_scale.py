@@ -140,17 +140,18 @@ class LossScaleTuner(LedgerCallback):
         log_every_n_steps: int | None = None,
         fit_start_checks: bool = True,
     ) -> None:
-        check_scaler_arguments(
-            init_scale,
-            growth_factor,
-            backoff_factor,
-            growth_interval,
-            hysteresis,
-            min_scale,
-            consecutive_hysteresis,
-            overflow_window,
-            auto_headroom,
+        self.scaler_kwargs: dict[str, Any] = dict(
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            min_scale=min_scale,
+            consecutive_hysteresis=consecutive_hysteresis,
+            overflow_window=overflow_window,
+            auto_headroom=auto_headroom,
         )
+        check_scaler_arguments(**self.scaler_kwargs)
         if on_min_scale not in ("raise", "warn"):
             raise config_error("on_min_scale", on_min_scale, "is not 'raise' or 'warn'", "pass 'raise' or 'warn'")
         if (
@@ -163,17 +164,6 @@ class LossScaleTuner(LedgerCallback):
             check_positive_int("log_every_n_steps", log_every_n_steps, "50, or None for the Trainer's")
         if not isinstance(fit_start_checks, bool):
             raise config_error("fit_start_checks", fit_start_checks, "must be a bool", "pass True or False")
-        self.scaler_kwargs: dict[str, Any] = dict(
-            init_scale=init_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            hysteresis=hysteresis,
-            min_scale=min_scale,
-            consecutive_hysteresis=consecutive_hysteresis,
-            overflow_window=overflow_window,
-            auto_headroom=auto_headroom,
-        )
         self.on_min_scale = on_min_scale
         self.max_overflow_rate = float(max_overflow_rate)
         self.log_every_n_steps = log_every_n_steps
