@@ -30,6 +30,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
+from lightning_stability import _compat
 from lightning_stability.errors import StabilityConfigError, config_error
 from lightning_stability.norms import combine_norms, per_tensor_norms
 
@@ -116,7 +117,7 @@ def fused_clipping_problem(trainer: pl.Trainer) -> str | None:
         return None
     if type(plugin).clip_gradients is not MixedPrecision.clip_gradients:
         return None  # a subclass (e.g. FusedClipMixedPrecision) handles it
-    fused = [type(o).__name__ for o in trainer.optimizers if getattr(o, "_step_supports_amp_scaling", False)]
+    fused = [type(o).__name__ for o in trainer.optimizers if _compat.step_supports_amp_scaling(o)]
     if not fused:
         return None
     return (

@@ -1,29 +1,30 @@
 """The per-optimizer-step outcome ledger that every ``lightning_stability`` callback shares.
 
-One :class:`StepLedger` exists per ``Trainer`` (:meth:`StepLedger.of`). During one optimizer step:
+One :class:`StepLedger` exists per ``Trainer`` (:meth:`StepLedger.of`). It keeps one :class:`Track` per
+optimizer: a GAN's two optimizers each have their own step count, outcome counts, windows and metrics.
+During one optimizer step:
 
 1. The first callback to reach ``on_before_optimizer_step`` calls :meth:`StepLedger.open_step`
    (every callback calls it; only the first call opens). Opening unscales fp16 gradients for
    optimizers that would otherwise unscale inside ``step()`` (fused Adam/AdamW/SGD), and records
    the loss scaler's overflow decision as a skip reason, so every callback sees unscaled gradients
-   and nobody checks for overflow twice. For fused optimizers that decision is the scaler's
-   ``found_inf`` tensor; for the others the scaler reads it on the host itself and calls
-   ``optimizer.step()`` only without overflow, so whether the step ran *is* the decision (host-known).
-2. Callbacks write the step's values with :meth:`put` (gradient norm, clip coefficient, ...) and
-   ask for the update to be skipped with :meth:`mark_skip` (a ``bool`` or a 0-dim bool tensor).
-   The ledger enforces the skip: on a fused optimizer as the ``found_inf`` tensor the optimizer
-   itself honours (no host sync); otherwise by removing every gradient for this step, which costs
-   one host sync to read the flag. Either way weights and optimizer state (moments, step counts,
-   weight decay) stay exactly as they were.
+   and nobody checks for overflow twice.
+2. Callbacks write the step's values with :meth:`put` and ask for the update to be skipped with
+   :meth:`mark_skip` (a ``bool`` or a 0-dim bool tensor, the same on every rank: :meth:`any_rank`).
+   The ledger enforces the skip where it costs least: under fp16 it adds the vote to the loss scaler's
+   own overflow flags (the scaler's one decision covers it); on a fused optimizer it is the ``found_inf``
+   tensor the kernel honours (no host sync); otherwise every gradient of the step is removed, after one
+   host read of the flag. Either way weights and optimizer state stay exactly as they were.
 3. After ``optimizer.step()`` (a step post-hook), or at ``on_train_batch_end`` when the loss scaler
    skipped the call altogether, :meth:`close_step` turns the flags into one :class:`Outcome`, counts
    it on the device and runs the hooks registered with :meth:`on_close`.
-4. On logging steps callbacks queue values with :meth:`log`; :meth:`flush` stacks every queued
-   tensor, moves them to the host in **one** transfer and hands them to every Lightning logger.
+4. :meth:`log` puts a scalar into ``trainer.callback_metrics`` at once (a device tensor: no transfer until
+   a monitor reads it); on logging steps it also queues it for the loggers, and :meth:`flush` moves every
+   queued tensor of every optimizer to the host in **one** transfer.
 
-Nothing here calls ``.item()`` on a step that does not log, except where a non-fused optimizer
-must be told on the host to skip (documented above), and no tensor is built from host data in the
-step (on a GPU that is a blocking copy too). The ledger is saved once in the checkpoint under
+Nothing here calls ``.item()`` on a step that does not log, except where a non-fused optimizer without
+a loss scaler must be told on the host to skip, and no tensor is built from host data in the step (on a
+GPU that is a blocking copy too). The ledger is saved once in the checkpoint under
 ``checkpoint["lightning_stability"]["ledger"]``.
 """
 
@@ -31,30 +32,32 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from enum import IntEnum
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
+
+from lightning_stability import _compat
+from lightning_stability.skips import (
+    Flag,
+    add_to_scaler_decision,
+    enforce_skip,
+    loss_scaler,
+    scaler_found_inf,
+    supports_found_inf,
+    unscale_if_deferred,
+)
+from lightning_stability.step_metrics import FlushHook, FlushValues, MetricQueue, metric_name, monitor, publish
+from lightning_stability.track import Outcome, Track, device_of, optimizer_names
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+__all__ = ["CHECKPOINT_KEY", "FlushHook", "FlushValues", "Outcome", "StepLedger", "Track", "loss_scaler"]
+
 CHECKPOINT_KEY = "lightning_stability"
-
-Flag = bool | Tensor
-FlushValues = dict[str, float | list[float]]
-FlushHook = Callable[[FlushValues], dict[str, float] | None]
-
-
-class Outcome(IntEnum):
-    """What happened to one optimizer step. Lower values win when several reasons apply."""
-
-    APPLIED = 0
-    SKIPPED_SCALER = 1  # the fp16 loss scaler found inf/NaN in the scaled gradients
-    SKIPPED_NONFINITE = 2  # a non-finite gradient norm (GradientNormMonitor)
-    SKIPPED_SPIKE = 3  # a loss or gradient spike (health monitoring)
 
 
 def _or(a: Flag, b: Flag) -> Flag:
@@ -68,61 +71,13 @@ def _or(a: Flag, b: Flag) -> Flag:
     return a or b
 
 
-def loss_scaler(trainer: pl.Trainer) -> Any | None:
-    """The enabled ``GradScaler`` of the trainer's precision plugin, if any."""
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    if scaler is None or not scaler.is_enabled():
-        return None
-    return scaler
-
-
-def _scaler_found_inf(scaler: Any, optimizer: Optimizer) -> Tensor | None:
-    # torch keeps the overflow flags of `unscale_` in a private per-optimizer dict and offers no public
-    # accessor; reading them here is what lets the ledger reuse the scaler's decision without a sync.
-    state = scaler._per_optimizer_states.get(id(optimizer))
-    found = state["found_inf_per_device"] if state else {}
-    if not found:
-        return None
-    values = list(found.values())
-    total = values[0]
-    for v in values[1:]:
-        total = total + v.to(total.device, non_blocking=True)
-    return total > 0
-
-
-def _unscale_if_deferred(scaler: Any, optimizer: Optimizer) -> None:
-    """Unscale now for optimizers that Lightning leaves scaled (they unscale inside ``step()``)."""
-    from torch.amp.grad_scaler import OptState
-
-    if not getattr(optimizer, "_step_supports_amp_scaling", False):
-        return
-    state = scaler._per_optimizer_states[id(optimizer)]
-    if state["stage"] is OptState.READY:
-        # The scaler records the overflow flags and later hands them to the fused step as `found_inf`
-        # with `grad_scale=None`, so the fused kernel does not unscale a second time.
-        scaler.unscale_(optimizer)
-
-
-def _found_inf_is_safe(optimizer: Optimizer) -> bool:
-    """Whether a ``found_inf`` skip leaves this fused optimizer exactly as it was.
-
-    torch's fused SGD with momentum (2.13) leaves ``momentum_buffer`` uninitialised when its very first
-    step is skipped through ``found_inf``; until every buffer exists, skip by dropping gradients instead.
-    """
-    if not isinstance(optimizer, torch.optim.SGD):
-        return True
-    return all(
-        not group.get("momentum")
-        or all(optimizer.state.get(p, {}).get("momentum_buffer") is not None for p in group["params"])
-        for group in optimizer.param_groups
-    )
-
-
 class StepLedger:
     """The record of every optimizer step: values and flags as tensors, outcome counts on the device.
 
+    ``steps``, ``counts``, ``applied_steps``, ... and the windows refer to the current optimizer's
+    :class:`Track` (the one stepping, or the last that stepped); :meth:`track` gives any optimizer's.
+
     Attributes:
-        steps: optimizer steps attempted so far (host integer, skipped ones included).
         record: the current step's values, e.g. ``record["grad_norm"]`` (tensors).
         outcome: the outcome of the last closed step (an :class:`Outcome`, or an int64 tensor
             when the decision was never brought to the host).
@@ -132,24 +87,22 @@ class StepLedger:
 
     def __init__(self, trainer: pl.Trainer | None = None) -> None:
         self._trainer_ref = weakref.ref(trainer) if trainer is not None else None
-        self.steps = 0
         self.record: dict[str, Tensor] = {}
         self.outcome: Outcome | Tensor = Outcome.APPLIED
-        self._device: torch.device | None = None
-        self._counts: Tensor | None = None
-        self._loaded_counts: list[int] = [0] * len(Outcome)
-        self._host_counts: list[int] | None = [0] * len(Outcome)
-        self._window: dict[str, Tensor] = {}
+        self._tracks: dict[int, Track] = {}
+        self._loaded: dict[int, dict[str, Any]] = {}
+        self._current: Track | None = None
         self._open: Optimizer | None = None
         self._skip: dict[Outcome, Flag] = {}
         self._found_inf_set = False
+        self._votes: dict[Outcome, Flag] = {}  # skip votes not yet enforced
+        self._enforced = False  # the step's votes were enforced; a later vote is enforced at once
         self._stepped = False  # the optimizer's step() ran for the open step
         self._scaler_on_host = False  # the scaler decides this step on the host (non-fused optimizer)
         self._close_hooks: list[Callable[[StepLedger], None]] = []
-        self._pending: dict[str, Tensor | float] = {}
-        self._flush_hooks: list[FlushHook] = []
-        # id(optimizer) -> (weak reference, hook handle); the reference tells a reused id from the same optimizer
-        self._hooked: dict[int, tuple[weakref.ref[Optimizer], Any]] = {}
+        self._queue = MetricQueue()
+        # id(optimizer) -> (weak reference, track index, hook handle); the reference tells a reused id apart
+        self._hooked: dict[int, tuple[weakref.ref[Optimizer], int, Any]] = {}
 
     # ------------------------------------------------------------------ lookup
     @classmethod
@@ -164,9 +117,84 @@ class StepLedger:
     def trainer(self) -> pl.Trainer | None:
         return self._trainer_ref() if self._trainer_ref is not None else None
 
+    def _optimizers(self) -> list[Optimizer]:
+        trainer = self.trainer
+        return list(trainer.optimizers) if trainer is not None else []
+
+    @property
+    def several_optimizers(self) -> bool:
+        """Whether the trainer has more than one optimizer (metric keys then name the optimizer)."""
+        return len(self._optimizers()) > 1
+
+    def _track_at(self, index: int, name: str | None = None) -> Track:
+        track = self._tracks.get(index)
+        if track is None:
+            track = Track(index, name or f"optimizer{index}", self._loaded.pop(index, None))
+            self._tracks[index] = track
+        return track
+
+    def track(self, optimizer: Optimizer | None = None) -> Track:
+        """The record of ``optimizer`` (default: the current one)."""
+        if optimizer is None:
+            return self._current if self._current is not None else self._track_at(0)
+        hooked = self._hooked.get(id(optimizer))
+        if hooked is not None and hooked[0]() is optimizer:
+            return self._tracks[hooked[1]]
+        optimizers = self._optimizers()
+        index = next((i for i, o in enumerate(optimizers) if o is optimizer), None)
+        if index is None:
+            # Without a trainer (the ledger driven by hand) every optimizer shares track 0; an optimizer the
+            # trainer does not know gets a track of its own.
+            index = 0 if not optimizers else max(len(optimizers), max(self._tracks, default=-1) + 1)
+        names = optimizer_names(optimizers)
+        track = self._track_at(index, names[index] if index < len(names) else type(optimizer).__name__)
+        track.place(device_of(optimizer))
+        handle = optimizer.register_step_post_hook(self._after_optimizer_step)
+        self._hooked[id(optimizer)] = (weakref.ref(optimizer), index, handle)
+        return track
+
+    def select(self, optimizer: Optimizer) -> Track:
+        """Make ``optimizer``'s record the current one between steps (e.g. to queue an end-of-run report)."""
+        if self._open is None:
+            self._current = self.track(optimizer)
+        return self.track()
+
+    # ------------------------------------------------------------------ the current track
     @property
     def device(self) -> torch.device:
-        return self._device if self._device is not None else torch.device("cpu")
+        return self.track().device
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps attempted so far by the current optimizer (skipped ones included)."""
+        return self.track().steps
+
+    @property
+    def counts(self) -> Tensor:
+        return self.track().counts
+
+    @property
+    def applied_steps(self) -> Tensor:
+        return self.track().applied_steps
+
+    @property
+    def skipped_steps(self) -> Tensor:
+        return self.track().skipped_steps
+
+    @property
+    def applied_steps_host(self) -> int | None:
+        return self.track().applied_steps_host
+
+    def applied_steps_now(self) -> int:
+        return self.track().applied_steps_now()
+
+    def accumulate(self, key: str, value: Tensor | float) -> None:
+        """Add ``value`` to the current optimizer's window sum ``key`` (on the device, saved in checkpoints)."""
+        self.track().accumulate(key, value)
+
+    def pop_window(self, key: str) -> Tensor:
+        """Return the current optimizer's window sum ``key`` and reset it to zero."""
+        return self.track().pop_window(key)
 
     # ------------------------------------------------------------------ step lifecycle
     def open_step(self, optimizer: Optimizer) -> bool:
@@ -175,28 +203,18 @@ class StepLedger:
             return False
         if self._open is not None:
             self.close_step()
-        self._open = optimizer
-        self.steps += 1
-        self.record = {}
-        self._skip = {}
-        self._found_inf_set = False
-        if self._device is None:
-            self._device = self._device_of(optimizer)
-            self._window = {k: v.to(self._device) for k, v in self._window.items()}
-            if self._counts is not None:
-                self._counts = self._counts.to(self._device)
-        hooked = self._hooked.get(id(optimizer))
-        if hooked is None or hooked[0]() is not optimizer:
-            handle = optimizer.register_step_post_hook(self._after_optimizer_step)
-            self._hooked[id(optimizer)] = (weakref.ref(optimizer), handle)
-        self._stepped = False
-        self._scaler_on_host = False
+        track = self.track(optimizer)
+        self._current, self._open = track, optimizer
+        track.steps += 1
+        self.record, self._skip = {}, {}
+        self._found_inf_set = self._stepped = self._scaler_on_host = False
+        self._votes, self._enforced = {}, False
         trainer = self.trainer
         scaler = loss_scaler(trainer) if trainer is not None else None
         if scaler is not None:
-            _unscale_if_deferred(scaler, optimizer)
-            if getattr(optimizer, "_step_supports_amp_scaling", False):
-                found_inf = _scaler_found_inf(scaler, optimizer)
+            unscale_if_deferred(scaler, optimizer)
+            if supports_found_inf(optimizer):
+                found_inf = scaler_found_inf(scaler, optimizer)
                 if found_inf is not None:
                     self._skip[Outcome.SKIPPED_SCALER] = found_inf
             else:
@@ -209,57 +227,70 @@ class StepLedger:
     def is_open(self) -> bool:
         return self._open is not None
 
+    def label(self) -> int:
+        """Lightning's step label for the current step: ``self.log`` and ``LearningRateMonitor`` use it too."""
+        trainer = self.trainer
+        if trainer is not None:
+            return _compat.batches_that_stepped(trainer)
+        return max(self.steps - 1, 0)
+
     def is_logging_step(self, every_n_steps: int) -> bool:
-        """Whether the current (1-based) optimizer step is one that logs every ``every_n_steps``."""
-        return self.steps % every_n_steps == 0
+        """Whether the current step logs by Lightning's rule for ``log_every_n_steps`` (0: never)."""
+        return every_n_steps > 0 and (self.label() + 1) % every_n_steps == 0
 
     def put(self, key: str, value: Tensor) -> None:
         """Record a value of the current step."""
         self.record[key] = value
 
-    def mark_skip(self, reason: Outcome, flag: Flag) -> None:
-        """Skip the current update when ``flag`` is true, and say why.
+    def any_rank(self, flag: Tensor) -> Tensor:
+        """``flag`` made rank-consistent: true on every rank when it is true on any (one 0-dim all-reduce
+        over the default process group, no host sync). Use it for every decision that skips a step."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return flag
+        value = flag.to(torch.float32)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return value > 0
 
-        The decision must be identical on every rank; pass a flag computed from globally reduced
-        values (e.g. the global gradient norm).
+    def mark_skip(self, reason: Outcome, flag: Flag) -> None:
+        """Skip the current update when ``flag`` is true, and say why. Any callback may vote, in any order.
+
+        The votes are enforced together by :meth:`enforce_votes`, which the last ``lightning_stability``
+        callback calls at the end of its ``on_before_optimizer_step``: one host read for all of them at most,
+        none under fp16 or with a fused optimizer. A vote cast later (a callback after it, the module's own
+        hook) is enforced at once. The decision must be identical on every rank: pass a flag from globally
+        reduced values, or through :meth:`any_rank`.
         """
         if self._open is None:
             raise RuntimeError("mark_skip() called outside an optimizer step; call open_step() first")
         if reason is Outcome.APPLIED:
             raise ValueError("Outcome.APPLIED is not a skip reason")
-        if reason is not Outcome.SKIPPED_SCALER:
-            flag = self._enforce(self._open, flag)
-        previous = self._skip.get(reason, False)
-        self._skip[reason] = _or(previous, flag)
-
-    def _enforce(self, optimizer: Optimizer, flag: Flag) -> Flag:
-        """Make the optimizer skip this update when ``flag`` is true; return the flag as it is now known
-        (a host ``bool`` once it had to be read on the host, so the outcome stays host-known)."""
         trainer = self.trainer
         scaler = loss_scaler(trainer) if trainer is not None else None
-        if (
-            isinstance(flag, Tensor)
-            and scaler is None
-            and getattr(optimizer, "_step_supports_amp_scaling", False)
-            and _found_inf_is_safe(optimizer)
-        ):
-            # Fused optimizers read `found_inf` in their kernel and leave params, moments and step counts
-            # untouched when it is 1: the decision stays on the device.
-            found = flag.to(device=self.device, dtype=torch.float32)
-            if self._found_inf_set:
-                found = torch.maximum(found, optimizer.found_inf)  # type: ignore[attr-defined]
-            optimizer.found_inf = found  # type: ignore[attr-defined]
-            optimizer.grad_scale = None  # type: ignore[attr-defined]
-            self._found_inf_set = True
-            return flag
-        # HOST SYNC: any other optimizer can only be told on the host. Without gradients, every torch
-        # optimizer leaves the parameter and its state alone for this step.
-        skip = bool(flag)
-        if skip:
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    p.grad = None
-        return skip
+        fp16_vote = reason is not Outcome.SKIPPED_SCALER and isinstance(flag, Tensor) and scaler is not None
+        # Under fp16 the vote joins the scaler's own overflow flags now, before the scaler decides.
+        if fp16_vote and add_to_scaler_decision(scaler, self._open, flag):  # type: ignore[arg-type]
+            if supports_found_inf(self._open):  # a non-fused step's outcome is the scaler's host decision
+                self._skip[reason] = _or(self._skip.get(reason, False), flag)
+            return
+        if reason is Outcome.SKIPPED_SCALER:
+            self._skip[reason] = _or(self._skip.get(reason, False), flag)
+        else:
+            self._votes[reason] = _or(self._votes.get(reason, False), flag)
+            if self._enforced:
+                self.enforce_votes()
+
+    def enforce_votes(self) -> None:
+        """Make the open step skip if any vote so far says so (see :meth:`mark_skip`)."""
+        self._enforced = True
+        optimizer = self._open
+        if optimizer is None or not self._votes:
+            return
+        votes, self._votes = self._votes, {}
+        trainer = self.trainer
+        scaler = loss_scaler(trainer) if trainer is not None else None
+        known, self._found_inf_set = enforce_skip(optimizer, votes, scaler, self.device, self._found_inf_set)
+        for reason, flag in known.items():
+            self._skip[reason] = _or(self._skip.get(reason, False), flag)
 
     def _after_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         if self._open is optimizer:
@@ -282,163 +313,76 @@ class StepLedger:
         if self._scaler_on_host:
             self._skip[Outcome.SKIPPED_SCALER] = _or(self._skip.get(Outcome.SKIPPED_SCALER, False), not self._stepped)
             self._scaler_on_host = False
-        counts = self._device_counts()
+        track = self.track()
         outcome: Outcome | Tensor = Outcome.APPLIED
         for reason in sorted(self._skip, reverse=True):  # the lowest reason that applies wins
             flag = self._skip[reason]
             if isinstance(flag, Tensor):
                 # scalars, not host-made tensors: on a GPU those would be blocking host-to-device copies
                 other = outcome if isinstance(outcome, Tensor) else int(outcome)
-                outcome = torch.where(flag.to(self.device, non_blocking=True).bool(), int(reason), other)
+                outcome = torch.where(flag.to(track.device, non_blocking=True).bool(), int(reason), other)
             elif flag:
                 outcome = reason
-        if isinstance(outcome, Tensor):
-            counts.index_add_(0, outcome.view(1), torch.ones(1, dtype=counts.dtype, device=counts.device))
-            self._host_counts = None
-        else:
-            counts[int(outcome)] += 1
-            if self._host_counts is not None:
-                self._host_counts[int(outcome)] += 1
+        track.count(outcome)
         self.outcome = outcome
         self._open = None
         hooks, self._close_hooks = self._close_hooks, []
         for hook in hooks:
             hook(self)
 
-    # ------------------------------------------------------------------ counters
-    def _device_of(self, optimizer: Optimizer) -> torch.device:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                local = p.to_local() if hasattr(p, "to_local") else p
-                return local.device
-        return torch.device("cpu")
+    # ------------------------------------------------------------------ metrics
+    def metric_name(self, key: str, track: Track | None = None) -> str:
+        """``key``, or ``key/<optimizer>`` when the trainer has several optimizers."""
+        return metric_name(key, track or self.track(), self.several_optimizers)
 
-    def _device_counts(self) -> Tensor:
-        if self._counts is None:
-            self._counts = torch.tensor(self._loaded_counts, dtype=torch.int64, device=self.device)
-        return self._counts
+    def log(self, key: str, value: Tensor | float, to_loggers: bool = True) -> None:
+        """A metric of the current step.
 
-    @property
-    def counts(self) -> Tensor:
-        """Steps per :class:`Outcome` since the start of training (int64 tensor on the device)."""
-        return self._device_counts()
-
-    @property
-    def applied_steps(self) -> Tensor:
-        """Optimizer updates actually applied (0-dim int64 tensor on the device)."""
-        return self._device_counts()[Outcome.APPLIED]
-
-    @property
-    def skipped_steps(self) -> Tensor:
-        """Optimizer steps skipped for any reason (0-dim int64 tensor on the device)."""
-        counts = self._device_counts()
-        return counts.sum() - counts[Outcome.APPLIED]
-
-    @property
-    def applied_steps_host(self) -> int | None:
-        """Applied updates as a host integer, when every outcome so far was decided on the host."""
-        return None if self._host_counts is None else self._host_counts[Outcome.APPLIED]
-
-    def applied_steps_now(self) -> int:
-        """Applied updates as a host integer; reads the device counter when needed (a HOST SYNC: use it
-        for checkpoints and setup, not in the step)."""
-        host = self.applied_steps_host
-        return host if host is not None else int(self.applied_steps)
-
-    def accumulate(self, key: str, value: Tensor | float) -> None:
-        """Add ``value`` to the window sum ``key`` (kept on the device, saved in checkpoints)."""
-        current = self._window.get(key)
-        if isinstance(value, Tensor):
-            value = value.to(torch.float32)
-        if current is None:
-            # a fill plus a scalar, never torch.tensor(value, device=...): on a GPU that is a blocking copy
-            zero = torch.zeros((), dtype=torch.float32, device=self.device)
-            self._window[key] = zero + value
-        else:
-            self._window[key] = current + value
-
-    def pop_window(self, key: str) -> Tensor:
-        """Return the window sum ``key`` and reset it to zero."""
-        value = self._window.pop(key, None)
-        return value if value is not None else torch.zeros((), dtype=torch.float32, device=self.device)
-
-    # ------------------------------------------------------------------ logging
-    def log(self, key: str, value: Tensor | float) -> None:
-        """Queue a metric for the next :meth:`flush`. Keys starting with ``_`` reach flush hooks only."""
-        self._pending[key] = value
+        A scalar goes into ``trainer.callback_metrics`` at once (a device tensor stays on the device: no
+        transfer until a monitor such as ``ModelCheckpoint`` reads it), so ``stability/`` keys are
+        monitorable after every step that computes them. With ``to_loggers`` (pass whether the step is a
+        logging step) it is also queued for the loggers: :meth:`flush` moves the queue to the host in one
+        transfer. Keys starting with ``_`` reach flush hooks only.
+        """
+        track = self.track()
+        trainer = self.trainer
+        if trainer is not None and not key.startswith("_"):
+            monitor(trainer, self.metric_name(key, track), value)
+        if to_loggers:
+            self._queue.put(track.index, key, value)
 
     def on_flush(self, hook: FlushHook) -> None:
-        """Run ``hook(values)`` once at the next flush, with every queued value on the host.
+        """Run ``hook(values)`` once at the next flush, with the current optimizer's queued values on the host.
 
-        Scalars arrive as floats and vectors as lists of floats. The hook may return extra metrics to
-        log (e.g. per-layer norms under names resolved from transferred indices).
+        Scalars arrive as floats and vectors as lists of floats, under the keys they were queued with.
+        The hook may return extra metrics to log (e.g. per-layer norms under names resolved from
+        transferred indices).
         """
-        self._flush_hooks.append(hook)
+        self._queue.add_hook(self.track().index, hook)
 
     def flush(self) -> dict[str, float]:
-        """Move every queued tensor to the host in one transfer and log the metrics. Returns them.
+        """Move every queued tensor of every optimizer to the host in one transfer and log the metrics.
 
-        Scalar tensor metrics also land in ``trainer.callback_metrics`` (as CPU tensors), where
-        ``ModelCheckpoint`` and ``EarlyStopping`` can monitor them.
+        Returns them, under their final names. Scalar metrics also land in ``trainer.callback_metrics``, as
+        0-dim views of the host copy, so a monitor reading them costs no further transfer.
         """
-        if not self._pending and not self._flush_hooks:
+        if not self._queue:
             return {}
-        pending, self._pending = self._pending, {}
-        hooks, self._flush_hooks = self._flush_hooks, []
-        values: FlushValues = {}
-        monitored: dict[str, Tensor] = {}  # 0-dim views of the host copy, for trainer.callback_metrics
-        tensor_keys = [k for k, v in pending.items() if isinstance(v, Tensor)]
-        if tensor_keys:
-            flat = [pending[k].detach().reshape(-1).to(torch.float64) for k in tensor_keys]  # type: ignore[union-attr]
-            flat = [t if t.device == self.device else t.to(self.device, non_blocking=True) for t in flat]
-            sizes = [t.numel() for t in flat]
-            # HOST SYNC: the one batched device-to-host transfer of a logging step.
-            host_tensor = torch.cat(flat).to("cpu", copy=True)
-            host = host_tensor.tolist()
-            offset = 0
-            for key, size in zip(tensor_keys, sizes, strict=True):
-                if pending[key].dim() == 0:  # type: ignore[union-attr]
-                    values[key] = host[offset]
-                    if not key.startswith("_"):
-                        monitored[key] = host_tensor[offset].float()
-                else:
-                    values[key] = host[offset : offset + size]
-                offset += size
-        values.update({k: float(v) for k, v in pending.items() if not isinstance(v, Tensor)})
-        for hook in hooks:
-            extra = hook(values)
-            if extra:
-                values.update(extra)
-        metrics: dict[str, float] = {k: v for k, v in values.items() if not k.startswith("_") and isinstance(v, float)}
-        trainer = self.trainer
-        if monitored and trainer is not None:
-            # So that ModelCheckpoint / EarlyStopping can `monitor="stability/..."` (tensor-valued keys).
-            trainer.callback_metrics.update(monitored)
-        if metrics and trainer is not None:
-            for logger in trainer.loggers:
-                # Lightning labels the k-th optimizer step k - 1 (its `self.log` and LearningRateMonitor):
-                # the same label puts `stability/` metrics on the same rows as the module's own.
-                logger.log_metrics(metrics, step=max(self.steps - 1, 0))
-        return metrics
+        several = self.several_optimizers
+        return publish(self.trainer, self._queue.transfer(self.device), self._track_at, several, self.label())
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "version": 1,
-            "steps": self.steps,
-            "counts": self._device_counts().tolist(),
-            "host_counts_exact": self._host_counts is not None,
-            "window": {k: v.detach().cpu() for k, v in self._window.items()},
-        }
+        tracks = {i: t.state_dict() for i, t in self._tracks.items()}
+        tracks.update({i: s for i, s in self._loaded.items() if i not in tracks})
+        return {"version": 2, "tracks": {str(i): s for i, s in sorted(tracks.items())}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.steps = int(state.get("steps", 0))
-        counts = [int(c) for c in state.get("counts", [0] * len(Outcome))]
-        counts += [0] * (len(Outcome) - len(counts))
-        self._loaded_counts = counts
-        self._counts = None
-        self._host_counts = list(counts) if state.get("host_counts_exact", True) else None
-        self._window = {k: v.to(self.device) for k, v in state.get("window", {}).items()}
+        # version 1 held one optimizer's record
+        loaded = {int(i): s for i, s in state["tracks"].items()} if "tracks" in state else {0: state}
+        for index, track in self._tracks.items():
+            track.load_state_dict(loaded.pop(index, {}))
+        self._loaded = loaded
 
     def save_into(self, checkpoint: dict[str, Any]) -> None:
         """Write the ledger into a Lightning checkpoint dict (idempotent: every callback may call it)."""

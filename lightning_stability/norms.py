@@ -2,8 +2,8 @@
 
 Pure functions: they take lists of tensors and return tensors. Nothing here calls ``.item()``.
 
-* Plain tensors (single device, DDP) are grouped by device and dtype and measured with one
-  ``torch._foreach_norm`` per group, accumulating in fp32.
+* Plain tensors (single device, DDP) are grouped by device and dtype and measured with one fused
+  ``foreach`` norm kernel per group (:func:`lightning_stability._compat.foreach_norm`), accumulating in fp32.
 * Sharded tensors (``DTensor``, e.g. FSDP2 parameters) are measured on their local shard and the
   per-tensor results are reduced across the shard dimensions of their mesh with **one** collective
   per (mesh, placements) group, so the norm is the norm of the whole gradient, never of one shard.
@@ -18,6 +18,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_stability import _compat
+
 try:  # DTensor is public from torch 2.5
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 except ImportError:  # pragma: no cover - torch built without distributed
@@ -31,8 +33,8 @@ def _is_dtensor(t: Tensor) -> bool:
 def _foreach_norm_fp32(tensors: list[Tensor], norm_type: float) -> tuple[Tensor, ...]:
     """One fused norm kernel per call; low-precision tensors accumulate in fp32."""
     if tensors[0].dtype in (torch.float32, torch.float64):
-        return tuple(n.float() for n in torch._foreach_norm(tensors, norm_type))
-    return tuple(torch._foreach_norm(tensors, norm_type, dtype=torch.float32))
+        return tuple(n.float() for n in _compat.foreach_norm(tensors, norm_type))
+    return tuple(_compat.foreach_norm(tensors, norm_type, dtype=torch.float32))
 
 
 def _local_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor:
@@ -134,7 +136,7 @@ def scale_(tensors: Sequence[Tensor], coef: Tensor) -> None:
         local = t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined]
         buckets[local.device].append(local)
     for device, group in buckets.items():
-        torch._foreach_mul_(group, coef.to(device, non_blocking=True))
+        _compat.foreach_mul_(group, coef.to(device, non_blocking=True))
 
 
 def total_norm(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:

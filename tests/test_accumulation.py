@@ -12,11 +12,13 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, LearningRateFinder, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.tuner import Tuner
 from torch import nn
 from torch.func import functional_call
 
+from lightning_stability.accumulation_schedule import AccumulationSchedule
 from lightning_stability.callbacks.accumulation import GradientAccumulation
 from lightning_stability.callbacks.grad_norm import GradientNormMonitor
 from lightning_stability.callbacks.lr_schedule import WarmupConstantCosineLR
@@ -94,6 +96,37 @@ def test_changing_schedule_gives_the_expected_counts(steps: Any, n: int, epochs:
     assert trainer.global_step == len(expected)
     if not acc.is_constant:
         assert acc.estimated_optimizer_steps(trainer) == len(expected)
+
+
+@pytest.mark.parametrize(
+    ("steps", "per_epoch", "max_steps", "max_epochs", "expected"),
+    [
+        ({0: 2, 3: 4}, 40, -1, 1, 12),
+        ({2: 3, 5: 2}, 10, -1, 2, 10),
+        ({0: 3}, 10, -1, 2, 8),
+        ({0: 3}, 10, 5, 2, 5),
+        ({0: 1, 3: 2}, 10, -1, -1, None),  # endless
+        ({0: 1, 3: 2}, float("inf"), 100, None, None),  # unknown epoch length
+        ({0: 1, 3: 2}, 0, -1, 3, 0),
+    ],
+)
+def test_run_length_is_a_pure_function_of_the_trainer_limits(
+    steps: Any, per_epoch: float, max_steps: int, max_epochs: int | None, expected: int | None
+) -> None:
+    assert AccumulationSchedule.parse(steps).optimizer_steps(per_epoch, max_steps, max_epochs) == expected
+
+
+def test_the_pure_modules_import_no_lightning() -> None:
+    import ast
+
+    import lightning_stability.accumulation_schedule as schedule_module
+    import lightning_stability.batchnorm as batchnorm_module
+
+    for module in (schedule_module, batchnorm_module):
+        tree = ast.parse(Path(module.__file__ or "").read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        assert not [n for n in names if n.split(".")[0] == "lightning"], module.__name__
 
 
 def test_callers_dict_is_not_changed() -> None:
@@ -199,7 +232,7 @@ def test_lightning_scheduler_is_a_conflict() -> None:
 
 
 def test_two_instances_are_a_conflict() -> None:
-    with pytest.raises(StabilityConfigError, match="Several GradientAccumulation"):
+    with pytest.raises(StabilityConfigError, match=r"2 GradientAccumulation callbacks are attached.*keep exactly one"):
         quiet_trainer(max_steps=2, callbacks=[GradientAccumulation(2), GradientAccumulation(3)]).fit(TinyModule())
 
 
@@ -398,3 +431,123 @@ def test_adascale_without_fairscale_names_the_extra(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(builtins, "__import__", no_fairscale)
     with pytest.raises(StabilityConfigError, match=r"lightning-stability\[fairscale\]"):
         GradientAccumulation(4, lr_scaling="adascale")
+
+
+# ------------------------------------------------------------------ Lightning's tuner
+class FactorSpy(TinyModule):
+    """Records ``trainer.accumulate_grad_batches`` at every training_step, tuner searches included."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.factors: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.factors.append(self.trainer.accumulate_grad_batches)
+        return super().training_step(batch, batch_idx)
+
+
+LR_FIND: dict[str, Any] = {"min_lr": 1e-5, "max_lr": 1.0, "early_stop_threshold": None}
+SEARCH_STEPS = 30
+
+
+def _reference_search(tmp_path: Path) -> Any:
+    """The same LR search on a Trainer without GradientAccumulation."""
+    pl.seed_everything(0)
+    trainer = quiet_trainer(max_steps=2, default_root_dir=tmp_path / "reference")
+    finder = Tuner(trainer).lr_find(FactorSpy(n=256, batch_size=4), num_training=SEARCH_STEPS, **LR_FIND)
+    assert finder is not None and finder.suggestion() is not None
+    return finder
+
+
+def test_tuner_lr_find_searches_as_configured_and_fit_scales_the_found_lr_once(tmp_path: Path) -> None:
+    k = 4
+    reference = _reference_search(tmp_path)
+    pl.seed_everything(0)
+    module, rec = FactorSpy(n=256, batch_size=4), StepRecorder()
+    acc = GradientAccumulation(steps=k, lr_scaling="linear")
+    trainer = quiet_trainer(max_steps=2, default_root_dir=tmp_path, callbacks=[acc, rec])
+    finder = Tuner(trainer).lr_find(module, num_training=SEARCH_STEPS, **LR_FIND)
+    assert finder is not None
+    found = finder.suggestion()
+    # The search saw the Trainer as configured (one micro-batch per step): the very same search as without
+    # the callback, so `found` is the LR for one micro-batch.
+    assert module.factors == [1] * SEARCH_STEPS
+    assert finder.results == reference.results and found == reference.suggestion()
+    assert module.lr == found and trainer.accumulate_grad_batches == 1
+    module.factors.clear()
+    trainer.fit(module)
+    assert rec.sizes == [k, k] and module.factors == [k] * (2 * k)
+    assert rec.lrs == [found * k, found * k]  # scaled once, not found * k**2
+
+
+def test_learning_rate_finder_callback_searches_as_configured_then_trains_at_found_times_k(tmp_path: Path) -> None:
+    k = 2
+    reference = _reference_search(tmp_path)
+    pl.seed_everything(0)
+    module, rec = FactorSpy(n=256, batch_size=4), StepRecorder()
+    finder = LearningRateFinder(num_training_steps=SEARCH_STEPS, **LR_FIND)
+    trainer = quiet_trainer(
+        max_steps=3, default_root_dir=tmp_path, callbacks=[GradientAccumulation(steps=k), rec, finder]
+    )
+    trainer.fit(module)  # searches at fit start, then trains
+    assert finder.optimal_lr is not None
+    found = finder.optimal_lr.suggestion()
+    assert module.factors == [1] * SEARCH_STEPS + [k] * (3 * k)
+    assert finder.optimal_lr.results == reference.results
+    assert rec.sizes == [k] * 3 and rec.lrs == [found * k] * 3
+    assert "lr_find" not in vars(finder)  # the Lightning callback is as it was
+
+
+class InStepLR(Callback):
+    """The LR each ``optimizer.step()`` applies (seen by a step pre-hook registered after every other one)."""
+
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.optimizers[0].register_step_pre_hook(lambda opt, *_: self.lrs.append(float(opt.param_groups[0]["lr"])))
+
+
+class SearchAtEpoch1(LearningRateFinder):
+    """Lightning's documented fine-tuning form: search again at a later epoch, in the middle of the fit."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        return
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch == 1:
+            self.lr_find(trainer, pl_module)
+
+
+@pytest.mark.parametrize("lr_scaling", ["linear", "adascale"])
+def test_lr_search_during_training_runs_without_accumulation(lr_scaling: str, tmp_path: Path) -> None:
+    if lr_scaling == "adascale":
+        pytest.importorskip("fairscale")
+    k, lr = 2, 0.01
+    module, rec = FactorSpy(n=32, batch_size=4, lr=lr), StepRecorder()  # 8 batches: 4 steps per epoch
+    finder = SearchAtEpoch1(num_training_steps=SEARCH_STEPS, **LR_FIND)
+    acc = GradientAccumulation(steps={0: k, 100: 4}, lr_scaling=lr_scaling)
+    in_step = InStepLR()
+    quiet_trainer(max_steps=8, default_root_dir=tmp_path, callbacks=[finder, acc, rec, in_step]).fit(module)
+    assert finder.optimal_lr is not None
+    found = finder.optimal_lr.suggestion()
+    # epoch 0 accumulates, the search steps on every micro-batch, epoch 1 accumulates again
+    assert module.factors == [k] * 8 + [1] * SEARCH_STEPS + [k] * 8
+    # the search's steps use the search's LRs: no accumulation scaling, no AdaScale gain
+    assert len(in_step.lrs) == 4 + SEARCH_STEPS + 4
+    assert in_step.lrs[4 : 4 + SEARCH_STEPS] == finder.optimal_lr.results["lr"]
+    assert rec.sizes == [k] * 8
+    if lr_scaling == "linear":  # the LR the search found is the new base for one micro-batch
+        assert rec.lrs == [lr * k] * 4 + [found * k] * 4
+
+
+def test_tuner_scale_batch_size_tries_single_micro_batches(tmp_path: Path) -> None:
+    k = 4
+    module, rec = FactorSpy(n=256, batch_size=4), StepRecorder()
+    trainer = quiet_trainer(max_steps=2, default_root_dir=tmp_path, callbacks=[GradientAccumulation(steps=k), rec])
+    size = Tuner(trainer).scale_batch_size(module, mode="power", steps_per_trial=2, init_val=2, max_trials=3)
+    assert size == module.batch_size == 8
+    assert module.factors == [1] * (3 * 2)  # 3 trials of 2 optimizer steps, one micro-batch each
+    module.factors.clear()
+    trainer.fit(module)
+    assert rec.sizes == [k, k] and module.factors == [k] * (2 * k)

@@ -176,7 +176,7 @@ def test_module_with_its_own_scheduler_is_an_error() -> None:
 
 def test_two_schedules_are_an_error() -> None:
     trainer = quiet_trainer(max_steps=2, callbacks=[WarmupConstantCosineLR(), ScheduledLR(CosineSchedule())])
-    with pytest.raises(StabilityConfigError, match="2 LR schedule callbacks are attached"):
+    with pytest.raises(StabilityConfigError, match=r"2 ScheduledLR callbacks are attached .*overwrite"):
         trainer.fit(TinyModule())
 
 
@@ -193,7 +193,7 @@ class StreamModule(TinyModule):
 
 def test_unknown_run_length_is_an_error_unless_given() -> None:
     trainer = quiet_trainer(max_epochs=1, callbacks=[WarmupConstantCosineLR()])
-    with pytest.raises(StabilityConfigError, match=r"needs the run length.*Fix: pass `total_steps=`"):
+    with pytest.raises(StabilityConfigError, match=r"run length but the training data is an iterable dataset .*Fix"):
         trainer.fit(StreamModule())
     rec = Recorder()
     quiet_trainer(max_epochs=1, callbacks=[WarmupConstantCosineLR(total_steps=4), rec]).fit(StreamModule())
@@ -202,6 +202,42 @@ def test_unknown_run_length_is_an_error_unless_given() -> None:
     rec = Recorder()
     quiet_trainer(max_epochs=1, callbacks=[ScheduledLR(InverseSqrtSchedule(warmup=2)), rec]).fit(StreamModule())
     assert [x[0] for x in rec.lrs] == pytest.approx([0.025, 0.05, 0.05 * (2 / 2) ** 0.5, 0.05 * (2 / 3) ** 0.5])
+
+
+def test_an_endless_run_names_its_real_cause() -> None:
+    trainer = quiet_trainer(max_epochs=-1, max_time={"seconds": 30}, callbacks=[WarmupConstantCosineLR()])
+    with pytest.raises(StabilityConfigError, match=r"no set length \(max_epochs=-1 and no max_steps; it stops") as err:
+        trainer.fit(TinyModule())
+    assert "iterable" not in str(err.value)
+
+
+@pytest.mark.parametrize(("total", "how"), [(16, "ends early"), (64, "will not reach its end")])
+def test_total_steps_that_disagrees_with_the_run_warns_once(total: int, how: str) -> None:
+    rec = Recorder()
+    trainer = quiet_trainer(max_steps=32, callbacks=[WarmupConstantCosineLR(total_steps=total), rec])
+    with pytest.warns(UserWarning, match=rf"total_steps={total}\) but the Trainer will run 32 optimizer steps.*{how}"):
+        trainer.fit(TinyModule(n=512))
+    assert len(rec.lrs) == 32
+    if total == 16:  # the schedule ended at its floor (0) and stayed there, as the warning said
+        assert [x[0] for x in rec.lrs[16:]] == [0.0] * 16
+
+
+def test_a_schedule_that_does_not_take_step_and_total_is_refused_at_construction() -> None:
+    with pytest.raises(StabilityConfigError, match=r"`schedule=.*\(step, total_steps\)"):
+        ScheduledLR(lambda step: 1.0)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_a_non_finite_or_negative_multiplier_stops_the_run_before_it_is_used(bad: float) -> None:
+    rec = Recorder()
+    model = TinyModule()
+    trainer = quiet_trainer(max_steps=6, callbacks=[ScheduledLR(lambda s, t: 1.0 if s < 2 else bad), rec])
+    with pytest.raises(StabilityConfigError, match=rf"(?s)(?=.*step 2\b)(?=.*{bad})"):
+        trainer.fit(model)
+    assert [x[0] for x in rec.lrs] == [0.05, 0.05]  # two good updates, the bad LR never reached the optimizer
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    with pytest.raises(StabilityConfigError, match=rf"(?s)(?=.*step 0\b)(?=.*{bad})"):
+        quiet_trainer(max_steps=2, callbacks=[ScheduledLR(lambda s, t: bad)]).fit(TinyModule())
 
 
 @pytest.mark.parametrize(
@@ -291,7 +327,7 @@ def test_state_dict_round_trip_and_pickling() -> None:
     trainer = quiet_trainer(max_steps=6, callbacks=[cb])
     trainer.fit(TinyModule(lr=0.05))
     state = cb.state_dict()
-    assert state == {"base_lrs": [[0.05]], "total_steps": 6}  # the applied count travels in the ledger
+    assert state == {"base_lrs": [[0.05]], "total_steps": [6]}  # the applied count travels in the ledger
     fresh = WarmupConstantCosineLR(warmup=2, decay=4)
     fresh.load_state_dict(state)
     assert fresh.state_dict()["base_lrs"] == [[0.05]]

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stability.callbacks.base import LedgerCallback
-from lightning_stability.errors import StabilityConfigError, check_positive_int, config_error
+from lightning_stability.errors import StabilityConfigError, config_error
 from lightning_stability.ledger import FlushValues, Outcome, StepLedger, loss_scaler
 from lightning_stability.norms import clip_coefficient, combine_norms, group_norms, per_tensor_norms, scale_
 
@@ -52,12 +54,22 @@ class GradientNormMonitor(LedgerCallback):
     ``torch.nn.utils.clip_grad_norm_``, kept as a tensor.
 
     A step whose gradient norm is NaN or inf is skipped when ``skip_nonfinite`` is set: weights and
-    optimizer state (moments, step counts, weight decay) are left exactly as they were, and every
-    rank decides alike because the norm is global. Under fp16 the loss scaler's own overflow decision
-    is reused. A warning on the next logging step names the first layer with a non-finite gradient
-    and the layers with the largest gradient norms, so the start of an explosion can be found.
+    optimizer state (moments, step counts, weight decay) are left exactly as they were. Every rank
+    decides alike: the flag is max-reduced across ranks (one 0-dim all-reduce per step), so a gradient
+    that went bad on one rank after the data-parallel all-reduce still skips the step everywhere. Under
+    fp16 the vote joins the loss scaler's own overflow decision. A warning on the next logging step names
+    the first layer with a non-finite gradient and the layers with the largest gradient norms, so the
+    start of an explosion can be found.
 
-    Logged keys (on logging steps, to every Lightning logger):
+    ``check_replicas=True`` compares the gradient norms of the data-parallel replicas on logging steps (one
+    small all-gather) and warns naming the rank that disagrees: a cheap detector of a faulty device.
+
+    With several optimizers (a GAN, manual optimization) each optimizer is measured, clipped, skipped and
+    logged on its own; its keys end in ``/<optimizer>`` (``LearningRateMonitor``'s names: ``Adam``,
+    ``Adam-1``, ...).
+
+    Logged keys (to every Lightning logger on logging steps; scalars also in ``trainer.callback_metrics``
+    after every step that computes them):
 
     ==================================  ===========================================================
     Key                                 Meaning
@@ -78,6 +90,8 @@ class GradientNormMonitor(LedgerCallback):
             ``k`` modules with the largest norm at that step).
         skip_nonfinite: skip the update when the gradient norm is NaN/inf.
         warn_top_k: how many of the largest layers the non-finite warning names.
+        check_replicas: compare the replicas' gradient norms on logging steps; warn naming a rank that
+            disagrees.
 
     Raises:
         StabilityConfigError: for a bad argument, or at ``setup`` when the Trainer also clips with
@@ -88,6 +102,8 @@ class GradientNormMonitor(LedgerCallback):
         trainer = L.Trainer(callbacks=[GradientNormMonitor(max_norm=1.0)])
     """
 
+    one_instance_reason = "each would measure, clip and skip the same step and log the same keys"
+
     def __init__(
         self,
         max_norm: float | None = None,
@@ -96,7 +112,9 @@ class GradientNormMonitor(LedgerCallback):
         per_layer: bool | int = False,
         skip_nonfinite: bool = True,
         warn_top_k: int = 3,
+        check_replicas: bool = False,
     ) -> None:
+        super().__init__(log_every_n_steps)
         if max_norm is not None:
             if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
                 raise config_error(
@@ -109,54 +127,33 @@ class GradientNormMonitor(LedgerCallback):
                     "must be a positive, finite number",
                     "pass e.g. 1.0 (BERT-like), 0.5 (GPT-like) or 2.0 (mixture of experts), or None to only measure",
                 )
-        if log_every_n_steps is not None:
-            check_positive_int("log_every_n_steps", log_every_n_steps, "50, or None for the Trainer's")
         if not isinstance(per_layer, (bool, int)) or (not isinstance(per_layer, bool) and per_layer < 1):
             raise config_error("per_layer", per_layer, "is not False, True or a positive int", "pass True or e.g. 5")
-        if not isinstance(skip_nonfinite, bool):
-            raise config_error("skip_nonfinite", skip_nonfinite, "must be a bool", "pass True or False")
+        for name, flag in (("skip_nonfinite", skip_nonfinite), ("check_replicas", check_replicas)):
+            if not isinstance(flag, bool):
+                raise config_error(name, flag, "must be a bool", "pass True or False")
         if isinstance(warn_top_k, bool) or not isinstance(warn_top_k, int) or warn_top_k < 0:
             raise config_error("warn_top_k", warn_top_k, "must be an int >= 0", "pass e.g. 3")
         self.max_norm = None if max_norm is None else float(max_norm)
         self.norm_type = _parse_norm_type(norm_type)
-        self.log_every_n_steps = log_every_n_steps
         self.per_layer = per_layer
         self.skip_nonfinite = skip_nonfinite
         self.warn_top_k = warn_top_k
-        self._every_n = log_every_n_steps or 50
+        self.check_replicas = check_replicas
         self._names: dict[int, str] = {}
-        self._index_cache: tuple[tuple[int, ...], Tensor, list[str]] | None = None
-        self._bad_seen: Tensor | None = None
-        self._bad_snapshot: Tensor | None = None
+        self._layers: dict[int, _Layers] = {}  # per optimizer (track index)
         self._scaler_skips = False
-        self._state_key: str | None = None
 
-    @property
-    def state_key(self) -> str:
-        # Lightning reads this around every hook call: build the string once.
-        if self._state_key is None:
-            self._state_key = self._generate_state_key(max_norm=self.max_norm, norm_type=self.norm_type)
-        return self._state_key
+    def state_fields(self) -> dict[str, Any]:
+        return {"max_norm": self.max_norm, "norm_type": self.norm_type}
 
     # ------------------------------------------------------------------ setup
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
+    def on_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.max_norm is not None and trainer.gradient_clip_val:
             raise StabilityConfigError(
                 f"GradientNormMonitor(max_norm={self.max_norm}) and Trainer(gradient_clip_val="
                 f"{trainer.gradient_clip_val}) would clip twice. Fix: remove `gradient_clip_val` from the Trainer, "
                 "or pass `max_norm=None` to GradientNormMonitor to only measure."
-            )
-        clippers = [
-            cb
-            for cb in trainer.callbacks  # type: ignore[attr-defined]
-            if isinstance(cb, GradientNormMonitor) and cb.max_norm is not None
-        ]
-        if len(clippers) > 1:
-            raise StabilityConfigError(
-                f"{len(clippers)} GradientNormMonitor callbacks clip gradients (max_norm="
-                f"{[cb.max_norm for cb in clippers]}). Fix: keep one with `max_norm`; give the others `max_norm=None`."
             )
         strategy = type(trainer.strategy).__name__
         if strategy in _UNSUPPORTED_STRATEGIES or getattr(trainer.strategy, "gradients_are_local_shards", False):
@@ -165,80 +162,71 @@ class GradientNormMonitor(LedgerCallback):
                 "are flat local shards. Fix: use an FSDP2 (DTensor) strategy such as Lightning's "
                 "ModelParallelStrategy, or DDP."
             )
-        self._every_n = self.log_every_n_steps or trainer.log_every_n_steps or 1  # type: ignore[attr-defined]
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._names = {id(p): name for name, p in pl_module.named_parameters()}
         self._scaler_skips = loss_scaler(trainer) is not None
-        self._index_cache = None
-        self._bad_seen = self._bad_snapshot = None
+        self._layers = {}
 
     # ------------------------------------------------------------------ the step
-    def _layer_index(self, params: list[Tensor], device: torch.device) -> tuple[Tensor, list[str]]:
+    def _layers_of(self, ledger: StepLedger, params: list[Tensor], device: torch.device) -> _Layers:
+        track = ledger.track().index
+        layers = self._layers.get(track)
         key = tuple(id(p) for p in params)
-        if self._index_cache is not None and self._index_cache[0] == key:
-            return self._index_cache[1], self._index_cache[2]
-        groups: dict[str, int] = {}
-        index = []
-        for i, p in enumerate(params):
-            name = self._names.get(id(p), f"param_{i}")
-            module = name.rsplit(".", 1)[0] if "." in name else name
-            index.append(groups.setdefault(module, len(groups)))
-        index_t = torch.tensor(index, dtype=torch.int64, device=device)
-        self._index_cache = (key, index_t, list(groups))
-        self._bad_seen = self._bad_snapshot = None
-        return index_t, list(groups)
+        if layers is None or layers.key != key:
+            groups: dict[str, int] = {}
+            index = []
+            for i, p in enumerate(params):
+                name = self._names.get(id(p), f"param_{i}")
+                module = name.rsplit(".", 1)[0] if "." in name else name
+                index.append(groups.setdefault(module, len(groups)))
+            index_t = torch.tensor(index, dtype=torch.int64, device=device)
+            layers = self._layers[track] = _Layers(key, index_t, list(groups))
+        return layers
 
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
-    ) -> None:
-        ledger = StepLedger.of(trainer)
-        ledger.open_step(optimizer)
+    def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer, logging: bool) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not params:
+            if self.skip_nonfinite:  # every rank joins the flag's all-reduce, also one without gradients
+                ledger.any_rank(torch.zeros((), dtype=torch.bool, device=ledger.device))
             return
         grads: list[Tensor] = [p.grad for p in params]
         norms = per_tensor_norms(grads, self.norm_type)
         total = combine_norms(norms, self.norm_type)
         finite = torch.isfinite(total)
+        if self.skip_nonfinite:
+            # A gradient can go bad on one rank after the data-parallel all-reduce (a hook that edits it, a
+            # faulty device): one 0-dim all-reduce makes every rank see, and skip, the same step.
+            finite = ~ledger.any_rank(~finite)
         ledger.put("grad_norm", total)
         ledger.put("grad_finite", finite)
         ledger.accumulate(_K_STEPS, 1.0)
+        ledger.log("stability/grad_norm", total, logging)
         coef = None
         if self.max_norm is not None:
             coef = clip_coefficient(total, self.max_norm)
             scale_(grads, coef)
             ledger.put("clip_coef", coef)
             ledger.accumulate(_K_CLIPPED, coef < 1.0)
-        index, names = self._layer_index(params, norms.device)
-        layer_norms = group_norms(norms, index, len(names), self.norm_type)
-        self._remember_first_bad(finite, layer_norms)
-        if self.skip_nonfinite and loss_scaler(trainer) is None:
-            # Under fp16 the scaler already found these values and skips the step itself.
+            ledger.log("stability/grad_norm_clipped", total * coef, logging)
+            ledger.log("stability/clip_coef", coef, logging)
+        layers = self._layers_of(ledger, params, norms.device)
+        layer_norms = group_norms(norms, layers.index, len(layers.names), self.norm_type)
+        layers.remember_first_bad(finite, layer_norms)
+        if self.skip_nonfinite:
+            # Under fp16 the vote joins the loss scaler's own overflow decision: no extra sync.
             ledger.mark_skip(Outcome.SKIPPED_NONFINITE, ~finite)
-        if ledger.is_logging_step(self._every_n):
-            self._queue_logs(ledger, total, coef, layer_norms, names)
-
-    def _remember_first_bad(self, finite: Tensor, layer_norms: Tensor) -> None:
-        bad = ~finite
-        if self._bad_seen is None or self._bad_snapshot is None:
-            self._bad_seen = torch.zeros((), dtype=torch.bool, device=finite.device)
-            self._bad_snapshot = torch.zeros_like(layer_norms)
-        first = bad & ~self._bad_seen
-        self._bad_snapshot = torch.where(first, layer_norms, self._bad_snapshot)
-        self._bad_seen = self._bad_seen | bad
+        # counted when the step closes, so the current step's outcome is included
+        ledger.on_close(lambda closed: closed.log("stability/skipped_steps", closed.skipped_steps, logging))
+        if logging:
+            self._queue_logs(trainer, ledger, total, layer_norms, layers)
 
     def _queue_logs(
-        self, ledger: StepLedger, total: Tensor, coef: Tensor | None, layer_norms: Tensor, names: list[str]
+        self, trainer: pl.Trainer, ledger: StepLedger, total: Tensor, layer_norms: Tensor, layers: _Layers
     ) -> None:
-        ledger.log("stability/grad_norm", total)
         steps = ledger.pop_window(_K_STEPS)
-        if coef is not None:
-            ledger.log("stability/grad_norm_clipped", total * coef)
-            ledger.log("stability/clip_coef", coef)
+        if self.max_norm is not None:
             ledger.log("stability/clip_fraction", ledger.pop_window(_K_CLIPPED) / steps.clamp(min=1.0))
-        # counted when the step closes, so the current step's outcome is included
-        ledger.on_close(lambda closed: closed.log("stability/skipped_steps", closed.skipped_steps))
         if self.per_layer is True:
             ledger.log("_grad_norm_monitor/layers", layer_norms)
         elif self.per_layer:
@@ -246,15 +234,17 @@ class GradientNormMonitor(LedgerCallback):
             top = torch.topk(torch.nan_to_num(layer_norms, nan=math.inf), k)
             ledger.log("_grad_norm_monitor/top_values", layer_norms[top.indices])
             ledger.log("_grad_norm_monitor/top_indices", top.indices)
-        self._queue_bad_report(ledger)
-        ledger.on_flush(lambda values: self._on_flush(values, names))
+        if self.check_replicas and trainer.world_size > 1:
+            ledger.log("_grad_norm_monitor/replica_norms", gather_from_ranks(total))
+        self._queue_bad_report(ledger, layers)
+        ledger.on_flush(partial(self._on_flush, names=layers.names, step=ledger.steps))
 
-    def _queue_bad_report(self, ledger: StepLedger) -> None:
-        if self._bad_seen is None or self._bad_snapshot is None:
+    def _queue_bad_report(self, ledger: StepLedger, layers: _Layers) -> None:
+        if layers.bad_seen is None or layers.bad_snapshot is None:
             return
-        snap = self._bad_snapshot
+        snap = layers.bad_snapshot
         finite = torch.isfinite(snap)
-        ledger.log("_grad_norm_monitor/bad_seen", self._bad_seen)
+        ledger.log("_grad_norm_monitor/bad_seen", layers.bad_seen)
         ledger.log("_grad_norm_monitor/first_bad", torch.argmax((~finite).to(torch.int32)))
         ledger.log("_grad_norm_monitor/bad_count", (~finite).sum())
         k = min(self.warn_top_k, snap.numel())
@@ -262,9 +252,9 @@ class GradientNormMonitor(LedgerCallback):
             top = torch.topk(torch.where(finite, snap, -1.0), k)
             ledger.log("_grad_norm_monitor/bad_top_values", top.values)
             ledger.log("_grad_norm_monitor/bad_top_indices", top.indices)
-        self._bad_seen = torch.zeros_like(self._bad_seen)
+        layers.bad_seen = torch.zeros_like(layers.bad_seen)
 
-    def _on_flush(self, values: FlushValues, names: list[str]) -> dict[str, float]:
+    def _on_flush(self, values: FlushValues, names: list[str], step: int) -> dict[str, float]:
         extra: dict[str, float] = {}
         layers = values.get("_grad_norm_monitor/layers")
         if isinstance(layers, list):
@@ -277,42 +267,110 @@ class GradientNormMonitor(LedgerCallback):
             extra.update(
                 {f"stability/grad_norm/{names[int(i)]}": v for i, v in zip(top_indices, top_values, strict=True)}
             )
+        replicas = values.get("_grad_norm_monitor/replica_norms")
+        if isinstance(replicas, list):
+            warn_disagreeing_replicas(replicas, step)
         if values.get("_grad_norm_monitor/bad_seen"):
-            first = names[int(values["_grad_norm_monitor/first_bad"])]  # type: ignore[arg-type]
-            bad_values = values.get("_grad_norm_monitor/bad_top_values", [])
-            bad_indices = values.get("_grad_norm_monitor/bad_top_indices", [])
-            assert isinstance(bad_values, list) and isinstance(bad_indices, list)
-            top = ", ".join(f"{names[int(i)]}={v:.3g}" for i, v in zip(bad_indices, bad_values, strict=True) if v >= 0)
-            count = int(values["_grad_norm_monitor/bad_count"])  # type: ignore[arg-type]
-            if self._scaler_skips:
-                action = "skipped by the fp16 loss scaler"
-            else:
-                action = "skipped" if self.skip_nonfinite else "NOT skipped (skip_nonfinite=False)"
-            # Every rank saw the same global norms: warn once, not once per process.
+            self._warn_nonfinite(values, names)
+        return extra
+
+    def _warn_nonfinite(self, values: FlushValues, names: list[str]) -> None:
+        first = names[int(values["_grad_norm_monitor/first_bad"])]  # type: ignore[arg-type]
+        bad_values = values.get("_grad_norm_monitor/bad_top_values", [])
+        bad_indices = values.get("_grad_norm_monitor/bad_top_indices", [])
+        assert isinstance(bad_values, list) and isinstance(bad_indices, list)
+        top = ", ".join(f"{names[int(i)]}={v:.3g}" for i, v in zip(bad_indices, bad_values, strict=True) if v >= 0)
+        count = int(values["_grad_norm_monitor/bad_count"])  # type: ignore[arg-type]
+        if self._scaler_skips:
+            action = "skipped by the fp16 loss scaler"
+        else:
+            action = "skipped" if self.skip_nonfinite else "NOT skipped (skip_nonfinite=False)"
+        if count == 0:
+            # The flag came from another rank through the all-reduce: this rank's own gradients were finite.
             rank_zero_warn(
-                f"Non-finite gradient norm: the update was {action}. First module with a non-finite gradient: "
-                f"'{first}' ({count} of {len(names)} modules non-finite). Largest finite gradient norms at that "
-                f"step: {top or 'none'}. An explosion usually starts in the first module named; lower the "
-                "learning rate or clip harder (max_norm).",
+                f"Non-finite gradient norm on another rank: the update was {action} on every rank, though this "
+                "rank's gradients were finite. A gradient that goes bad on one rank only, after the all-reduce, "
+                "points to a faulty device or a hook that edits one rank's gradients; "
+                "GradientNormMonitor(check_replicas=True) names the rank.",
                 category=RuntimeWarning,
             )
-        return extra
+            return
+        # Every rank saw the same global norms: warn once, not once per process.
+        rank_zero_warn(
+            f"Non-finite gradient norm: the update was {action}. First module with a non-finite gradient: "
+            f"'{first}' ({count} of {len(names)} modules non-finite). Largest finite gradient norms at that "
+            f"step: {top or 'none'}. An explosion usually starts in the first module named; lower the "
+            "learning rate or clip harder (max_norm).",
+            category=RuntimeWarning,
+        )
 
     # ------------------------------------------------------------------ after the step
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Report a non-finite step that happened after the last logging step.
         ledger = StepLedger.of(trainer)
-        if self._bad_seen is not None and self._index_cache is not None:
-            names = self._index_cache[2]
-            self._queue_bad_report(ledger)
-            ledger.on_flush(lambda values: self._on_flush(values, names))
-            ledger.flush()
+        for index, layers in self._layers.items():
+            if layers.bad_seen is not None and index < len(trainer.optimizers):
+                ledger.select(trainer.optimizers[index])
+                self._queue_bad_report(ledger, layers)
+                ledger.on_flush(partial(self._on_flush, names=layers.names, step=ledger.steps))
+        ledger.flush()
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
         return {"max_norm": self.max_norm, "norm_type": self.norm_type}
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.update(_index_cache=None, _bad_seen=None, _bad_snapshot=None, _names={})
-        return state
+    def transient_state(self) -> dict[str, Any]:
+        return {"_layers": {}, "_names": {}}
+
+
+class _Layers:
+    """One optimizer's parameters grouped by module, and its first non-finite step's per-module norms."""
+
+    def __init__(self, key: tuple[int, ...], index: Tensor, names: list[str]) -> None:
+        self.key, self.index, self.names = key, index, names
+        self.bad_seen: Tensor | None = None
+        self.bad_snapshot: Tensor | None = None
+
+    def remember_first_bad(self, finite: Tensor, layer_norms: Tensor) -> None:
+        bad = ~finite
+        if self.bad_seen is None or self.bad_snapshot is None:
+            self.bad_seen = torch.zeros((), dtype=torch.bool, device=finite.device)
+            self.bad_snapshot = torch.zeros_like(layer_norms)
+        first = bad & ~self.bad_seen
+        self.bad_snapshot = torch.where(first, layer_norms, self.bad_snapshot)
+        self.bad_seen = self.bad_seen | bad
+
+
+def gather_from_ranks(value: Tensor) -> Tensor:
+    """Every rank's ``value`` (0-dim), gathered into a vector on every rank: one small all-gather."""
+    world = dist.get_world_size()
+    out = torch.empty(world, dtype=torch.float32, device=value.device)
+    dist.all_gather_into_tensor(out, value.detach().to(torch.float32).reshape(1))
+    return out
+
+
+def warn_disagreeing_replicas(norms: list[float], step: int, rel_tol: float = 1e-5) -> None:
+    """Warn, naming the ranks, when data-parallel replicas measured different gradient norms.
+
+    Replicas hold identical gradients after the all-reduce (and sharded norms are reduced across the mesh),
+    so every rank measures the same global norm. A rank that differs computed or received other gradients:
+    a faulty device (silent data corruption) or a hook that changed one rank's gradients. Its weights will
+    drift from the others'. The reference is the value a strict majority of ranks agree on, or else rank 0's.
+    """
+
+    def same(a: float, b: float) -> bool:
+        return a == b or (math.isfinite(a) and math.isfinite(b) and abs(a - b) <= rel_tol * max(abs(a), abs(b)))
+
+    majority = [v for v in norms if sum(same(v, w) for w in norms) * 2 > len(norms)]
+    reference, source = (majority[0], "most ranks") if majority else (norms[0], "rank 0 (no majority)")
+    bad = [rank for rank, v in enumerate(norms) if not same(v, reference)]
+    if bad:
+        shown = ", ".join(f"rank {r}: {norms[r]:.6g}" for r in bad)
+        rank_zero_warn(
+            f"Gradient norms disagree across data-parallel replicas at optimizer step {step}: {source} measured "
+            f"{reference:.6g}, but {shown}. Replicas hold the same all-reduced gradients, so the rank(s) named "
+            "computed or received different gradients: a faulty device (silent data corruption) or a hook that "
+            "edits one rank's gradients. Their weights will drift apart. Fix: check that device (rerun the step "
+            "there, run a GPU memory test) or the hook.",
+            category=RuntimeWarning,
+        )

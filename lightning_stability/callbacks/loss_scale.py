@@ -8,16 +8,17 @@ at ``setup`` and logs through the ledger.
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
+from lightning_stability import _compat
 from lightning_stability.callbacks.base import LedgerCallback
 from lightning_stability.diagnostics import PrecisionDiagnostics, check_loss, run_fit_start_checks
-from lightning_stability.errors import StabilityConfigError, check_positive_int, config_error
+from lightning_stability.errors import config_error
 from lightning_stability.grad_scaler import (
     FusedClipMixedPrecision,
     TunedGradScaler,
@@ -25,9 +26,6 @@ from lightning_stability.grad_scaler import (
 )
 from lightning_stability.ledger import FlushValues, StepLedger
 from lightning_stability.scaling import ScaleRule
-
-if TYPE_CHECKING:
-    pass
 
 _NEAR_FLOOR_BACKOFFS = 4  # "near the floor": at most this many backoffs above min_scale
 _K_SCALE = "stability/loss_scale"
@@ -140,6 +138,7 @@ class LossScaleTuner(LedgerCallback):
         log_every_n_steps: int | None = None,
         fit_start_checks: bool = True,
     ) -> None:
+        super().__init__(log_every_n_steps)
         self.scaler_kwargs: dict[str, Any] = dict(
             init_scale=init_scale,
             growth_factor=growth_factor,
@@ -160,28 +159,21 @@ class LossScaleTuner(LedgerCallback):
             or not 0 < max_overflow_rate <= 1
         ):
             raise config_error("max_overflow_rate", max_overflow_rate, "must be a number in (0, 1]", "pass e.g. 0.05")
-        if log_every_n_steps is not None:
-            check_positive_int("log_every_n_steps", log_every_n_steps, "50, or None for the Trainer's")
         if not isinstance(fit_start_checks, bool):
             raise config_error("fit_start_checks", fit_start_checks, "must be a bool", "pass True or False")
         self.on_min_scale = on_min_scale
         self.max_overflow_rate = float(max_overflow_rate)
-        self.log_every_n_steps = log_every_n_steps
         self.fit_start_checks = fit_start_checks
-        self._every_n = log_every_n_steps or 50
         self._scaler: TunedGradScaler | None = None
         self._floor_hits_seen = 0
         self._warned = False
         self._error: LossScaleFloorError | None = None
         self._check_loss = False
-        self._state_key: str | None = None
 
-    @property
-    def state_key(self) -> str:
-        # Lightning reads it around every hook call (profiler names): build it once
-        if self._state_key is None:
-            self._state_key = self._generate_state_key(**self.scaler_kwargs)
-        return self._state_key
+    one_instance_reason = "each would own the loss scale"
+
+    def state_fields(self) -> dict[str, Any]:
+        return dict(self.scaler_kwargs)
 
     @property
     def scaler(self) -> TunedGradScaler | None:
@@ -189,15 +181,7 @@ class LossScaleTuner(LedgerCallback):
         return self._scaler
 
     # ------------------------------------------------------------------ setup
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        tuners = [cb for cb in trainer.callbacks if isinstance(cb, LossScaleTuner)]  # type: ignore[attr-defined]
-        if len(tuners) > 1:
-            raise StabilityConfigError(
-                f"{len(tuners)} LossScaleTuner callbacks would each own the loss scale. Fix: keep one."
-            )
-        self._every_n = self.log_every_n_steps or getattr(trainer, "log_every_n_steps", None) or 1
+    def on_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         plugin = trainer.precision_plugin
         precision = str(getattr(plugin, "precision", trainer.precision))
         current = getattr(plugin, "scaler", None)
@@ -209,7 +193,7 @@ class LossScaleTuner(LedgerCallback):
             )
             return
         if current is not self._scaler:
-            device = getattr(current, "_device", trainer.strategy.root_device.type)
+            device = _compat.scaler_device(current, trainer.strategy.root_device.type)
             self._scaler = TunedGradScaler(device, **self.scaler_kwargs)
             self._floor_hits_seen, self._warned = 0, False  # a checkpoint may restore both later
             plugin.scaler = self._scaler  # type: ignore[attr-defined]  # any plugin with a `scaler`
@@ -227,20 +211,18 @@ class LossScaleTuner(LedgerCallback):
             run_fit_start_checks(trainer, pl_module)
 
     # ------------------------------------------------------------------ the step
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
-    ) -> None:
-        ledger = StepLedger.of(trainer)
-        ledger.open_step(optimizer)
-        if self._scaler is not None and ledger.is_logging_step(self._every_n):
+    def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer, logging: bool) -> None:
+        if self._scaler is not None:
             # queued after the scaler's update, so the logged scale is the one the next step uses
-            self._scaler.call_after_next_update(partial(self._queue_logs, ledger))
+            self._scaler.call_after_next_update(partial(self._queue_logs, ledger, logging))
 
-    def _queue_logs(self, ledger: StepLedger, scaler: TunedGradScaler) -> None:
-        ledger.log(_K_SCALE, scaler.loss_scale)
-        ledger.log(_K_OVERFLOWS, scaler.overflow_steps)
+    def _queue_logs(self, ledger: StepLedger, logging: bool, scaler: TunedGradScaler) -> None:
+        ledger.log(_K_SCALE, scaler.loss_scale, logging)
+        ledger.log(_K_OVERFLOWS, scaler.overflow_steps, logging)
+        ledger.log(_K_FLOOR, scaler.floor_hits, logging)
+        if not logging:
+            return
         ledger.log(_K_RATE, scaler.overflow_rate())
-        ledger.log(_K_FLOOR, scaler.floor_hits)
         covered = min(scaler.updates, scaler.overflow_window)
         ledger.on_flush(partial(self._decide, scaler.rule, covered, scaler.overflow_window, ledger.steps))
 
@@ -318,7 +300,5 @@ class LossScaleTuner(LedgerCallback):
         self._floor_hits_seen = int(state_dict.get("floor_hits_seen", 0))
         self._warned = bool(state_dict.get("warned", False))
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.update(_scaler=None, _error=None)
-        return state
+    def transient_state(self) -> dict[str, Any]:
+        return {"_scaler": None, "_error": None}

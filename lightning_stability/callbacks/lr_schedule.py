@@ -3,18 +3,44 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stability.callbacks.base import LedgerCallback
-from lightning_stability.errors import StabilityConfigError, check_positive_int, config_error
+from lightning_stability.errors import StabilityConfigError, config_error
 from lightning_stability.ledger import StepLedger
 from lightning_stability.schedules import Schedule, WarmupConstantCosineSchedule
+
+
+def check_schedule_callable(fn: Any) -> None:  # TEMPORARY: moves to schedules.py
+    import inspect
+
+    try:
+        inspect.signature(fn).bind(0, 1)
+    except TypeError as err:
+        raise config_error(
+            "schedule",
+            fn,
+            f"cannot be called as schedule(step, total_steps) ({err})",
+            "take both arguments, e.g. `lambda step, total_steps: f(step)`",
+        ) from None
+    except ValueError:
+        return
+
+
+def check_multiplier(value: Any, step: int, schedule: Any) -> float:  # TEMPORARY: moves to schedules.py
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise config_error(
+            "schedule", schedule, f"returned {value!r} at step {step}", "return a finite multiplier >= 0"
+        )
+    return float(value)
+
 
 ScheduleFn = Callable[[int, "int | None"], float]
 
@@ -76,7 +102,14 @@ class ScheduledLR(LedgerCallback):
     (the optimizer's arguments are not changed) and saved in the checkpoint; a resumed run continues
     the curve exactly. The run length comes from ``total_steps`` or, by default, from
     ``trainer.estimated_stepping_batches`` (or from :class:`GradientAccumulation` when it changes the
-    number of batches per step).
+    number of batches per step); a ``total_steps`` that disagrees with the Trainer's run length is
+    warned about once at the start.
+
+    **Several optimizers** (a GAN, manual optimization): each optimizer has its own clock, its own
+    applied updates, and its own run length. By default every optimizer is expected to step once per
+    batch (the Trainer's count of batches); pass ``total_steps=[n_0, n_1, ...]`` when they step at other
+    rates (e.g. a discriminator that steps five times per generator step). An optimizer that steps more
+    often than its run length is warned about once, when it passes the end.
 
     With :class:`GradientAccumulation` among the callbacks, its LR scaling is folded in here:
     ``lr = base_lr * schedule(n) * accumulation.lr_scale_at(n)`` is computed in this one place.
@@ -89,7 +122,7 @@ class ScheduledLR(LedgerCallback):
     optimizers read in their kernels. (Non-fused optimizers leave no decision on the device; should they
     meet device-decided counts anyway, e.g. from a checkpoint of a fused run, they cost one sync a step.)
 
-    Logged keys (on logging steps, through the ledger):
+    Logged keys (to the loggers on logging steps; in ``trainer.callback_metrics`` after every step):
 
     ========================  ===========================================================
     Key                       Meaning
@@ -98,28 +131,36 @@ class ScheduledLR(LedgerCallback):
     ``stability/lr/pg<i>``    LR of param group ``i`` (``i >= 1``), when there are several
     ========================  ===========================================================
 
+    With several optimizers each key ends in ``/<optimizer>`` (``LearningRateMonitor``'s names).
+
     Args:
         schedule: a :class:`~lightning_stability.schedules.Schedule` (``CosineSchedule(warmup=0.05)``,
             ``LinearSchedule``, ``StepSchedule``, ``InverseSqrtSchedule``,
-            ``WarmupConstantCosineSchedule``) or any ``f(step, total_steps) -> multiplier``.
-        total_steps: number of optimizer updates in the run; default: from the Trainer.
+            ``WarmupConstantCosineSchedule``) or any ``f(step, total_steps) -> multiplier`` returning a
+            finite number ``>= 0``.
+        total_steps: optimizer updates in the run (one int, or one per optimizer); default: from the Trainer.
         log_every_n_steps: log every this many optimizer steps; default: the Trainer's.
 
     Raises:
-        StabilityConfigError: for a bad argument; at ``on_fit_start`` when ``configure_optimizers``
-            also returns an LR scheduler, or when two LR schedule callbacks are attached.
+        StabilityConfigError: for a bad argument (a schedule that does not take ``(step, total_steps)``);
+            when the schedule returns a NaN, infinite or negative multiplier; at ``on_fit_start`` when
+            ``configure_optimizers`` also returns an LR scheduler, or when two LR schedule callbacks are
+            attached; at ``on_train_start`` when the run length is needed but the run has none.
 
     Example::
 
         trainer = L.Trainer(callbacks=[ScheduledLR(CosineSchedule(warmup=0.05, min_lr_ratio=0.1))])
     """
 
+    one_instance_reason = "each would overwrite the others' learning rate"
+
     def __init__(
         self,
         schedule: Schedule | ScheduleFn,
-        total_steps: int | None = None,
+        total_steps: int | Sequence[int] | None = None,
         log_every_n_steps: int | None = None,
     ) -> None:
+        super().__init__(log_every_n_steps)
         if not callable(schedule):
             raise config_error(
                 "schedule",
@@ -127,52 +168,41 @@ class ScheduledLR(LedgerCallback):
                 "is not a schedule",
                 "pass e.g. CosineSchedule(warmup=0.05) or f(step, total)",
             )
+        if not isinstance(schedule, Schedule):
+            check_schedule_callable(schedule)
+        totals = [total_steps] if total_steps is None or isinstance(total_steps, int) else list(total_steps)
         if total_steps is not None and (
-            isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1
+            not totals or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in totals)
         ):
-            raise config_error("total_steps", total_steps, "must be an int >= 1", "pass e.g. 10000, or None")
-        if log_every_n_steps is not None:
-            check_positive_int("log_every_n_steps", log_every_n_steps, "50, or None for the Trainer's")
+            raise config_error(
+                "total_steps", total_steps, "must be an int >= 1, or one per optimizer", "pass e.g. 10000, or None"
+            )
         if isinstance(schedule, Schedule) and total_steps is not None:
-            schedule.validate(total_steps)
+            for total in totals:
+                schedule.validate(total)
         self.schedule = schedule
         self.total_steps = total_steps
-        self.log_every_n_steps = log_every_n_steps
-        self._every_n = log_every_n_steps or 50
         self._base_lrs: list[list[float]] = []
-        self._total: int | None = None
+        self._totals: list[int | None] = []
         self._source: LRScaleSource | None = None
         self._optimizers: list[Optimizer] = []
-        self._table: Tensor | None = None
-        self._state_key: str | None = None
+        self._tables: dict[int, Tensor] = {}
+        self._warned_past_end: set[int] = set()
 
-    @property
-    def state_key(self) -> str:
-        # Lightning reads this around every hook call: build the string once.
-        if self._state_key is None:
-            self._state_key = self._generate_state_key(schedule=_schedule_name(self.schedule))
-        return self._state_key
+    def state_fields(self) -> dict[str, Any]:
+        return {"schedule": _schedule_name(self.schedule)}
 
     # ------------------------------------------------------------------ the formula
-    def multiplier(self, applied_steps: int) -> float:
+    def multiplier(self, applied_steps: int, optimizer_index: int = 0) -> float:
         """The factor on each base LR for the update after ``applied_steps`` applied updates."""
-        value = self.schedule(applied_steps, self._total)
+        total = self._totals[optimizer_index] if optimizer_index < len(self._totals) else None
+        value = check_multiplier(self.schedule(applied_steps, total), applied_steps, self.schedule)
         if self._source is not None:
             value *= self._source.lr_scale_at(applied_steps)
         return value
 
     # ------------------------------------------------------------------ setup
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        schedulers = [cb for cb in trainer.callbacks if isinstance(cb, ScheduledLR)]  # type: ignore[attr-defined]
-        if len(schedulers) > 1:
-            raise StabilityConfigError(
-                f"{len(schedulers)} LR schedule callbacks are attached "
-                f"({[type(cb).__name__ for cb in schedulers]}); each would overwrite the others' "
-                "learning rate. Fix: keep exactly one."
-            )
-        self._every_n = self.log_every_n_steps or trainer.log_every_n_steps or 1  # type: ignore[attr-defined]
+    def on_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # A checkpoint, if any, is loaded after this hook and refills them.
         self._base_lrs = []
 
@@ -199,103 +229,160 @@ class ScheduledLR(LedgerCallback):
             )
         sources = [cb for cb in trainer.callbacks if isinstance(cb, LRScaleSource)]  # type: ignore[attr-defined]
         self._source = sources[0] if sources else None
-        self._total = self._resolve_total(trainer)
+        self._totals = self._resolve_totals(trainer)
         if isinstance(self.schedule, Schedule):
-            self.schedule.validate(self._total)
-        self._table = None
+            for total in set(self._totals):
+                self.schedule.validate(total)
+        self._tables, self._warned_past_end = {}, set()
         ledger = StepLedger.of(trainer)
-        # The LR's type follows the ledger: a float while counts are on the host, a device tensor once a
-        # decision stayed on the device. A resumed run restores the ledger, hence the same type as before.
-        as_tensor = ledger.applied_steps_host is None and self._tensor_lr_ok()
-        self._set_host(ledger.applied_steps_now(), as_tensor)  # HOST SYNC (once, before the first step) at most
+        for index, opt in enumerate(self._optimizers):
+            track = ledger.track(opt)
+            # The LR's type follows the ledger: a float while counts are on the host, a device tensor once a
+            # decision stayed on the device. A resumed run restores the ledger, hence the same type as before.
+            as_tensor = track.applied_steps_host is None and self._tensor_lr_ok(index)
+            self._set_host(index, track.applied_steps_now(), as_tensor)  # HOST SYNC (once) at most
 
-    def _resolve_total(self, trainer: pl.Trainer) -> int | None:
+    def _resolve_totals(self, trainer: pl.Trainer) -> list[int | None]:
+        n = len(self._optimizers)
         if self.total_steps is not None:
-            return self.total_steps
+            totals = [self.total_steps] * n if isinstance(self.total_steps, int) else list(self.total_steps)
+            if len(totals) != n:
+                raise config_error(
+                    "total_steps",
+                    self.total_steps,
+                    f"gives {len(totals)} run lengths for {n} optimizer(s)",
+                    f"pass one int for all, or one per optimizer ({n})",
+                )
+            estimate = self._estimate(trainer)
+            if estimate is not None and any(t != estimate for t in totals):
+                rank_zero_warn(
+                    f"{type(self).__name__}(total_steps={self.total_steps}) but the Trainer will run {estimate} "
+                    "optimizer steps: the schedule "
+                    + (
+                        "ends early and the LR stays at its final value for the rest of the run"
+                        if max(totals) < estimate
+                        else "will not reach its end (no full decay)"
+                    )
+                    + ". Fix: drop `total_steps` to follow the Trainer, or match it to the run.",
+                    category=UserWarning,
+                )
+            return list(totals)
+        estimate = self._estimate(trainer)
+        needs_total = self.schedule.needs_total_steps if isinstance(self.schedule, Schedule) else True
+        if estimate is None and needs_total:
+            raise StabilityConfigError(
+                f"{type(self).__name__} needs the run length but {_why_no_length(trainer)}. Fix: pass "
+                "`total_steps=` or set `Trainer(max_steps=)`."
+            )
+        return [estimate] * n
+
+    def _estimate(self, trainer: pl.Trainer) -> int | None:
         estimate = self._source.estimated_optimizer_steps(trainer) if self._source is not None else None
+        n = len(self._optimizers)
+        if estimate is None and n > 1 and not trainer.lightning_module.automatic_optimization:
+            # Manual optimization counts every optimizer's steps in `global_step` (and `max_steps`): with n
+            # optimizers that each step once per batch, each takes one update per batch.
+            batches, epochs = trainer.num_training_batches, trainer.max_epochs
+            by_epochs = batches * epochs if epochs is not None and epochs >= 0 else math.inf
+            by_steps = trainer.max_steps // n if trainer.max_steps >= 0 else math.inf
+            total = min(by_epochs, by_steps)
+            return int(total) if math.isfinite(total) and total > 0 else None
         if estimate is None:
             stepping = trainer.estimated_stepping_batches
             # inf for endless runs; `max_steps` (-1 when unset) for iterable datasets without a length
             estimate = int(stepping) if math.isfinite(stepping) and stepping > 0 else None
-        needs_total = self.schedule.needs_total_steps if isinstance(self.schedule, Schedule) else True
-        if estimate is None and needs_total:
-            raise StabilityConfigError(
-                f"{type(self).__name__} needs the run length but the Trainer cannot estimate it (an iterable "
-                "dataset without a length and no `max_steps`). Fix: pass `total_steps=` or set "
-                "`Trainer(max_steps=)`."
-            )
         return estimate
 
     # ------------------------------------------------------------------ writing the LR
-    def _tensor_lr_ok(self) -> bool:
-        return self._total is not None and all(supports_tensor_lr(opt) for opt in self._optimizers)
+    def _tensor_lr_ok(self, index: int) -> bool:
+        return self._totals[index] is not None and supports_tensor_lr(self._optimizers[index])
 
-    def _set_host(self, applied: int, as_tensor: bool = False) -> None:
-        mult = self.multiplier(applied)
-        for opt, bases in zip(self._optimizers, self._base_lrs, strict=True):
-            # the same float32 value the device table holds, so both paths give bit-identical LRs
-            factor: float | Tensor = (
-                torch.tensor(mult, dtype=torch.float32, device=_device_of(opt)) if as_tensor else mult
-            )
-            for group, base in zip(opt.param_groups, bases, strict=True):
-                group["lr"] = factor * base
+    def _set_host(self, index: int, applied: int, as_tensor: bool = False) -> None:
+        mult = self.multiplier(applied, index)
+        opt = self._optimizers[index]
+        # the same float32 value the device table holds, so both paths give bit-identical LRs
+        factor: float | Tensor = torch.tensor(mult, dtype=torch.float32, device=_device_of(opt)) if as_tensor else mult
+        for group, base in zip(opt.param_groups, self._base_lrs[index], strict=True):
+            group["lr"] = factor * base
 
-    def _device_table(self, device: torch.device) -> Tensor:
-        if self._table is None or self._table.device != device:
-            assert self._total is not None
-            values = [self.multiplier(n) for n in range(self._total + 1)]
-            self._table = torch.tensor(values, dtype=torch.float32, device=device)
-        return self._table
+    def _device_table(self, index: int, device: torch.device) -> Tensor:
+        table = self._tables.get(index)
+        if table is None or table.device != device:
+            total = self._totals[index]
+            assert total is not None
+            values = [self.multiplier(n, index) for n in range(total + 1)]
+            table = self._tables[index] = torch.tensor(values, dtype=torch.float32, device=device)
+        return table
 
     def _set_from_ledger(self, ledger: StepLedger) -> None:
-        applied = ledger.applied_steps_host
-        if applied is not None:
-            self._set_host(applied)
+        track = ledger.track()
+        index = track.index
+        if index >= len(self._optimizers):
             return
-        count = ledger.applied_steps
-        if not self._tensor_lr_ok():
+        total = self._totals[index]
+        if total is not None and track.steps > total and index not in self._warned_past_end:
+            self._warned_past_end.add(index)
+            rank_zero_warn(
+                f"Optimizer {index} ({track.name}) has taken {track.steps} steps, more than the LR schedule's run "
+                f"length of {total}: from here its LR stays at the schedule's final value. With several "
+                "optimizers that step at different rates, pass ScheduledLR(total_steps=[...]) with each one's "
+                "number of updates.",
+                category=UserWarning,
+            )
+        applied = track.applied_steps_host
+        if applied is not None:
+            self._set_host(index, applied)
+            return
+        count = track.applied_steps
+        if not self._tensor_lr_ok(index):
             # HOST SYNC: this optimizer cannot read a tensor LR without syncing once per parameter, or the
             # schedule has no end to tabulate; one sync per step is the cheaper choice.
-            self._set_host(int(count))
+            self._set_host(index, int(count))
             return
-        table = self._device_table(count.device)
+        assert total is not None
+        table = self._device_table(index, count.device)
         # index_select keeps the lookup on the device (indexing with a 0-dim tensor would sync).
-        mult = table.index_select(0, count.clamp(max=self._total).view(1)).view(())
-        for opt, bases in zip(self._optimizers, self._base_lrs, strict=True):
-            for group, base in zip(opt.param_groups, bases, strict=True):
-                # A new tensor each step: LearningRateMonitor keeps references to the values it logged.
-                group["lr"] = mult * base
+        mult = table.index_select(0, count.clamp(max=total).view(1)).view(())
+        opt = self._optimizers[index]
+        for group, base in zip(opt.param_groups, self._base_lrs[index], strict=True):
+            # A new tensor each step: LearningRateMonitor keeps references to the values it logged.
+            group["lr"] = mult * base
 
     # ------------------------------------------------------------------ the step
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
-    ) -> None:
-        ledger = StepLedger.of(trainer)
-        ledger.open_step(optimizer)
-        if ledger.is_logging_step(self._every_n):
-            for i, group in enumerate(optimizer.param_groups):
-                lr = group["lr"]
-                ledger.log(
-                    "stability/lr" if i == 0 else f"stability/lr/pg{i}",
-                    lr if isinstance(lr, Tensor) else float(lr),
-                )
+    def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer, logging: bool) -> None:
+        for i, group in enumerate(optimizer.param_groups):
+            lr = group["lr"]
+            ledger.log(
+                "stability/lr" if i == 0 else f"stability/lr/pg{i}",
+                lr if isinstance(lr, Tensor) else float(lr),
+                logging,
+            )
         ledger.on_close(self._set_from_ledger)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._table = None
+        self._tables = {}
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        # The position on the curve is the ledger's applied count, saved once with the ledger.
-        return {"base_lrs": [list(b) for b in self._base_lrs], "total_steps": self._total}
+        # The position on each curve is the ledger's applied count, saved once with the ledger.
+        return {"base_lrs": [list(b) for b in self._base_lrs], "total_steps": list(self._totals)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._base_lrs = [list(map(float, b)) for b in state_dict.get("base_lrs", [])]
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state.update(_optimizers=[], _table=None, _source=None)
-        return state
+    def transient_state(self) -> dict[str, Any]:
+        return {"_optimizers": [], "_tables": {}, "_source": None}
+
+
+def _why_no_length(trainer: pl.Trainer) -> str:
+    """Why the Trainer cannot say how many steps the run has, in the user's own settings."""
+    from lightning.pytorch.callbacks import Timer
+
+    if trainer.max_epochs == -1 and trainer.max_steps == -1:
+        timers = [cb for cb in trainer.callbacks if isinstance(cb, Timer)]  # type: ignore[attr-defined]
+        limit = "; it stops on `max_time` only" if timers else ""
+        return f"the run has no set length (max_epochs=-1 and no max_steps{limit}), so no step count to schedule over"
+    return "the training data is an iterable dataset without a length and no `max_steps` is set"
 
 
 class WarmupConstantCosineLR(ScheduledLR):

@@ -10,25 +10,17 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_stability import _compat
 from lightning_stability.errors import StabilityConfigError
 from lightning_stability.strategies import fsdp_checkpoint as ckpt
 from lightning_stability.strategies import fsdp_fairscale as fs
@@ -161,15 +153,17 @@ class StableFSDPStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ precision
     @property
     def precision_plugin(self) -> StableFSDPPrecision:
-        if self._precision_plugin is None:
-            self._precision_plugin = adopt_precision(Precision(), self._cfg, self.accelerator)
-        assert isinstance(self._precision_plugin, StableFSDPPrecision)
-        return self._precision_plugin
+        plugin = _compat.strategy_precision_plugin(self)
+        if plugin is None:
+            plugin = adopt_precision(Precision(), self._cfg, self.accelerator)
+            _compat.set_strategy_precision_plugin(self, plugin)
+        assert isinstance(plugin, StableFSDPPrecision)
+        return plugin
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
         # the Trainer hands every strategy a plugin built from `precision=`: turn it into the FSDP2 one
-        self._precision_plugin = adopt_precision(plugin, self._cfg, self.accelerator)
+        _compat.set_strategy_precision_plugin(self, adopt_precision(plugin, self._cfg, self.accelerator))
 
     # ------------------------------------------------------------------ processes and mesh
     @property
@@ -204,10 +198,10 @@ class StableFSDPStrategy(ParallelStrategy):
     def lightning_restore_optimizer(self) -> bool:
         return False
 
-    def _configure_launcher(self) -> None:
+    def _configure_launcher(self) -> None:  # Lightning's private hook, called at Trainer construction
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            _compat.use_subprocess_launcher(self)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -216,22 +210,23 @@ class StableFSDPStrategy(ParallelStrategy):
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     def setup_environment(self) -> None:
+        _compat.check_strategy_supported(self)
         check_device(self._cfg, self.root_device)
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+        self._process_group_backend = self._process_group_backend or _compat.default_process_group_backend(
             self.root_device
         )
         assert self.cluster_environment is not None
         kwargs: dict[str, Any] = {"timeout": self._timeout}
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        _compat.init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         if self._cfg.backend == "native":
             self._device_mesh = build_mesh(self._cfg, self.num_nodes, self.num_processes, self.root_device.type)
             assert self.lightning_module is not None
-            self.lightning_module._device_mesh = self._device_mesh  # `self.device_mesh` in configure_model
+            _compat.set_module_device_mesh(self.lightning_module, self._device_mesh)  # for configure_model
 
     # ------------------------------------------------------------------ wrapping
     def setup(self, trainer: pl.Trainer) -> None:
@@ -245,11 +240,11 @@ class StableFSDPStrategy(ParallelStrategy):
         self.model = self._root
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
-            self._reset_optimizers_and_schedulers()
+            _compat.reset_optimizers_and_schedulers(self)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self._cfg.cpu_offload:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            _compat.optimizers_to_device(self.optimizers, self.root_device)
         if self._cfg.backend == "fairscale":
             fs.refuse_shard_local_monitors(trainer)
 
@@ -291,7 +286,7 @@ class StableFSDPStrategy(ParallelStrategy):
             root_policy=precision.mp_policy(cast_forward_inputs=False),
             offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
         )
-        _materialize_distributed_module(root, self.root_device)
+        _compat.materialize_distributed_module(root, self.root_device)
         return root
 
     @contextmanager
@@ -316,7 +311,7 @@ class StableFSDPStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ collectives
     def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
+        if not _compat.distributed_is_initialized():
             return
         if torch.distributed.get_backend() == "nccl":
             torch.distributed.barrier(device_ids=[self.root_device.index])
@@ -324,14 +319,16 @@ class StableFSDPStrategy(ParallelStrategy):
             torch.distributed.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
+        if not _compat.distributed_is_initialized():
             return obj
         holder = [obj]
         torch.distributed.broadcast_object_list(holder, src)
         return holder[0]
 
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, Tensor) else tensor
+        return (
+            _compat.sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, Tensor) else tensor
+        )
 
     def teardown(self) -> None:
         assert self.cluster_environment is not None
@@ -353,7 +350,7 @@ class StableFSDPStrategy(ParallelStrategy):
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+            optimizer = optimizer.optimizer
         assert self.lightning_module is not None
         if self._cfg.backend == "fairscale":
             return fs.optimizer_state(self._root, optimizer)

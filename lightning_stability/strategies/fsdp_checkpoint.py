@@ -25,10 +25,12 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_stability import _compat
+
 META_FILE = "meta.pt"
 _MODEL_KEY = "state_dict"
 _OPTIM_KEY = "optimizer_{}"
-_DCP_METADATA = ".metadata"
+_DCP_METADATA = _compat.DCP_METADATA_FILE
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:

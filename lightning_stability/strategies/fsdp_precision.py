@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 
+from lightning_stability import _compat
 from lightning_stability.errors import StabilityConfigError, config_error
 from lightning_stability.norms import clip_coefficient, combine_norms, per_tensor_norms, scale_
 
@@ -56,7 +57,7 @@ def default_dtype_context(dtype: torch.dtype) -> Iterator[None]:
 
 def _defers_unscaling(optimizer: Any) -> bool:
     """Fused optimizers unscale inside ``step()``; Lightning leaves their gradients scaled."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+    return _compat.step_supports_amp_scaling(optimizer)
 
 
 class StableFSDPPrecision(Precision):
@@ -173,7 +174,7 @@ class StableFSDPPrecision(Precision):
             # unscale now so callbacks and clipping see true gradients; the rank-consistent scaler
             # all-reduces its overflow flag here
             scaler.unscale_(optimizer)
-        self._after_closure(model, optimizer)
+        _compat.after_closure(self, model, optimizer)
         if skipped_backward:
             return closure_result
         # the scaler skips the update when any rank found inf/NaN
@@ -182,13 +183,10 @@ class StableFSDPPrecision(Precision):
         return step_output
 
     def _unscale_deferred(self, optimizer: Optimizer) -> None:
-        from torch.amp.grad_scaler import OptState
-
         scaler = self.scaler
         if scaler is None or not scaler.is_enabled() or not _defers_unscaling(optimizer):
             return
-        # GradScaler keeps per-optimizer stages privately; READY means "not unscaled yet".
-        if scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
+        if _compat.scaler_is_ready(scaler, optimizer):  # not unscaled yet in this step
             scaler.unscale_(optimizer)
 
     # ------------------------------------------------------------------ clipping

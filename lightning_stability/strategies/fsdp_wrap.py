@@ -15,6 +15,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_stability import _compat
 from lightning_stability.errors import StabilityConfigError, config_error
 
 #: A set of module classes, a predicate on modules, a minimum parameter count, or ``None`` (automatic).
@@ -254,11 +255,10 @@ def shard_module(
     offload_policy: Any,
 ) -> ShardedRoot:
     """Checkpoint, then ``fully_shard`` the blocks, the top-level units and a :class:`ShardedRoot`."""
-    from torch.distributed._composable import checkpoint
     from torch.distributed.fsdp import fully_shard
 
     for block in plan.checkpointed:
-        checkpoint(block)  # non-reentrant recomputation; parameter names unchanged
+        _compat.activation_checkpoint(block)  # non-reentrant recomputation; parameter names unchanged
     for group, policy in ((plan.blocks, block_policy), (plan.units, unit_policy)):
         for unit in group:
             fully_shard(

@@ -1,4 +1,9 @@
-"""Run under torchrun (2 CPU processes, gloo): only rank 1 sees an inf loss at step 3."""
+"""Run under torchrun (2 CPU processes, gloo): only rank 1 goes wrong at step 3.
+
+Faults (third argument): ``loss`` — an inf loss, spread to every rank by DDP's gradient all-reduce;
+``after_allreduce`` — rank 1's gradients turn inf inside ``on_before_optimizer_step``, after the all-reduce,
+so nothing spreads them; ``replica`` — rank 1's gradients are doubled there (finite): a silently faulty device.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +15,25 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.plugins import MixedPrecision
 
 from lightning_stability import GradientNormMonitor, StepLedger
 from tests.helpers import TinyModule, quiet_trainer
 
 out_dir, optimizer = sys.argv[1], sys.argv[2]
+fault = sys.argv[3] if len(sys.argv) > 3 else "loss"
+precision = sys.argv[4] if len(sys.argv) > 4 else "32-true"
 warnings.simplefilter("ignore")
+BAD = 3
+
+
+class CorruptRank1(pl.Callback):
+    """Edits rank 1's gradients at step BAD, after DDP's all-reduce (as a faulty device or a hook would)."""
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, opt: Any) -> None:
+        if trainer.global_step == BAD and trainer.global_rank == 1:
+            for p in pl_module.parameters():
+                p.grad.mul_(float("inf") if fault == "after_allreduce" else 2.0)
 
 
 class Record(pl.Callback):
@@ -47,18 +65,29 @@ class Record(pl.Callback):
 
 
 record = Record()
+callbacks: list[pl.Callback] = [] if fault == "loss" else [CorruptRank1()]
 trainer = quiet_trainer(
     max_steps=6,
     accelerator="cpu",
     devices=2,
     strategy="ddp",
-    callbacks=[GradientNormMonitor(max_norm=1.0), record],
+    # fp16 on CPU needs an explicit scaler plugin (Lightning turns precision="16-mixed" on CPU into bf16)
+    **(
+        {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=256.0))]}
+        if precision == "16-mixed"
+        else {"precision": precision}
+    ),
+    callbacks=[
+        *callbacks,
+        GradientNormMonitor(max_norm=1.0, check_replicas=fault == "replica", log_every_n_steps=1),
+        record,
+    ],
 )
 pl.seed_everything(0)
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    trainer.fit(TinyModule(optimizer=optimizer, inf_at_step=3, inf_rank=1))
-bad = 3
+    trainer.fit(TinyModule(optimizer=optimizer, inf_at_step=BAD if fault == "loss" else None, inf_rank=1))
+bad = BAD
 result = {
     "outcomes": record.outcomes,
     "norms": [n if n == n and abs(n) != float("inf") else str(n) for n in record.norms],
@@ -72,6 +101,7 @@ result = {
     "final_weights": [p.detach().flatten().tolist() for p in trainer.lightning_module.parameters()],
     "applied": StepLedger.of(trainer).applied_steps.item(),
     "nonfinite_warnings": sum("Non-finite gradient norm" in str(w.message) for w in caught),
+    "replica_warnings": [str(w.message) for w in caught if "disagree across data-parallel replicas" in str(w.message)],
 }
 with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
     json.dump(result, f)

@@ -341,7 +341,7 @@ def test_consolidate_checkpoint_makes_one_file_a_plain_module_loads(two_proc, tm
     optimizer = plain.configure_optimizers()
     optimizer.load_state_dict(checkpoint["optimizer_states"][0])
     assert len(optimizer.state) == len(saved)
-    assert checkpoint["lightning_stability"]["ledger"]["steps"] == 10
+    assert checkpoint["lightning_stability"]["ledger"]["tracks"]["0"]["steps"] == 10
     exported = consolidate_checkpoint(out / "sharded.ckpt", tmp_path / "model.pt", weights_only=True)
     assert set(torch.load(exported).keys()) == set(full["state_dict"].keys())
 

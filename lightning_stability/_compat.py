@@ -1,0 +1,316 @@
+"""Every private Lightning and torch name the package touches, in one place.
+
+Lightning and torch offer no public way to do the few things below, so the package reaches into their
+internals, and only here. Each accessor says what it needs; :func:`check_supported` (callbacks) and
+:func:`check_strategy_supported` (``StableFSDPStrategy``) run at ``setup`` and fail with one clear message
+naming the supported versions when an internal is missing, instead of a traceback from deep inside a
+training step. Internals that may be absent from other versions are imported lazily, inside the accessor,
+so ``import lightning_stability`` never fails; an accessor whose internal is missing raises the same
+message.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections import defaultdict
+from typing import TYPE_CHECKING, Any, TypeGuard
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_stability.errors import StabilityConfigError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+
+    from lightning.pytorch.plugins.precision import Precision
+
+SUPPORTED = "lightning>=2.6,<2.7 with torch>=2.13,<2.15"
+
+
+def _unsupported(what: str) -> StabilityConfigError:
+    return StabilityConfigError(
+        f"This Lightning/torch (lightning {pl.__version__}, torch {torch.__version__}) lacks {what}, which "
+        f"lightning_stability relies on. Fix: install a supported pair ({SUPPORTED})."
+    )
+
+
+@functools.cache
+def _private(module: str, name: str) -> Any:
+    """The private ``module.name``, imported on first use, or the unsupported-version error."""
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise _unsupported(f"`{module}.{name}`") from err
+
+
+def _require_attr(obj: Any, name: str, what: str) -> None:
+    if not hasattr(obj, name):
+        raise _unsupported(f"{what}'s `{name}`")
+
+
+# ---------------------------------------------------------------------------------------------- Lightning
+def batches_that_stepped(trainer: pl.Trainer) -> int:
+    """Lightning's step label: ``self.log`` and ``LearningRateMonitor`` label the k-th stepping batch ``k - 1``.
+
+    It counts batches in which an optimizer stepped, once per batch whatever the number of optimizers.
+    """
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def callback_metrics(trainer: pl.Trainer) -> dict[str, Tensor]:
+    """The dict behind ``trainer.callback_metrics``, without the property's recomputation of logged results.
+
+    The property gathers every ``self.log`` result on each read; writing a step's device tensors into the
+    dict itself costs nothing and no transfer until a monitor reads them.
+    """
+    metrics: dict[str, Tensor] = trainer._logger_connector._callback_metrics
+    return metrics
+
+
+def epoch_loop(trainer: pl.Trainer) -> Any:
+    """The fit loop's training epoch loop (the object that holds the private step counters below)."""
+    return trainer.fit_loop.epoch_loop
+
+
+def override_accumulation_decision(trainer: pl.Trainer, decide: Callable[[], bool] | None) -> None:
+    """Make Lightning's "is this the last micro-batch of the step?" follow ``decide`` (``None`` restores it)."""
+    loop = trainer.fit_loop.epoch_loop
+    if decide is None:
+        if "_accumulated_batches_reached" in vars(loop):
+            delattr(loop, "_accumulated_batches_reached")
+        return
+    setattr(loop, "_accumulated_batches_reached", decide)  # noqa: B010
+
+
+def accumulation_override(trainer: pl.Trainer) -> Callable[[], bool] | None:
+    """The decision installed by :func:`override_accumulation_decision`, or ``None`` when Lightning's own is in use."""
+    decide: Callable[[], bool] | None = vars(trainer.fit_loop.epoch_loop).get("_accumulated_batches_reached")
+    return decide
+
+
+def can_override_accumulation_decision(trainer: pl.Trainer) -> bool:
+    """Whether the epoch loop has the ``_accumulated_batches_reached`` method that the override replaces."""
+    return callable(getattr(trainer.fit_loop.epoch_loop, "_accumulated_batches_reached", None))
+
+
+def callback_state_key(callback: pl.Callback, **kwargs: Any) -> str:
+    """A callback's checkpoint key built the way Lightning builds them: class name plus ``kwargs``."""
+    key: str = callback._generate_state_key(**kwargs)
+    return key
+
+
+# Lightning: strategy internals (the same ones Lightning's own ModelParallelStrategy uses)
+_FABRIC_DISTRIBUTED = "lightning.fabric.utilities.distributed"
+_LAUNCHER = ("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher")
+
+
+def distributed_is_initialized() -> bool:
+    """Whether torch.distributed is available and its default process group exists."""
+    return bool(_private(_FABRIC_DISTRIBUTED, "_distributed_is_initialized")())
+
+
+def default_process_group_backend(device: torch.device) -> str:
+    """Lightning's default process-group backend for ``device`` (e.g. ``"nccl"`` on CUDA, ``"gloo"`` on CPU)."""
+    backend: str = _private(_FABRIC_DISTRIBUTED, "_get_default_process_group_backend_for_device")(device)
+    return backend
+
+
+def init_dist_connection(cluster_environment: Any, backend: str, **kwargs: Any) -> None:
+    """Create the default process group from the cluster environment's address, rank and world size."""
+    _private(_FABRIC_DISTRIBUTED, "_init_dist_connection")(cluster_environment, backend, **kwargs)
+
+
+def sync_ddp_if_available(tensor: Tensor, group: Any | None = None, reduce_op: Any | None = None) -> Tensor:
+    """All-reduce ``tensor`` across processes with ``reduce_op`` (``"mean"``, ``"sum"``, ...) when distributed."""
+    reduced: Tensor = _private(_FABRIC_DISTRIBUTED, "_sync_ddp_if_available")(tensor, group, reduce_op=reduce_op)
+    return reduced
+
+
+def materialize_distributed_module(module: nn.Module, device: torch.device) -> None:
+    """Allocate a sharded module's meta-device parameters on ``device`` and run their ``reset_parameters``."""
+    _private("lightning.fabric.utilities.init", "_materialize_distributed_module")(module, device)
+
+
+def optimizers_to_device(optimizers: Iterable[Optimizer], device: torch.device) -> None:
+    """Move the state tensors of every optimizer to ``device``."""
+    _private("lightning.fabric.utilities.optimizer", "_optimizers_to_device")(optimizers, device)
+
+
+def use_subprocess_launcher(strategy: Any) -> None:
+    """Make ``strategy`` start its other processes by re-running the script (what ``devices=N`` does for DDP)."""
+    launcher_cls = _private(*_LAUNCHER)
+    strategy._launcher = launcher_cls(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+
+
+def reset_optimizers_and_schedulers(strategy: Any) -> None:
+    """Forget the strategy's optimizers and LR schedulers before ``setup_optimizers`` builds them again."""
+    strategy._reset_optimizers_and_schedulers()
+
+
+def strategy_precision_plugin(strategy: Any) -> Precision | None:
+    """The precision plugin stored on ``strategy`` (``None`` before one is set; Lightning's connector reads it)."""
+    plugin: Precision | None = strategy._precision_plugin
+    return plugin
+
+
+def set_strategy_precision_plugin(strategy: Any, plugin: Precision | None) -> None:
+    """Store ``plugin`` where the ``Strategy.precision_plugin`` property and Lightning's connector look."""
+    strategy._precision_plugin = plugin
+
+
+def set_module_device_mesh(module: pl.LightningModule, mesh: Any) -> None:
+    """Expose ``mesh`` as ``LightningModule.device_mesh`` (read in ``configure_model``)."""
+    module._device_mesh = mesh
+
+
+def after_closure(precision: Precision, model: pl.LightningModule, optimizer: Any) -> None:
+    """Lightning's post-closure step of a precision plugin: ``on_before_optimizer_step`` hooks, then clipping."""
+    precision._after_closure(model, optimizer)
+
+
+# ---------------------------------------------------------------------------------------------- torch
+def foreach_norm(tensors: list[Tensor], ord: float = 2.0, dtype: torch.dtype | None = None) -> tuple[Tensor, ...]:
+    """The ``ord``-norm of every tensor of a list in one fused kernel (accumulated in ``dtype`` if given)."""
+    return torch._foreach_norm(tensors, ord, dtype=dtype)
+
+
+def foreach_mul_(tensors: list[Tensor], scalar: Tensor) -> None:
+    """Multiply every tensor of a list in place by the 0-dim tensor ``scalar`` in one fused kernel."""
+    torch._foreach_mul_(tensors, scalar)
+
+
+def sparse_values(tensor: Tensor) -> Tensor:
+    """The stored values of a sparse COO tensor, without coalescing (a view, no copy)."""
+    return tensor._values()
+
+
+def is_batchnorm(module: nn.Module) -> TypeGuard[nn.modules.batchnorm._BatchNorm]:
+    """Whether ``module`` is a batch norm of any kind (``BatchNorm1d/2d/3d``, ``SyncBatchNorm``, lazy ones)."""
+    return isinstance(module, _private("torch.nn.modules.batchnorm", "_BatchNorm"))
+
+
+def privateuse1_backend_name() -> str:
+    """The name of torch's out-of-tree ("privateuse1") device backend (``"privateuseone"`` unless renamed)."""
+    return str(torch._C._get_privateuse1_backend_name())
+
+
+def activation_checkpoint(module: nn.Module) -> None:
+    """Recompute ``module``'s activations in backward (torch's composable, non-reentrant ``checkpoint``)."""
+    _private("torch.distributed._composable", "checkpoint")(module)
+
+
+#: the file ``torch.distributed.checkpoint``'s ``FileSystemWriter`` writes last into a checkpoint directory
+#: (torch's private ``torch.distributed.checkpoint.filesystem._metadata_fn``; checked at strategy setup)
+DCP_METADATA_FILE = ".metadata"
+
+
+def step_supports_amp_scaling(optimizer: Any) -> bool:
+    """Whether ``optimizer`` (fused Adam/AdamW/SGD) unscales and skips inside ``step()`` itself."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def scaler_optimizer_state(scaler: Any, optimizer: Optimizer) -> dict[str, Any] | None:
+    """torch's per-optimizer GradScaler state (``stage``, ``found_inf_per_device``), if the optimizer has one."""
+    states: dict[int, dict[str, Any]] = scaler._per_optimizer_states
+    return states.get(id(optimizer))
+
+
+def scaler_found_inf(scaler: Any, optimizer: Optimizer) -> dict[torch.device, Tensor]:
+    """The scaler's overflow flags of ``optimizer`` after ``unscale_`` (empty before it)."""
+    state = scaler_optimizer_state(scaler, optimizer)
+    return state["found_inf_per_device"] if state else {}
+
+
+def scaler_is_ready(scaler: Any, optimizer: Optimizer) -> bool:
+    """Whether ``unscale_`` has not yet run for ``optimizer`` in this step."""
+    from torch.amp.grad_scaler import OptState
+
+    state = scaler._per_optimizer_states[id(optimizer)]
+    return state["stage"] is OptState.READY
+
+
+def reset_scaler_optimizer_states(scaler: Any) -> None:
+    """Forget every optimizer's scaler state for the next step, as ``GradScaler.update`` does at its end."""
+    scaler._per_optimizer_states = defaultdict(_private("torch.amp.grad_scaler", "_refresh_per_optimizer_state"))
+
+
+def scaler_device(scaler: Any, default: str) -> str:
+    """The device type a GradScaler was built for (``default`` for scalers that do not record one)."""
+    return str(getattr(scaler, "_device", default))
+
+
+# ---------------------------------------------------------------------------------------------- checks
+_TORCH_OPS = ("_foreach_norm", "_foreach_mul_")
+#: what an enabled GradScaler must have (TunedGradScaler subclasses it and uses these too)
+_SCALER_ATTRS = (
+    "_per_optimizer_states",
+    "_scale",
+    "_init_scale",
+    "_growth_factor",
+    "_backoff_factor",
+    "_growth_interval",
+    "_enabled",
+)
+_SCALER_METHODS = ("_unscale_grads_", "_lazy_init_scale_growth_tracker", "_check_scale_growth_tracker")
+
+
+def _check_torch_ops() -> None:
+    for name in _TORCH_OPS:
+        _require_attr(torch, name, "torch")
+
+
+def _check_scaler(scaler: Any) -> None:
+    if scaler is None or not scaler.is_enabled():
+        return
+    for name in (*_SCALER_ATTRS, *_SCALER_METHODS):
+        _require_attr(scaler, name, "GradScaler")
+    _private("torch.amp.grad_scaler", "_refresh_per_optimizer_state")
+
+
+def check_supported(trainer: pl.Trainer) -> None:
+    """Raise one clear error at ``setup`` when a private name used here is missing."""
+    loop = trainer.fit_loop.epoch_loop
+    for name in ("_batches_that_stepped", "_accumulated_batches_reached"):
+        if not hasattr(loop, name):
+            raise _unsupported(f"the training epoch loop's `{name}`")
+    if not hasattr(trainer, "_logger_connector") or not hasattr(trainer._logger_connector, "_callback_metrics"):
+        raise _unsupported("the logger connector's `_callback_metrics`")
+    _require_attr(pl.Callback, "_generate_state_key", "Callback")
+    _check_torch_ops()
+    _private("torch.nn.modules.batchnorm", "_BatchNorm")
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    _check_scaler(scaler)
+
+
+def check_strategy_supported(strategy: Any) -> None:
+    """Raise one clear error at ``StableFSDPStrategy`` setup when a private name the strategy uses is missing."""
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.strategies import Strategy
+
+    for name in (
+        "_distributed_is_initialized",
+        "_get_default_process_group_backend_for_device",
+        "_init_dist_connection",
+        "_sync_ddp_if_available",
+    ):
+        _private(_FABRIC_DISTRIBUTED, name)
+    _private("lightning.fabric.utilities.init", "_materialize_distributed_module")
+    _private("lightning.fabric.utilities.optimizer", "_optimizers_to_device")
+    _private(*_LAUNCHER)
+    for name in ("_configure_launcher", "_reset_optimizers_and_schedulers"):
+        _require_attr(Strategy, name, "Lightning's Strategy")
+    for name in ("_launcher", "_precision_plugin"):
+        if name not in vars(strategy):
+            raise _unsupported(f"Lightning's Strategy's `{name}`")
+    _require_attr(Precision, "_after_closure", "Lightning's Precision plugin")
+    if strategy.lightning_module is not None:
+        _require_attr(strategy.lightning_module, "_device_mesh", "LightningModule")
+    _private("torch.distributed._composable", "checkpoint")
+    if _private("torch.distributed.checkpoint.filesystem", "_metadata_fn") != DCP_METADATA_FILE:
+        raise _unsupported(f"`{DCP_METADATA_FILE}` as the metadata file of torch.distributed.checkpoint")
+    _check_torch_ops()
+    _check_scaler(getattr(strategy_precision_plugin(strategy), "scaler", None))

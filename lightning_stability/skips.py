@@ -1,0 +1,125 @@
+"""How a skipped step is enforced, at the least cost, and how the fp16 loss scaler's decision is reused.
+
+torch's ``GradScaler`` records one overflow flag per device in ``unscale_`` and decides the step from them
+in ``step``: on the host for ordinary optimizers (it calls ``optimizer.step()`` only without overflow), as
+the ``found_inf`` tensor for fused ones. The ledger reuses that decision instead of checking twice, and adds
+its own skip votes to those flags, so the scaler's one decision covers them without another sync. Without
+a scaler, a fused optimizer takes the vote as ``found_inf``; any other optimizer loses its gradients for the
+step, after one host read of the vote.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_stability import _compat
+from lightning_stability.track import Outcome
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+Flag = bool | Tensor
+
+
+def loss_scaler(trainer: pl.Trainer) -> Any | None:
+    """The enabled ``GradScaler`` of the trainer's precision plugin, if any."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return None
+    return scaler
+
+
+def supports_found_inf(optimizer: Optimizer) -> bool:
+    """Fused Adam/AdamW/SGD read ``found_inf`` in their kernel and decide the skip on the device."""
+    return _compat.step_supports_amp_scaling(optimizer)
+
+
+def scaler_found_inf(scaler: Any, optimizer: Optimizer) -> Tensor | None:
+    """The scaler's overflow decision for ``optimizer`` this step, as a 0-dim bool tensor (no sync)."""
+    values = list(_compat.scaler_found_inf(scaler, optimizer).values())
+    if not values:
+        return None
+    total = values[0]
+    for v in values[1:]:
+        total = total + v.to(total.device, non_blocking=True)
+    return total > 0
+
+
+def add_to_scaler_decision(scaler: Any, optimizer: Optimizer, flag: Tensor) -> bool:
+    """OR ``flag`` into the scaler's overflow flags of ``optimizer``, so its own decision skips the step.
+
+    Returns ``False`` when the scaler has not unscaled this optimizer yet (nothing to add to).
+    """
+    found = _compat.scaler_found_inf(scaler, optimizer)
+    if not found:
+        return False
+    device, current = next(iter(found.items()))
+    found[device] = torch.maximum(current, flag.to(device=current.device, dtype=current.dtype, non_blocking=True))
+    return True
+
+
+def unscale_if_deferred(scaler: Any, optimizer: Optimizer) -> None:
+    """Unscale now the gradients of an optimizer that would unscale inside ``step()`` (fused ones)."""
+    if supports_found_inf(optimizer) and _compat.scaler_is_ready(scaler, optimizer):
+        # The scaler records the overflow flags and later hands them to the fused step as `found_inf`
+        # with `grad_scale=None`, so the fused kernel does not unscale a second time.
+        scaler.unscale_(optimizer)
+
+
+def found_inf_is_safe(optimizer: Optimizer) -> bool:
+    """Whether a ``found_inf`` skip leaves this fused optimizer exactly as it was.
+
+    torch's fused SGD with momentum (2.13) leaves ``momentum_buffer`` uninitialised when its very first
+    step is skipped through ``found_inf``; until every buffer exists, skip by dropping gradients instead.
+    """
+    if not isinstance(optimizer, torch.optim.SGD):
+        return True
+    return all(
+        not group.get("momentum")
+        or all(optimizer.state.get(p, {}).get("momentum_buffer") is not None for p in group["params"])
+        for group in optimizer.param_groups
+    )
+
+
+def enforce_skip(
+    optimizer: Optimizer, votes: dict[Outcome, Flag], scaler: Any | None, device: torch.device, found_inf_set: bool
+) -> tuple[dict[Outcome, Flag], bool]:
+    """Make ``optimizer`` skip this update when any vote is true, leaving weights and state as they were.
+
+    Called once per step, right before the update, with every vote cast for it. Returns the votes as they
+    are now known (host ``bool`` s once read on the host, so the outcome stays host-known) and whether
+    ``found_inf`` is set on the optimizer (the ledger removes it when the step closes).
+    """
+    tensors = [v for v in votes.values() if isinstance(v, Tensor)]
+    fused = supports_found_inf(optimizer) and found_inf_is_safe(optimizer)
+    if tensors and scaler is None and fused:
+        # Fused optimizers read `found_inf` in their kernel and leave params, moments and step counts
+        # untouched when it is 1: the decision stays on the device.
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        for flag in votes.values():
+            if isinstance(flag, Tensor):
+                found = torch.maximum(found, flag.to(device=device, dtype=torch.float32))
+            elif flag:
+                found = found + 1.0
+        if found_inf_set:
+            found = torch.maximum(found, optimizer.found_inf)  # type: ignore[attr-defined]
+        optimizer.found_inf = found  # type: ignore[attr-defined]
+        optimizer.grad_scale = None  # type: ignore[attr-defined]
+        return votes, True
+    known: dict[Outcome, Flag] = dict(votes)
+    if tensors:
+        # HOST SYNC (one for all votes): any other optimizer can only be told on the host.
+        reasons = [r for r, v in votes.items() if isinstance(v, Tensor)]
+        stacked = torch.stack([votes[r].to(device).bool().reshape(()) for r in reasons])  # type: ignore[union-attr]
+        values = stacked.to("cpu", copy=True).tolist()
+        known.update(zip(reasons, (bool(v) for v in values), strict=True))
+    if any(known.values()):
+        # Without gradients, every torch optimizer leaves the parameter and its state alone for this step.
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
+    return known, found_inf_set

@@ -1,0 +1,142 @@
+"""One optimizer's record in the ledger: attempted steps, outcome counts on the device, window sums."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+
+class Outcome(IntEnum):
+    """What happened to one optimizer step. Lower values win when several reasons apply."""
+
+    APPLIED = 0
+    SKIPPED_SCALER = 1  # the fp16 loss scaler found inf/NaN in the scaled gradients
+    SKIPPED_NONFINITE = 2  # a non-finite gradient norm (GradientNormMonitor)
+    SKIPPED_SPIKE = 3  # a loss or gradient spike (health monitoring)
+
+
+def device_of(optimizer: Optimizer) -> torch.device:
+    """The device of the optimizer's first parameter (its local shard's, for a sharded one)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            local = p.to_local() if hasattr(p, "to_local") else p
+            return local.device
+    return torch.device("cpu")
+
+
+class Track:
+    """One optimizer's record: attempted steps, outcome counts on the device, window sums.
+
+    Attributes:
+        index: the optimizer's position in ``trainer.optimizers``.
+        name: its metric suffix when there are several optimizers (``LearningRateMonitor``'s naming:
+            the class name, ``-1``, ``-2``, ... for repeats).
+        steps: optimizer steps attempted so far (host integer, skipped ones included).
+    """
+
+    def __init__(self, index: int, name: str, state: dict[str, Any] | None = None) -> None:
+        self.index = index
+        self.name = name
+        self.device = torch.device("cpu")
+        self._placed = False
+        self.steps = 0
+        self._counts: Tensor | None = None
+        self._loaded_counts = [0] * len(Outcome)
+        self._host_counts: list[int] | None = [0] * len(Outcome)
+        self._window: dict[str, Tensor] = {}
+        if state is not None:
+            self.load_state_dict(state)
+
+    def place(self, device: torch.device) -> None:
+        """Keep the counters on ``device`` (the optimizer's), once."""
+        if self._placed:
+            return
+        self._placed, self.device = True, device
+        self._window = {k: v.to(device) for k, v in self._window.items()}
+        if self._counts is not None:
+            self._counts = self._counts.to(device)
+
+    @property
+    def counts(self) -> Tensor:
+        """Steps per :class:`Outcome` since the start of training (int64 tensor on the device)."""
+        if self._counts is None:
+            # once per run: a resumed run's counts come from the checkpoint, before the first step
+            self._counts = torch.tensor(self._loaded_counts, dtype=torch.int64, device=self.device)
+        return self._counts
+
+    @property
+    def applied_steps(self) -> Tensor:
+        """Optimizer updates actually applied (0-dim int64 tensor on the device)."""
+        return self.counts[Outcome.APPLIED]
+
+    @property
+    def skipped_steps(self) -> Tensor:
+        """Optimizer steps skipped for any reason (0-dim int64 tensor on the device)."""
+        counts = self.counts
+        return counts.sum() - counts[Outcome.APPLIED]
+
+    @property
+    def applied_steps_host(self) -> int | None:
+        """Applied updates as a host integer, when every outcome so far was decided on the host."""
+        return None if self._host_counts is None else self._host_counts[Outcome.APPLIED]
+
+    def applied_steps_now(self) -> int:
+        """Applied updates as a host integer; reads the device counter when needed (a HOST SYNC: use it
+        for checkpoints and setup, not in the step)."""
+        host = self.applied_steps_host
+        return host if host is not None else int(self.applied_steps)
+
+    def count(self, outcome: Outcome | Tensor) -> None:
+        counts = self.counts
+        if isinstance(outcome, Tensor):
+            counts.index_add_(0, outcome.view(1), torch.ones(1, dtype=counts.dtype, device=counts.device))
+            self._host_counts = None
+        else:
+            counts[int(outcome)] += 1
+            if self._host_counts is not None:
+                self._host_counts[int(outcome)] += 1
+
+    def accumulate(self, key: str, value: Tensor | float) -> None:
+        current = self._window.get(key)
+        if isinstance(value, Tensor):
+            value = value.to(torch.float32)
+        if current is None:
+            # a fill plus a scalar, never torch.tensor(value, device=...): on a GPU that is a blocking copy
+            current = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._window[key] = current + value
+
+    def pop_window(self, key: str) -> Tensor:
+        value = self._window.pop(key, None)
+        return value if value is not None else torch.zeros((), dtype=torch.float32, device=self.device)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "counts": self.counts.tolist(),
+            "host_counts_exact": self._host_counts is not None,
+            "window": {k: v.detach().cpu() for k, v in self._window.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = int(state.get("steps", 0))
+        counts = [int(c) for c in state.get("counts", [0] * len(Outcome))]
+        counts += [0] * (len(Outcome) - len(counts))
+        self._loaded_counts, self._counts = counts, None
+        self._host_counts = list(counts) if state.get("host_counts_exact", True) else None
+        self._window = {k: v.to(self.device) for k, v in state.get("window", {}).items()}
+
+
+def optimizer_names(optimizers: list[Optimizer]) -> list[str]:
+    """``LearningRateMonitor``'s names: the class name, then ``-1``, ``-2``, ... for repeated classes."""
+    seen: dict[str, int] = {}
+    names = []
+    for opt in optimizers:
+        base = type(opt).__name__
+        k = seen.get(base, 0)
+        seen[base] = k + 1
+        names.append(base if k == 0 else f"{base}-{k}")
+    return names

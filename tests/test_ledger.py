@@ -1,0 +1,95 @@
+"""The StepLedger's own mechanics with real Trainers: skip votes from anywhere, one enforcement, the template."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_stability import GradientNormMonitor, Outcome, StabilityConfigError, StepLedger
+from lightning_stability.callbacks.base import LedgerCallback
+from tests.helpers import TinyModule, count_syncs_per_step, quiet_trainer
+
+BAD = 2  # the step the votes below ask to skip
+
+
+class Voter(pl.Callback):
+    """Votes to skip step BAD from `on_before_optimizer_step`, as a health callback of a user's would."""
+
+    def __init__(self, reason: Outcome = Outcome.SKIPPED_SPIKE) -> None:
+        self.reason = reason
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        ledger = StepLedger.of(trainer)
+        ledger.open_step(optimizer)
+        bad = torch.full((), trainer.global_step == BAD)  # a device flag, as a spike detector computes it
+        ledger.mark_skip(self.reason, bad)
+
+
+class Snapshots(pl.Callback):
+    def __init__(self) -> None:
+        self.before: list[list[torch.Tensor]] = []
+        self.after: list[list[torch.Tensor]] = []
+        self.outcomes: list[int] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.before.append([p.detach().clone() for p in pl_module.parameters()])
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        ledger = StepLedger.of(trainer)
+        ledger.close_step()
+        self.outcomes.append(int(ledger.outcome))
+        self.after.append([p.detach().clone() for p in pl_module.parameters()])
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])
+@pytest.mark.parametrize("voter_first", [True, False])
+def test_a_vote_counts_whatever_the_callback_order(optimizer: str, voter_first: bool) -> None:
+    snaps = Snapshots()
+    ours = GradientNormMonitor(max_norm=1.0)
+    order = [Voter(), ours] if voter_first else [ours, Voter()]
+    trainer = quiet_trainer(max_steps=5, callbacks=[*order, snaps])
+    trainer.fit(TinyModule(optimizer=optimizer))
+    assert snaps.outcomes == [0, 0, int(Outcome.SKIPPED_SPIKE), 0, 0]
+    assert all(torch.equal(a, b) for a, b in zip(snaps.before[BAD], snaps.after[BAD], strict=True))
+    assert not torch.equal(snaps.before[BAD + 1][0], snaps.after[BAD + 1][0])
+    assert StepLedger.of(trainer).counts.tolist() == [4, 0, 0, 1]
+
+
+def test_votes_from_several_callbacks_cost_one_host_read_together() -> None:
+    """Two voters and the monitor's non-finite vote on a non-fused optimizer: one read per step, not three."""
+    pl.seed_everything(0)
+    one = count_syncs_per_step(
+        quiet_trainer(max_steps=4, log_every_n_steps=50, callbacks=[GradientNormMonitor()]), TinyModule()
+    )
+    pl.seed_everything(0)
+    three = count_syncs_per_step(
+        quiet_trainer(max_steps=4, log_every_n_steps=50, callbacks=[Voter(), Voter(), GradientNormMonitor()]),
+        TinyModule(),
+    )
+    # (on the skipped step itself AdamW's own per-parameter syncs vanish: it leaves gradient-less params alone)
+    assert [n for i, n in enumerate(one) if i != BAD] == [n for i, n in enumerate(three) if i != BAD]
+
+
+def test_the_template_gives_one_instance_check_and_cadence() -> None:
+    class Counter(LedgerCallback):
+        """A new callback: ~10 lines of its own."""
+
+        def __init__(self) -> None:
+            super().__init__(log_every_n_steps=2)
+            self.logging_steps: list[int] = []
+
+        def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Any, logging: bool) -> None:
+            ledger.log("stability/counter", float(ledger.steps), logging)
+            if logging:
+                self.logging_steps.append(ledger.steps)
+
+    counter = Counter()
+    trainer = quiet_trainer(max_steps=6, callbacks=[counter])
+    trainer.fit(TinyModule())
+    assert counter.logging_steps == [2, 4, 6]
+    assert trainer.callback_metrics["stability/counter"].item() == 6.0
+    with pytest.raises(StabilityConfigError, match=r"2 Counter callbacks are attached"):
+        quiet_trainer(max_steps=1, callbacks=[Counter(), Counter()]).fit(TinyModule())
