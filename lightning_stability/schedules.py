@@ -16,14 +16,18 @@ Conventions, shared by every schedule:
    the peak, and ``p`` reaches 1 at ``step == total_steps``, one past the last update.
 3. **Floor**: decays go from 1 down to ``min_lr_ratio``, never below. Warmup is not floored.
 4. **Lengths**: a phase length ``< 1`` is a fraction of ``total_steps`` (rounded to the nearest
-   step); a length ``>= 1`` is a step count and must be a whole number.
+   step); a length ``>= 1`` is a step count and must be a whole number. Warmup and decay fractions that
+   add up to at most 1 fit every run length: where rounding both would overshoot by one step, the decay
+   starts where the warmup ends.
 
 Compared with ``transformers`` (``get_linear_schedule_with_warmup``,
 ``get_cosine_schedule_with_warmup``, ``get_wsd_schedule``, ``get_inverse_sqrt_schedule`` with
 ``timescale=warmup``): after warmup the multipliers are identical, ``ours(step) == hf(step)``.
 During warmup ours is one step ahead, ``ours(step) == hf(step + 1)``, because ``transformers``'
-warmup starts from ``0 / warmup`` and so spends the first update at LR 0. ``get_wsd_schedule``
-also lifts its warmup to start at ``min_lr_ratio``; ours starts at ``1 / warmup`` whatever the floor.
+warmup starts from ``0 / warmup`` and so spends the first update at LR 0. The exception is
+``get_wsd_schedule`` with ``min_lr_ratio = r > 0``: its warmup is ``r + (1 - r) * step / warmup`` (it
+starts at the floor), ours ``(step + 1) / warmup`` whatever the floor, so inside warmup the two differ by
+more than a step.
 
 Example::
 
@@ -33,9 +37,11 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_stability.errors import config_error
 
@@ -46,6 +52,8 @@ __all__ = [
     "Schedule",
     "StepSchedule",
     "WarmupConstantCosineSchedule",
+    "check_multiplier",
+    "check_schedule_callable",
     "cosine",
     "inverse_sqrt",
     "linear",
@@ -91,6 +99,10 @@ def resolve_steps(length: float, total_steps: int | None, name: str = "length") 
     return round(length * total_steps)
 
 
+def _is_fraction(length: float) -> bool:
+    return 0 <= length < 1
+
+
 def _require_total(total_steps: int | None) -> int:
     """The run length, which schedules that decay towards the end of the run cannot do without."""
     if total_steps is None:
@@ -125,6 +137,10 @@ def _phases(total_steps: int, warmup: float, decay: float | None) -> tuple[int, 
             "warmup", warmup, f"is longer than the run (total_steps={total_steps})", "shorten the warmup"
         )
     d = total_steps - w if decay is None else resolve_steps(decay, total_steps, "decay")
+    if w + d == total_steps + 1 and decay is not None and _is_fraction(warmup) and _is_fraction(decay):
+        # Two fractions that add up to at most 1 are rounded one by one, which can overshoot the run by one
+        # step (0.1 + 0.9 of 15 steps: 2 + 14). The warmup keeps its length; the decay starts where it ends.
+        d = total_steps - w
     if w + d > total_steps:
         raise config_error(
             "warmup + decay",
@@ -236,9 +252,8 @@ def step_decay(
     if step < w:
         return _warmup(step, w)
     if every is not None:
-        period = resolve_steps(every, total_steps, "every")
-        if period < 1:
-            raise config_error("every", every, "resolves to 0 steps", "pass a longer period")
+        # a fraction of a very short run still drops at most once per update
+        period = max(1, resolve_steps(every, total_steps, "every")) if _is_fraction(every) else int(every)
         drops = (step - w) // period
     else:
         points = sorted(resolve_steps(m, total_steps, "milestones") for m in milestones)
@@ -315,7 +330,7 @@ class WarmupConstantCosineSchedule(Schedule):
     def __post_init__(self) -> None:
         _check_lengths({"warmup": self.warmup, "decay": self.decay})
         _check_floor(self.min_lr_ratio)
-        if self.warmup < 1 and self.decay < 1 and self.warmup + self.decay > 1:
+        if self.warmup < 1 and self.decay < 1 and self.warmup + self.decay > 1 + 1e-9:
             raise config_error(
                 "warmup + decay",
                 self.warmup + self.decay,
@@ -421,3 +436,48 @@ class InverseSqrtSchedule(Schedule):
 
     def __call__(self, step: int, total_steps: int | None) -> float:
         return inverse_sqrt(step, self.warmup, self.min_lr_ratio, total_steps)
+
+
+# ---------------------------------------------------------------------------------------------- user schedules
+def check_schedule_callable(schedule: Callable[..., Any]) -> None:
+    """Raise unless ``schedule`` can be called as ``schedule(step, total_steps)``.
+
+    Callables whose signature Python cannot read (some builtins) are accepted; the first call checks them.
+
+    Raises:
+        StabilityConfigError: the callable takes other arguments (e.g. ``lambda step: ...``).
+    """
+    try:
+        signature = inspect.signature(schedule)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(0, 1)
+    except TypeError as err:
+        raise config_error(
+            "schedule",
+            schedule,
+            f"cannot be called as schedule(step, total_steps) ({err})",
+            "take both arguments, e.g. `lambda step, total_steps: f(step)` for a schedule that needs no run length",
+        ) from None
+
+
+def check_multiplier(value: object, step: int, schedule: object) -> float:
+    """``value`` as a float, if it is a usable LR multiplier (a finite real number ``>= 0``).
+
+    Raises:
+        StabilityConfigError: NaN, infinite, negative or not a number; names the schedule and the step.
+    """
+    number = value.item() if hasattr(value, "item") and getattr(value, "numel", lambda: 0)() == 1 else value
+    if isinstance(number, bool) or not isinstance(number, (int, float)):
+        raise config_error(
+            "schedule", schedule, f"returned {value!r} at step {step}, not a number", "return a float multiplier"
+        )
+    if not math.isfinite(number) or number < 0:
+        raise config_error(
+            "schedule",
+            schedule,
+            f"returned the LR multiplier {number!r} at step {step}",
+            "return a finite multiplier >= 0 for every step of the run (the LR is base_lr * multiplier)",
+        )
+    return float(number)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -12,8 +13,11 @@ from lightning_stability.schedules import (
     CosineSchedule,
     InverseSqrtSchedule,
     LinearSchedule,
+    Schedule,
     StepSchedule,
     WarmupConstantCosineSchedule,
+    check_multiplier,
+    check_schedule_callable,
     cosine,
     inverse_sqrt,
     linear,
@@ -269,3 +273,92 @@ def test_reference_formulas_equal_transformers() -> None:
     ]
     for scheduler, reference, steps in cases:
         assert _lambda_values(scheduler, steps) == pytest.approx([reference(s) for s in range(steps)], abs=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------- every run length
+FRACTION_PAIRS = [(0.1, 0.9), (0.5, 0.5), (0.05, 0.95), (0.05, 0.2), (0.3, 0.7), (0.0, 1.0), (0.25, 0.75)]
+
+
+def _check_curve(values: list[float], warmup_end: int, decay_start: int) -> None:
+    """Finite, in [0, 1]; rising through warmup, flat at the peak, then never rising again."""
+    assert all(math.isfinite(v) and 0.0 <= v <= 1.0 for v in values), values
+    assert all(a < b for a, b in itertools.pairwise(values[:warmup_end]))
+    assert all(v == 1.0 for v in values[warmup_end:decay_start])
+    tail = values[decay_start:]
+    assert all(b <= a for a, b in itertools.pairwise(tail))
+
+
+@pytest.mark.parametrize(("warmup", "decay"), FRACTION_PAIRS)
+def test_fractions_adding_up_to_at_most_one_work_for_every_run_length(warmup: float, decay: float) -> None:
+    spec = WarmupConstantCosineSchedule(warmup=warmup, decay=decay)
+    for total in range(1, 5001):
+        w = round(warmup * total)
+        first = spec(0, total)
+        assert 0.0 < first <= 1.0 or (w == 0 and first == 1.0), (total, first)  # never 0 on the first update
+        if total <= 300:  # the whole curve
+            values = [spec(n, total) for n in range(total)]
+            decay_start = next((n for n in range(w, total) if values[n] < 1.0), total)
+            _check_curve(values, w, decay_start)
+            assert min(values[:w], default=1.0) == values[0]
+        else:  # phase boundaries
+            for n in {0, max(w - 1, 0), w, total - 1}:
+                assert 0.0 <= spec(n, total) <= 1.0
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [CosineSchedule(warmup=0.1), LinearSchedule(warmup=0.3, min_lr_ratio=0.1), CosineSchedule(warmup=0.05)],
+)
+def test_decay_schedules_with_fractional_warmup_work_for_every_run_length(spec: Schedule) -> None:
+    for total in range(1, 2001):
+        values = [spec(n, total) for n in (0, total // 2, total - 1)]
+        assert all(math.isfinite(v) and 0.0 <= v <= 1.0 for v in values), total
+        assert values[0] > 0.0
+
+
+def test_step_and_inverse_sqrt_with_fractional_warmup_for_every_run_length() -> None:
+    steps, inv = StepSchedule(gamma=0.5, every=0.25, warmup=0.1), InverseSqrtSchedule(warmup=0.1)
+    for total in range(1, 2001):
+        for n in (0, total // 3, total - 1):
+            assert 0.0 < steps(n, total) <= 1.0 and 0.0 < inv(n, total) <= 1.0, (total, n)
+
+
+def test_a_real_overlap_is_still_an_error() -> None:
+    with pytest.raises(StabilityConfigError, match=r"warmup \+ decay.*exceeds total_steps=1000"):
+        WarmupConstantCosineSchedule(warmup=500, decay=0.9)(0, 1000)
+
+
+def test_rounding_gives_the_overshooting_step_to_the_warmup() -> None:
+    # 0.1 + 0.9 of 15 steps: 2 warmup steps (1.5 rounds to 2), then the decay over the 13 steps left
+    spec = WarmupConstantCosineSchedule(warmup=0.1, decay=0.9)
+    assert [spec(n, 15) for n in (0, 1)] == [0.5, 1.0]
+    assert spec(2, 15) == 1.0 and spec(3, 15) < 1.0
+
+
+# ---------------------------------------------------------------------------------------------- user schedules
+def test_check_schedule_callable() -> None:
+    import functools
+
+    check_schedule_callable(lambda step, total: 1.0)
+    check_schedule_callable(lambda step, total=None: 1.0)
+    check_schedule_callable(lambda *args: 1.0)
+    check_schedule_callable(functools.partial(lambda a, step, total: a, 1.0))
+    check_schedule_callable(CosineSchedule())
+    check_schedule_callable(max)  # a builtin without a readable signature: accepted, checked at the first call
+    for bad in (lambda step: 1.0, lambda: 1.0, lambda step, total, extra: 1.0, lambda step, *, total: 1.0):
+        with pytest.raises(
+            StabilityConfigError, match=r"`schedule=.*cannot be called as schedule\(step, total_steps\)"
+        ):
+            check_schedule_callable(bad)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.5, "1.0", None, True])
+def test_check_multiplier_rejects_what_is_not_a_usable_multiplier(bad: object) -> None:
+    with pytest.raises(StabilityConfigError, match=r"step 7"):
+        check_multiplier(bad, 7, "my_schedule")
+
+
+def test_check_multiplier_accepts_numbers_and_0_dim_tensors() -> None:
+    assert check_multiplier(0, 0, "s") == 0.0
+    assert check_multiplier(0.5, 0, "s") == 0.5
+    assert check_multiplier(torch.tensor(0.25), 0, "s") == 0.25

@@ -15,32 +15,12 @@ from torch.optim import Optimizer
 from lightning_stability.callbacks.base import LedgerCallback
 from lightning_stability.errors import StabilityConfigError, config_error
 from lightning_stability.ledger import StepLedger
-from lightning_stability.schedules import Schedule, WarmupConstantCosineSchedule
-
-
-def check_schedule_callable(fn: Any) -> None:  # TEMPORARY: moves to schedules.py
-    import inspect
-
-    try:
-        inspect.signature(fn).bind(0, 1)
-    except TypeError as err:
-        raise config_error(
-            "schedule",
-            fn,
-            f"cannot be called as schedule(step, total_steps) ({err})",
-            "take both arguments, e.g. `lambda step, total_steps: f(step)`",
-        ) from None
-    except ValueError:
-        return
-
-
-def check_multiplier(value: Any, step: int, schedule: Any) -> float:  # TEMPORARY: moves to schedules.py
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise config_error(
-            "schedule", schedule, f"returned {value!r} at step {step}", "return a finite multiplier >= 0"
-        )
-    return float(value)
-
+from lightning_stability.schedules import (
+    Schedule,
+    WarmupConstantCosineSchedule,
+    check_multiplier,
+    check_schedule_callable,
+)
 
 ScheduleFn = Callable[[int, "int | None"], float]
 
