@@ -292,8 +292,9 @@ class TunedGradScaler(torch.amp.GradScaler):
         self, optimizer: Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool
     ) -> dict[torch.device, Tensor]:
         per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        assert self._scale is not None
-        device = self._scale.device
+        # torch's contract lets `_unscale_grads_` run before any `scale()` (its own tests do): no scale yet,
+        # so the flags gather on the device of the caller's `found_inf`.
+        device = self._scale.device if self._scale is not None else found_inf.device
         flags = [f if f.device == device else f.to(device, non_blocking=True) for f in per_device.values()]
         if len(flags) == 1:
             local = flags[0]
