@@ -25,7 +25,7 @@ from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 from torch.optim import Optimizer
 
 from lightning_stability.errors import check_positive_int, config_error
-from lightning_stability.scaling import ScaleRule, ScaleState, auto_initial_scale, update_scale
+from lightning_stability.scaling import ScaleRule, ScaleState, auto_initial_scale, update_scale, update_scale_
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -194,6 +194,7 @@ class TunedGradScaler(torch.amp.GradScaler):
         self._overflows: Tensor | None = None
         self._floor_hits: Tensor | None = None
         self._window: Tensor | None = None
+        self._backoff_tracker: Tensor | None = None
         self._after_update: Callable[[TunedGradScaler], None] | None = None
         self._rule: ScaleRule | None = None
         self._rule_settings: tuple[Any, ...] = ()
@@ -231,6 +232,12 @@ class TunedGradScaler(torch.amp.GradScaler):
         self._overflows = torch.tensor(extra["overflows"], dtype=torch.int64, device=dev)
         self._floor_hits = torch.tensor(extra["floor_hits"], dtype=torch.int64, device=dev)
         self._window = torch.tensor(extra["window"], dtype=torch.float32, device=dev)
+
+    def _backoff_tracker_for(self, device: torch.device) -> Tensor:
+        """Scratch state of the fused backoff pass (its value never changes the scale; not checkpointed)."""
+        if self._backoff_tracker is None or self._backoff_tracker.device != device:
+            self._backoff_tracker = torch.zeros((), dtype=torch.int32, device=device)
+        return self._backoff_tracker
 
     def _extra_host(self) -> dict[str, Any]:
         """The device counters as host values (a sync: checkpoints and pickling only)."""
@@ -340,23 +347,24 @@ class TunedGradScaler(torch.amp.GradScaler):
             raise AssertionError("No inf checks were recorded prior to update.")
         found = flags[0] if len(flags) == 1 else torch.stack(flags).sum()
         rule = self.rule
-        new, overflow, _, floor_hit = update_scale(ScaleState(scale, growth, self._hysteresis_tracker), found, rule)
+        state = ScaleState(scale, growth, self._hysteresis_tracker)
         if self._probing and self._probe_found is not None and self._probe_peak is not None:
+            # the first step of init_scale="auto" (once per run): the rule's answer unless the probe overflowed
+            new, overflow, _, floor_hit = update_scale(state, found, rule)
             overflow = self._probe_found != 0  # `found` also holds the skip of an all-zero probe
             auto = auto_initial_scale(self._probe_peak, self._auto_headroom, rule.min_scale)
-            new = ScaleState(
-                torch.where(overflow, new.scale, auto),
-                torch.where(overflow, new.growth_tracker, torch.zeros_like(new.growth_tracker)),
-                torch.where(overflow, new.hysteresis_tracker, torch.full_like(new.hysteresis_tracker, rule.hysteresis)),
+            scale.copy_(torch.where(overflow, new.scale, auto))
+            growth.copy_(torch.where(overflow, new.growth_tracker, torch.zeros_like(new.growth_tracker)))
+            self._hysteresis_tracker.copy_(
+                torch.where(overflow, new.hysteresis_tracker, torch.full_like(new.hysteresis_tracker, rule.hysteresis))
             )
             floor_hit = floor_hit & overflow
+        else:
+            # every other step: the rule in place, around torch's fused update (see scaling.update_scale_)
+            overflow, floor_hit = update_scale_(state, found, rule, self._backoff_tracker_for(scale.device))
         self._probing = False
         self._probe_found = self._probe_peak = None
-        scale.copy_(new.scale)
-        growth.copy_(new.growth_tracker)
-        self._hysteresis_tracker.copy_(new.hysteresis_tracker)
-        self._overflows += overflow
-        self._floor_hits += floor_hit
+        torch._foreach_add_([self._overflows, self._floor_hits], [overflow, floor_hit])
         self._window[self._updates % self._overflow_window] = overflow
         self._updates += 1
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
@@ -419,7 +427,7 @@ class TunedGradScaler(torch.amp.GradScaler):
         if self._enabled:
             state["_init_extra"] = self._extra_host()
             state.update(_hysteresis_tracker=None, _overflows=None, _floor_hits=None, _window=None)
-        state.update(_after_update=None, _probe_found=None, _probe_peak=None, process_group=None)
+        state.update(_after_update=None, _probe_found=None, _probe_peak=None, process_group=None, _backoff_tracker=None)
         return state
 
 

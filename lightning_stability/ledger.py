@@ -119,12 +119,13 @@ class StepLedger:
 
     def _optimizers(self) -> list[Optimizer]:
         trainer = self.trainer
-        return list(trainer.optimizers) if trainer is not None else []
+        return trainer.optimizers if trainer is not None else []
 
     @property
     def several_optimizers(self) -> bool:
         """Whether the trainer has more than one optimizer (metric keys then name the optimizer)."""
-        return len(self._optimizers()) > 1
+        trainer = self.trainer
+        return trainer is not None and len(trainer.optimizers) > 1
 
     def _track_at(self, index: int, name: str | None = None) -> Track:
         track = self._tracks.get(index)

@@ -93,7 +93,7 @@ def monitor(trainer: pl.Trainer, name: str, value: Tensor | float) -> None:
     if isinstance(value, Tensor):
         if value.dim() != 0:
             return
-        metric = value.detach()
+        metric = value.detach() if value.requires_grad else value
     else:
         metric = torch.full((), float(value), dtype=torch.float32)
     _compat.callback_metrics(trainer)[name] = metric

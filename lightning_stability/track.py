@@ -45,6 +45,7 @@ class Track:
         self._placed = False
         self.steps = 0
         self._counts: Tensor | None = None
+        self._per_outcome: tuple[Tensor, ...] = ()
         self._loaded_counts = [0] * len(Outcome)
         self._host_counts: list[int] | None = [0] * len(Outcome)
         self._window: dict[str, Tensor] = {}
@@ -59,6 +60,7 @@ class Track:
         self._window = {k: v.to(device) for k, v in self._window.items()}
         if self._counts is not None:
             self._counts = self._counts.to(device)
+            self._per_outcome = self._counts.unbind(0)
 
     @property
     def counts(self) -> Tensor:
@@ -66,6 +68,7 @@ class Track:
         if self._counts is None:
             # once per run: a resumed run's counts come from the checkpoint, before the first step
             self._counts = torch.tensor(self._loaded_counts, dtype=torch.int64, device=self.device)
+            self._per_outcome = self._counts.unbind(0)  # views: one in-place add counts a host-known step
         return self._counts
 
     @property
@@ -96,7 +99,7 @@ class Track:
             counts.index_add_(0, outcome.view(1), torch.ones(1, dtype=counts.dtype, device=counts.device))
             self._host_counts = None
         else:
-            counts[int(outcome)] += 1
+            self._per_outcome[int(outcome)].add_(1)
             if self._host_counts is not None:
                 self._host_counts[int(outcome)] += 1
 
