@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from lightning.pytorch.plugins.precision import Precision
 
-SUPPORTED = "lightning>=2.6,<2.7 with torch>=2.13,<2.15"
+SUPPORTED = "lightning>=2.5,<2.7 with torch>=2.13,<2.14"
 
 
 def _unsupported(what: str) -> StabilityConfigError:
@@ -178,6 +178,18 @@ def foreach_norm(tensors: list[Tensor], ord: float = 2.0, dtype: torch.dtype | N
     return torch._foreach_norm(tensors, ord, dtype=dtype)
 
 
+def foreach_add_(tensors: list[Tensor], others: list[Tensor]) -> None:
+    """``tensors[i] += others[i]`` for all i in one fused call (``torch._foreach_add_``)."""
+    torch._foreach_add_(tensors, others)
+
+
+def amp_update_scale_(
+    scale: Tensor, growth_tracker: Tensor, found_inf: Tensor, growth_factor: float, backoff_factor: float, interval: int
+) -> None:
+    """torch's fused dynamic loss-scale update (``torch._amp_update_scale_``, what ``GradScaler.update`` runs)."""
+    torch._amp_update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor, interval)
+
+
 def foreach_mul_(tensors: list[Tensor], scalar: Tensor) -> None:
     """Multiply every tensor of a list in place by the 0-dim tensor ``scalar`` in one fused kernel."""
     torch._foreach_mul_(tensors, scalar)
@@ -244,7 +256,7 @@ def scaler_device(scaler: Any, default: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- checks
-_TORCH_OPS = ("_foreach_norm", "_foreach_mul_")
+_TORCH_OPS = ("_foreach_norm", "_foreach_mul_", "_foreach_add_", "_amp_update_scale_")
 #: what an enabled GradScaler must have (TunedGradScaler subclasses it and uses these too)
 _SCALER_ATTRS = (
     "_per_optimizer_states",

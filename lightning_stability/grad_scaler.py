@@ -21,9 +21,9 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
-from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 from torch.optim import Optimizer
 
+from lightning_stability import _compat
 from lightning_stability.errors import check_positive_int, config_error
 from lightning_stability.scaling import ScaleRule, ScaleState, auto_initial_scale, update_scale, update_scale_
 
@@ -81,7 +81,7 @@ def _local_grads(optimizer: Optimizer) -> list[Tensor]:
                 continue
             if hasattr(g, "to_local"):  # a DTensor shard: this rank's part, reduced across ranks later
                 g = g.to_local()
-            g = g._values() if g.is_sparse else g
+            g = _compat.sparse_values(g) if g.is_sparse else g
             if g.numel():  # a rank's shard of a small tensor may be empty
                 grads.append(g)
     return grads
@@ -95,7 +95,7 @@ def _peak(grads: list[Tensor], device: torch.device) -> Tensor:
     for g in grads:
         buckets[(g.device, g.dtype)].append(g)
     peaks = [
-        torch.stack(torch._foreach_norm(group, math.inf, dtype=torch.float32)).amax().to(device, non_blocking=True)
+        torch.stack(_compat.foreach_norm(group, math.inf, dtype=torch.float32)).amax().to(device, non_blocking=True)
         for group in buckets.values()
     ]
     peak = torch.stack(peaks).amax()
@@ -108,7 +108,7 @@ class TunedGradScaler(torch.amp.GradScaler):
     Drop-in for torch's scaler: ``scale``, ``unscale_``, ``step`` and ``update`` keep their contract,
     so Lightning's precision plugins and :class:`~lightning_stability.ledger.StepLedger` use it as is.
 
-    * ``update()`` applies :func:`lightning_stability.scaling.update_scale` on the device: no host
+    * ``update()`` applies :func:`lightning_stability.scaling.update_scale_` on the device: no host
       sync beyond the one ``step()`` already costs to skip a non-fused optimizer.
     * Every ``unscale_`` reduces the overflow flag with ``MAX`` across ``process_group`` (one 0-dim
       collective per optimizer step) when ``torch.distributed`` runs with more than one rank.
@@ -364,10 +364,10 @@ class TunedGradScaler(torch.amp.GradScaler):
             overflow, floor_hit = update_scale_(state, found, rule, self._backoff_tracker_for(scale.device))
         self._probing = False
         self._probe_found = self._probe_peak = None
-        torch._foreach_add_([self._overflows, self._floor_hits], [overflow, floor_hit])
+        _compat.foreach_add_([self._overflows, self._floor_hits], [overflow, floor_hit])
         self._window[self._updates % self._overflow_window] = overflow
         self._updates += 1
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        _compat.reset_scaler_optimizer_states(self)
         self._fire_after_update()
 
     def _fire_after_update(self) -> None:
@@ -455,8 +455,8 @@ class FusedClipMixedPrecision(MixedPrecision):
         if (
             clip_val > 0
             and scaler is not None
-            and getattr(optimizer, "_step_supports_amp_scaling", False)
-            and scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY
+            and _compat.step_supports_amp_scaling(optimizer)
+            and _compat.scaler_is_ready(scaler, optimizer)
         ):
             scaler.unscale_(optimizer)
         # Skip MixedPrecision.clip_gradients (the fused-optimizer refusal): the gradients are unscaled now.

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from lightning_stability import _compat
 from lightning_stability.errors import config_error
 
 FP16_MAX = 65504.0
@@ -206,8 +207,8 @@ def update_scale_(
     found = found_inf.reshape(1).to(device=scale.device, dtype=torch.float32, non_blocking=True)
     overflow = (found != 0).reshape(())
     backoff = found * (hyst <= 1)  # nonzero for the overflow that uses up the hysteresis
-    torch._amp_update_scale_(scale, growth, found, rule.growth_factor, 1.0, rule.growth_interval)
-    torch._amp_update_scale_(scale, backoff_tracker, backoff, 1.0, rule.backoff_factor, _BACKOFF_INTERVAL)
+    _compat.amp_update_scale_(scale, growth, found, rule.growth_factor, 1.0, rule.growth_interval)
+    _compat.amp_update_scale_(scale, backoff_tracker, backoff, 1.0, rule.backoff_factor, _BACKOFF_INTERVAL)
     if rule.min_scale is not None:
         floor_hit = torch.logical_and(scale < rule.min_scale, backoff).reshape(())
         scale.clamp_(min=rule.min_scale)

@@ -93,3 +93,17 @@ def test_the_template_gives_one_instance_check_and_cadence() -> None:
     assert trainer.callback_metrics["stability/counter"].item() == 6.0
     with pytest.raises(StabilityConfigError, match=r"2 Counter callbacks are attached"):
         quiet_trainer(max_steps=1, callbacks=[Counter(), Counter()]).fit(TinyModule())
+
+
+def test_a_missing_private_internal_fails_at_setup_naming_the_supported_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another Lightning whose epoch loop lost `_batches_that_stepped`: one clear error at setup, no traceback
+    from inside a training step."""
+    from lightning.pytorch.loops import _TrainingEpochLoop
+
+    from lightning_stability import _compat
+
+    monkeypatch.delattr(_TrainingEpochLoop, "_accumulated_batches_reached")
+    trainer = quiet_trainer(max_steps=2, callbacks=[GradientNormMonitor()])
+    with pytest.raises(StabilityConfigError, match=r"lacks the training epoch loop.s `_accumulated_batches") as err:
+        trainer.fit(TinyModule())
+    assert _compat.SUPPORTED in str(err.value)

@@ -229,3 +229,26 @@ def test_auto_initial_scale_keeps_headroom_and_respects_the_floor() -> None:
 def test_rule_errors(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(StabilityConfigError, match=match):
         ScaleRule(**kwargs)  # type: ignore[arg-type]
+
+
+def test_in_place_fused_rule_equals_the_reference_step_for_step() -> None:
+    """update_scale_ (torch's fused kernel + a few ops, what the scaler runs) == update_scale (the reference)."""
+    import random
+
+    from lightning_stability.scaling import update_scale_
+
+    rng = random.Random(0)
+    rules = [ScaleRule(2.0, 0.5, 3, h, m, c) for h in (1, 2, 3) for m in (None, 1.0, 64.0) for c in (False, True)]
+    rules.append(ScaleRule(4.0, 0.25, 2, 2, 0.5, False))
+    for rule in rules:
+        for _ in range(10):
+            reference = initial_state(256.0, rule)
+            fused = initial_state(256.0, rule)
+            scratch = torch.zeros((), dtype=torch.int32)
+            for step in range(60):
+                flag = torch.tensor(float(rng.random() < 0.35))
+                expected = update_scale(reference, flag, rule)
+                reference = expected.state
+                overflow, floor_hit = update_scale_(fused, flag, rule, scratch)
+                assert all(torch.equal(a, b) for a, b in zip(reference, fused, strict=True)), (rule, step)
+                assert bool(overflow) == bool(expected.overflow) and bool(floor_hit) == bool(expected.floor_hit)
