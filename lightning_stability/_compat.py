@@ -250,6 +250,12 @@ def reset_scaler_optimizer_states(scaler: Any) -> None:
     scaler._per_optimizer_states = defaultdict(_private("torch.amp.grad_scaler", "_refresh_per_optimizer_state"))
 
 
+def scaler_scale(scaler: Any) -> Tensor | None:
+    """The GradScaler's current scale as its device tensor (``get_scale()`` would read it on the host)."""
+    scale: Tensor | None = scaler._scale
+    return scale
+
+
 def scaler_device(scaler: Any, default: str) -> str:
     """The device type a GradScaler was built for (``default`` for scalers that do not record one)."""
     return str(getattr(scaler, "_device", default))

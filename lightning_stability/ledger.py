@@ -51,6 +51,7 @@ from lightning_stability.skips import (
 )
 from lightning_stability.step_metrics import FlushHook, FlushValues, MetricQueue, metric_name, monitor, publish
 from lightning_stability.track import Outcome, Track, device_of, optimizer_names
+from lightning_stability.update_loss import UpdateLoss
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -101,6 +102,7 @@ class StepLedger:
         self._scaler_on_host = False  # the scaler decides this step on the host (non-fused optimizer)
         self._close_hooks: list[Callable[[StepLedger], None]] = []
         self._queue = MetricQueue()
+        self._loss = UpdateLoss()
         # id(optimizer) -> (weak reference, track index, hook handle); the reference tells a reused id apart
         self._hooked: dict[int, tuple[weakref.ref[Optimizer], int, Any]] = {}
 
@@ -210,6 +212,9 @@ class StepLedger:
         self.record, self._skip = {}, {}
         self._found_inf_set = self._stepped = self._scaler_on_host = False
         self._votes, self._enforced = {}, False
+        loss = self._loss.take()
+        if loss is not None:
+            self.record["loss"] = loss
         trainer = self.trainer
         scaler = loss_scaler(trainer) if trainer is not None else None
         if scaler is not None:
@@ -227,6 +232,21 @@ class StepLedger:
     @property
     def is_open(self) -> bool:
         return self._open is not None
+
+    def want_update_loss(self) -> None:
+        """Ask for ``record["loss"]``: the update's loss, the mean over its micro-batches, unscaled, on the
+        device, available from ``open_step`` on (before the update)."""
+        self._loss.enabled = True
+
+    def add_loss(self, loss: Tensor) -> None:
+        """Record a micro-batch's loss as ``on_before_backward`` sees it (the template does this)."""
+        trainer = self.trainer
+        if not self._loss.enabled or trainer is None:
+            return
+        scaler = loss_scaler(trainer)
+        automatic = trainer.lightning_module.automatic_optimization
+        scale = _compat.scaler_scale(scaler) if scaler is not None else None
+        self._loss.add(loss, scale, trainer.accumulate_grad_batches if automatic else 1)
 
     def label(self) -> int:
         """Lightning's step label for the current step: ``self.log`` and ``LearningRateMonitor`` use it too."""

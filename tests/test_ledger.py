@@ -107,3 +107,63 @@ def test_a_missing_private_internal_fails_at_setup_naming_the_supported_range(mo
     with pytest.raises(StabilityConfigError, match=r"lacks the training epoch loop.s `_accumulated_batches") as err:
         trainer.fit(TinyModule())
     assert _compat.SUPPORTED in str(err.value)
+
+
+class LossProbe(LedgerCallback):
+    """A callback that asks for the update's loss and reads it in its step, before the update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[torch.Tensor] = []
+
+    def on_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        StepLedger.of(trainer).want_update_loss()
+
+    def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Any, logging: bool) -> None:
+        self.losses.append(ledger.record["loss"].clone())
+
+
+class RecordsLosses(TinyModule):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+
+def test_the_update_loss_is_the_unscaled_mean_over_its_micro_batches() -> None:
+    from lightning.pytorch.plugins import MixedPrecision
+
+    from lightning_stability import GradientAccumulation, LossScaleTuner
+
+    probe = LossProbe()
+    model = RecordsLosses(n=64, batch_size=4)  # 16 micro-batches, 4 updates of 4
+    trainer = quiet_trainer(
+        max_epochs=1,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))],
+        callbacks=[GradientAccumulation(steps=4, lr_scaling="none"), LossScaleTuner(init_scale=2.0**10), probe],
+    )
+    trainer.fit(model)
+    expected = [sum(model.losses[i : i + 4]) / 4 for i in range(0, 16, 4)]
+    assert [t.item() for t in probe.losses] == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_update_loss_under_manual_optimization_belongs_to_the_optimizer_that_steps() -> None:
+    class Manual(TinyModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            opt = self.optimizers()
+            opt.zero_grad()
+            x, y = batch
+            halves = [torch.nn.functional.mse_loss(self(x[i::2]), y[i::2]) for i in (0, 1)]
+            for loss in halves:  # accumulated by hand: two backward passes, one step
+                self.manual_backward(loss)
+            self.losses.append(sum(float(h.detach()) for h in halves) / 2)
+            opt.step()
+
+    probe = LossProbe()
+    model = Manual()
+    quiet_trainer(max_steps=4, callbacks=[probe]).fit(model)
+    assert [t.item() for t in probe.losses] == pytest.approx(model.losses, rel=1e-6)

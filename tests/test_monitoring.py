@@ -46,6 +46,21 @@ def test_model_checkpoint_monitors_grad_norm_with_default_logging(tmp_path: Path
     assert "lightning_stability" in saved
 
 
+def test_model_checkpoint_on_the_lr_and_early_stopping_on_the_grad_norm_with_default_logging(tmp_path: Path) -> None:
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="stability/lr", mode="min", save_top_k=1)
+    stopper = EarlyStopping(monitor="stability/grad_norm", mode="min", patience=1000, check_finite=True)
+    trainer = quiet_trainer(
+        max_epochs=2,
+        enable_checkpointing=True,
+        callbacks=[GradientNormMonitor(), WarmupConstantCosineLR(), checkpoint, stopper],
+    )
+    trainer.fit(TinyModule(n=128))
+    assert checkpoint.best_model_path and checkpoint.best_model_score is not None
+    # the best (lowest) LR is the last update's: the end of the cosine decay
+    assert checkpoint.best_model_score.item() == pytest.approx(trainer.callback_metrics["stability/lr"].item())
+    assert torch.isfinite(stopper.best_score) and stopper.best_score.item() > 0
+
+
 def test_early_stopping_monitors_the_scheduled_lr_with_default_logging() -> None:
     # The LR falls below 80% of its base early in the cosine decay: EarlyStopping must see it without logging.
     stopper = EarlyStopping(monitor="stability/lr", mode="min", stopping_threshold=0.04, patience=100)

@@ -275,6 +275,7 @@ class GradientAccumulation(LedgerCallback):
                         p.grad = None
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        super().on_before_backward(trainer, pl_module, loss)
         self._restore_stash()
 
     def _restore_stash(self) -> None:

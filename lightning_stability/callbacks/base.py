@@ -6,6 +6,7 @@ from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stability import _compat
@@ -109,6 +110,10 @@ class LedgerCallback(Callback):
         if self._last:
             # Every lightning_stability callback has voted: enforce the skip votes together (one read at most).
             ledger.enforce_votes()
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if self._last:  # one of our callbacks records the loss (if any callback asked for it)
+            StepLedger.of(trainer).add_loss(loss)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
