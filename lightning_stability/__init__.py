@@ -6,7 +6,8 @@ from lightning_stability.callbacks.loss_scale import LossScaleFloorError, LossSc
 from lightning_stability.callbacks.lr_schedule import ScheduledLR, WarmupConstantCosineLR
 from lightning_stability.diagnostics import PrecisionDiagnostics, TrainingStatus, check_training_status
 from lightning_stability.errors import StabilityConfigError
-from lightning_stability.grad_scaler import FusedClipMixedPrecision, TunedGradScaler
+from lightning_stability.fused_clip import FusedClipMixedPrecision
+from lightning_stability.grad_scaler import TunedGradScaler
 from lightning_stability.ledger import Outcome, StepLedger
 from lightning_stability.scaling import ScaleRule, auto_initial_scale, update_scale
 from lightning_stability.schedules import (

@@ -18,58 +18,15 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stability import _compat
-from lightning_stability.errors import check_positive_int, config_error
+from lightning_stability.scaler_args import check_scaler_arguments
 from lightning_stability.scaling import ScaleRule, ScaleState, auto_initial_scale, update_scale, update_scale_
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
-
-
-def _check_init_scale(init_scale: object, min_scale: object) -> None:
-    if init_scale == "auto":
-        return
-    if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)) or not math.isfinite(init_scale):
-        raise config_error("init_scale", init_scale, "is not a number or 'auto'", "pass e.g. 2.0**16, 32768 or 'auto'")
-    if init_scale <= 0:
-        raise config_error("init_scale", init_scale, "must be > 0", "pass e.g. 2.0**16, 32768 or 'auto'")
-    if isinstance(min_scale, (int, float)) and init_scale < min_scale:
-        raise config_error(
-            "init_scale", init_scale, f"is below min_scale={min_scale}", "raise init_scale, or lower min_scale"
-        )
-
-
-def _check_headroom(auto_headroom: object) -> None:
-    if (
-        isinstance(auto_headroom, bool)
-        or not isinstance(auto_headroom, (int, float))
-        or not math.isfinite(auto_headroom)
-        or auto_headroom < 1
-    ):
-        raise config_error("auto_headroom", auto_headroom, "must be a finite number >= 1", "pass e.g. 8.0")
-
-
-def check_scaler_arguments(
-    init_scale: object,
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
-    hysteresis: int,
-    min_scale: float | None,
-    consecutive_hysteresis: bool,
-    overflow_window: object,
-    auto_headroom: object,
-) -> None:
-    """Every argument check of :class:`TunedGradScaler`, also run by ``LossScaleTuner`` at construction."""
-    ScaleRule(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, consecutive_hysteresis)
-    _check_init_scale(init_scale, min_scale)
-    check_positive_int("overflow_window", overflow_window, "1000")
-    _check_headroom(auto_headroom)
 
 
 def _local_grads(optimizer: Optimizer) -> list[Tensor]:
@@ -429,45 +386,3 @@ class TunedGradScaler(torch.amp.GradScaler):
             state.update(_hysteresis_tracker=None, _overflows=None, _floor_hits=None, _window=None)
         state.update(_after_update=None, _probe_found=None, _probe_peak=None, process_group=None, _backoff_tracker=None)
         return state
-
-
-class FusedClipMixedPrecision(MixedPrecision):
-    """Lightning's ``MixedPrecision`` where ``Trainer(gradient_clip_val=...)`` works for fused optimizers too.
-
-    Lightning raises for fused optimizers (they unscale inside ``step()``) because their gradients are
-    still scaled when it would clip. Here they are unscaled first (unless a ledger callback already
-    did); torch's ``GradScaler.step`` then passes ``grad_scale=None`` and the overflow flag to the fused
-    kernel, so nothing is unscaled twice and overflow steps are still skipped. Checkpoints keep the
-    ``MixedPrecision`` key, so they load with or without this plugin.
-
-    Example::
-
-        trainer = L.Trainer(gradient_clip_val=1.0, plugins=[FusedClipMixedPrecision("16-mixed", "cuda")])
-    """
-
-    def clip_gradients(
-        self,
-        optimizer: Optimizer,
-        clip_val: int | float = 0.0,
-        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
-    ) -> None:
-        scaler = self.scaler
-        if (
-            clip_val > 0
-            and scaler is not None
-            and _compat.step_supports_amp_scaling(optimizer)
-            and _compat.scaler_is_ready(scaler, optimizer)
-        ):
-            scaler.unscale_(optimizer)
-        # Skip MixedPrecision.clip_gradients (the fused-optimizer refusal): the gradients are unscaled now.
-        Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        own = type(self).__qualname__
-        if own in checkpoint:
-            checkpoint[MixedPrecision.__qualname__] = checkpoint.pop(own)
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        own, base = type(self).__qualname__, MixedPrecision.__qualname__
-        if own not in checkpoint and base in checkpoint:
-            checkpoint[own] = checkpoint[base]

@@ -19,7 +19,8 @@ from lightning_stability.callbacks.grad_norm import GradientNormMonitor
 from lightning_stability.callbacks.loss_scale import LossScaleFloorError, LossScaleTuner
 from lightning_stability.callbacks.lr_schedule import WarmupConstantCosineLR
 from lightning_stability.errors import StabilityConfigError
-from lightning_stability.grad_scaler import FusedClipMixedPrecision, TunedGradScaler
+from lightning_stability.fused_clip import FusedClipMixedPrecision
+from lightning_stability.grad_scaler import TunedGradScaler
 from lightning_stability.ledger import Outcome, StepLedger
 from lightning_stability.scaling import auto_initial_scale
 from lightning_stability.schedules import warmup_constant_cosine

@@ -1,7 +1,7 @@
 """LossScaleTuner: fp16 loss scaling with hysteresis, a floor, an automatic first scale, consistent skips.
 
 The callback installs a :class:`~lightning_stability.grad_scaler.TunedGradScaler` (and, for fused
-optimizers with the Trainer's clipping, :class:`~lightning_stability.grad_scaler.FusedClipMixedPrecision`)
+optimizers with the Trainer's clipping, :class:`~lightning_stability.fused_clip.FusedClipMixedPrecision`)
 at ``setup`` and logs through the ledger.
 """
 
@@ -19,12 +19,10 @@ from lightning_stability import _compat
 from lightning_stability.callbacks.base import LedgerCallback
 from lightning_stability.diagnostics import PrecisionDiagnostics, check_loss, run_fit_start_checks
 from lightning_stability.errors import config_error
-from lightning_stability.grad_scaler import (
-    FusedClipMixedPrecision,
-    TunedGradScaler,
-    check_scaler_arguments,
-)
+from lightning_stability.fused_clip import FusedClipMixedPrecision
+from lightning_stability.grad_scaler import TunedGradScaler
 from lightning_stability.ledger import FlushValues, StepLedger
+from lightning_stability.scaler_args import check_scaler_arguments
 from lightning_stability.scaling import ScaleRule
 
 _NEAR_FLOOR_BACKOFFS = 4  # "near the floor": at most this many backoffs above min_scale

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -13,6 +12,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stability.callbacks.base import LedgerCallback
+from lightning_stability.callbacks.lr_run_length import run_lengths
 from lightning_stability.errors import StabilityConfigError, config_error
 from lightning_stability.ledger import StepLedger
 from lightning_stability.schedules import (
@@ -223,55 +223,10 @@ class ScheduledLR(LedgerCallback):
             self._set_host(index, track.applied_steps_now(), as_tensor)  # HOST SYNC (once) at most
 
     def _resolve_totals(self, trainer: pl.Trainer) -> list[int | None]:
-        n = len(self._optimizers)
-        if self.total_steps is not None:
-            totals = [self.total_steps] * n if isinstance(self.total_steps, int) else list(self.total_steps)
-            if len(totals) != n:
-                raise config_error(
-                    "total_steps",
-                    self.total_steps,
-                    f"gives {len(totals)} run lengths for {n} optimizer(s)",
-                    f"pass one int for all, or one per optimizer ({n})",
-                )
-            estimate = self._estimate(trainer)
-            if estimate is not None and any(t != estimate for t in totals):
-                rank_zero_warn(
-                    f"{type(self).__name__}(total_steps={self.total_steps}) but the Trainer will run {estimate} "
-                    "optimizer steps: the schedule "
-                    + (
-                        "ends early and the LR stays at its final value for the rest of the run"
-                        if max(totals) < estimate
-                        else "will not reach its end (no full decay)"
-                    )
-                    + ". Fix: drop `total_steps` to follow the Trainer, or match it to the run.",
-                    category=UserWarning,
-                )
-            return list(totals)
-        estimate = self._estimate(trainer)
         needs_total = self.schedule.needs_total_steps if isinstance(self.schedule, Schedule) else True
-        if estimate is None and needs_total:
-            raise StabilityConfigError(
-                f"{type(self).__name__} needs the run length but {_why_no_length(trainer)}. Fix: pass "
-                "`total_steps=` or set `Trainer(max_steps=)`."
-            )
-        return [estimate] * n
-
-    def _estimate(self, trainer: pl.Trainer) -> int | None:
-        estimate = self._source.estimated_optimizer_steps(trainer) if self._source is not None else None
-        n = len(self._optimizers)
-        if estimate is None and n > 1 and not trainer.lightning_module.automatic_optimization:
-            # Manual optimization counts every optimizer's steps in `global_step` (and `max_steps`): with n
-            # optimizers that each step once per batch, each takes one update per batch.
-            batches, epochs = trainer.num_training_batches, trainer.max_epochs
-            by_epochs = batches * epochs if epochs is not None and epochs >= 0 else math.inf
-            by_steps = trainer.max_steps // n if trainer.max_steps >= 0 else math.inf
-            total = min(by_epochs, by_steps)
-            return int(total) if math.isfinite(total) and total > 0 else None
-        if estimate is None:
-            stepping = trainer.estimated_stepping_batches
-            # inf for endless runs; `max_steps` (-1 when unset) for iterable datasets without a length
-            estimate = int(stepping) if math.isfinite(stepping) and stepping > 0 else None
-        return estimate
+        return run_lengths(
+            trainer, type(self).__name__, self.total_steps, len(self._optimizers), self._source, needs_total
+        )
 
     # ------------------------------------------------------------------ writing the LR
     def _tensor_lr_ok(self, index: int) -> bool:
@@ -352,17 +307,6 @@ class ScheduledLR(LedgerCallback):
 
     def transient_state(self) -> dict[str, Any]:
         return {"_optimizers": [], "_tables": {}, "_source": None}
-
-
-def _why_no_length(trainer: pl.Trainer) -> str:
-    """Why the Trainer cannot say how many steps the run has, in the user's own settings."""
-    from lightning.pytorch.callbacks import Timer
-
-    if trainer.max_epochs == -1 and trainer.max_steps == -1:
-        timers = [cb for cb in trainer.callbacks if isinstance(cb, Timer)]  # type: ignore[attr-defined]
-        limit = "; it stops on `max_time` only" if timers else ""
-        return f"the run has no set length (max_epochs=-1 and no max_steps{limit}), so no step count to schedule over"
-    return "the training data is an iterable dataset without a length and no `max_steps` is set"
 
 
 class WarmupConstantCosineLR(ScheduledLR):
