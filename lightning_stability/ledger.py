@@ -1,30 +1,13 @@
 """The per-optimizer-step outcome ledger that every ``lightning_stability`` callback shares.
 
-One :class:`StepLedger` exists per ``Trainer`` (:meth:`StepLedger.of`). It keeps one :class:`Track` per
-optimizer: a GAN's two optimizers each have their own step count, outcome counts, windows and metrics.
-During one optimizer step:
-
-1. The first callback to reach ``on_before_optimizer_step`` calls :meth:`StepLedger.open_step`
-   (every callback calls it; only the first call opens). Opening unscales fp16 gradients for
-   optimizers that would otherwise unscale inside ``step()`` (fused Adam/AdamW/SGD), and records
-   the loss scaler's overflow decision as a skip reason, so every callback sees unscaled gradients
-   and nobody checks for overflow twice.
-2. Callbacks write the step's values with :meth:`put` and ask for the update to be skipped with
-   :meth:`mark_skip` (a ``bool`` or a 0-dim bool tensor, the same on every rank: :meth:`any_rank`).
-   The ledger enforces the skip where it costs least: under fp16 it adds the vote to the loss scaler's
-   own overflow flags (the scaler's one decision covers it); on a fused optimizer it is the ``found_inf``
-   tensor the kernel honours (no host sync); otherwise every gradient of the step is removed, after one
-   host read of the flag. Either way weights and optimizer state stay exactly as they were.
-3. After ``optimizer.step()`` (a step post-hook), or at ``on_train_batch_end`` when the loss scaler
-   skipped the call altogether, :meth:`close_step` turns the flags into one :class:`Outcome`, counts
-   it on the device and runs the hooks registered with :meth:`on_close`.
-4. :meth:`log` puts a scalar into ``trainer.callback_metrics`` at once (a device tensor: no transfer until
-   a monitor reads it); on logging steps it also queues it for the loggers, and :meth:`flush` moves every
-   queued tensor of every optimizer to the host in **one** transfer.
-
-Nothing here calls ``.item()`` on a step that does not log, except where a non-fused optimizer without
-a loss scaler must be told on the host to skip, and no tensor is built from host data in the step (on a
-GPU that is a blocking copy too). The ledger is saved once in the checkpoint under
+One :class:`StepLedger` exists per ``Trainer`` (:meth:`StepLedger.of`), with one :class:`Track` per
+optimizer. For each optimizer step it opens a record (:meth:`StepLedger.open_step`, which reuses the fp16
+scaler's overflow decision), takes values (:meth:`~StepLedger.put`) and skip votes from any callback
+(:meth:`~StepLedger.mark_skip`, enforced together by :meth:`~StepLedger.enforce_votes`), closes the step
+into one :class:`Outcome` counted on the device, and routes the step's metrics: into
+``trainer.callback_metrics`` at once, to the loggers in one transfer on logging steps. Nothing here adds a
+host sync to a step that does not log, except one read of the skip votes for a non-fused optimizer without
+a loss scaler. ``ARCHITECTURE.md`` walks through one step. The ledger is saved once in the checkpoint under
 ``checkpoint["lightning_stability"]["ledger"]``.
 """
 
@@ -43,6 +26,7 @@ from lightning_stability import _compat
 from lightning_stability.skips import (
     Flag,
     add_to_scaler_decision,
+    either,
     enforce_skip,
     loss_scaler,
     scaler_found_inf,
@@ -50,7 +34,7 @@ from lightning_stability.skips import (
     unscale_if_deferred,
 )
 from lightning_stability.step_metrics import FlushHook, FlushValues, MetricQueue, metric_name, monitor, publish
-from lightning_stability.track import Outcome, Track, device_of, optimizer_names
+from lightning_stability.track import CurrentTrackView, Outcome, Track, device_of, optimizer_names
 from lightning_stability.update_loss import UpdateLoss
 
 if TYPE_CHECKING:
@@ -61,18 +45,7 @@ __all__ = ["CHECKPOINT_KEY", "FlushHook", "FlushValues", "Outcome", "StepLedger"
 CHECKPOINT_KEY = "lightning_stability"
 
 
-def _or(a: Flag, b: Flag) -> Flag:
-    # No tensor is made from host data here: on a GPU that would be a blocking host-to-device copy.
-    if isinstance(a, Tensor) and isinstance(b, Tensor):
-        return a.bool() | b.to(a.device, non_blocking=True).bool()
-    if isinstance(a, Tensor):
-        return a.bool() | bool(b)
-    if isinstance(b, Tensor):
-        return b.bool() | bool(a)
-    return a or b
-
-
-class StepLedger:
+class StepLedger(CurrentTrackView):
     """The record of every optimizer step: values and flags as tensors, outcome counts on the device.
 
     ``steps``, ``counts``, ``applied_steps``, ... and the windows refer to the current optimizer's
@@ -161,43 +134,6 @@ class StepLedger:
         if self._open is None:
             self._current = self.track(optimizer)
         return self.track()
-
-    # ------------------------------------------------------------------ the current track
-    @property
-    def device(self) -> torch.device:
-        return self.track().device
-
-    @property
-    def steps(self) -> int:
-        """Optimizer steps attempted so far by the current optimizer (skipped ones included)."""
-        return self.track().steps
-
-    @property
-    def counts(self) -> Tensor:
-        return self.track().counts
-
-    @property
-    def applied_steps(self) -> Tensor:
-        return self.track().applied_steps
-
-    @property
-    def skipped_steps(self) -> Tensor:
-        return self.track().skipped_steps
-
-    @property
-    def applied_steps_host(self) -> int | None:
-        return self.track().applied_steps_host
-
-    def applied_steps_now(self) -> int:
-        return self.track().applied_steps_now()
-
-    def accumulate(self, key: str, value: Tensor | float) -> None:
-        """Add ``value`` to the current optimizer's window sum ``key`` (on the device, saved in checkpoints)."""
-        self.track().accumulate(key, value)
-
-    def pop_window(self, key: str) -> Tensor:
-        """Return the current optimizer's window sum ``key`` and reset it to zero."""
-        return self.track().pop_window(key)
 
     # ------------------------------------------------------------------ step lifecycle
     def open_step(self, optimizer: Optimizer) -> bool:
@@ -291,12 +227,12 @@ class StepLedger:
         # Under fp16 the vote joins the scaler's own overflow flags now, before the scaler decides.
         if fp16_vote and add_to_scaler_decision(scaler, self._open, flag):  # type: ignore[arg-type]
             if supports_found_inf(self._open):  # a non-fused step's outcome is the scaler's host decision
-                self._skip[reason] = _or(self._skip.get(reason, False), flag)
+                self._skip[reason] = either(self._skip.get(reason, False), flag)
             return
         if reason is Outcome.SKIPPED_SCALER:
-            self._skip[reason] = _or(self._skip.get(reason, False), flag)
+            self._skip[reason] = either(self._skip.get(reason, False), flag)
         else:
-            self._votes[reason] = _or(self._votes.get(reason, False), flag)
+            self._votes[reason] = either(self._votes.get(reason, False), flag)
             if self._enforced:
                 self.enforce_votes()
 
@@ -311,7 +247,7 @@ class StepLedger:
         scaler = loss_scaler(trainer) if trainer is not None else None
         known, self._found_inf_set = enforce_skip(optimizer, votes, scaler, self.device, self._found_inf_set)
         for reason, flag in known.items():
-            self._skip[reason] = _or(self._skip.get(reason, False), flag)
+            self._skip[reason] = either(self._skip.get(reason, False), flag)
 
     def _after_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         if self._open is optimizer:
@@ -332,7 +268,9 @@ class StepLedger:
             del optimizer.grad_scale  # type: ignore[attr-defined]
             self._found_inf_set = False
         if self._scaler_on_host:
-            self._skip[Outcome.SKIPPED_SCALER] = _or(self._skip.get(Outcome.SKIPPED_SCALER, False), not self._stepped)
+            self._skip[Outcome.SKIPPED_SCALER] = either(
+                self._skip.get(Outcome.SKIPPED_SCALER, False), not self._stepped
+            )
             self._scaler_on_host = False
         track = self.track()
         outcome: Outcome | Tensor = Outcome.APPLIED

@@ -25,6 +25,18 @@ if TYPE_CHECKING:
 Flag = bool | Tensor
 
 
+def either(a: Flag, b: Flag) -> Flag:
+    """``a or b`` for host bools and 0-dim device flags alike, without a sync."""
+    # No tensor is made from host data here: on a GPU that would be a blocking host-to-device copy.
+    if isinstance(a, Tensor) and isinstance(b, Tensor):
+        return a.bool() | b.to(a.device, non_blocking=True).bool()
+    if isinstance(a, Tensor):
+        return a.bool() | bool(b)
+    if isinstance(b, Tensor):
+        return b.bool() | bool(a)
+    return a or b
+
+
 def loss_scaler(trainer: pl.Trainer) -> Any | None:
     """The enabled ``GradScaler`` of the trainer's precision plugin, if any."""
     scaler = getattr(trainer.precision_plugin, "scaler", None)

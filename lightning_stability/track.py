@@ -143,3 +143,46 @@ def optimizer_names(optimizers: list[Optimizer]) -> list[str]:
         seen[base] = k + 1
         names.append(base if k == 0 else f"{base}-{k}")
     return names
+
+
+class CurrentTrackView:
+    """The record of the optimizer stepping now (or last): what callbacks read without naming an optimizer."""
+
+    def track(self, optimizer: Optimizer | None = None) -> Track:
+        raise NotImplementedError
+
+    @property
+    def device(self) -> torch.device:
+        return self.track().device
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps attempted so far by the current optimizer (skipped ones included)."""
+        return self.track().steps
+
+    @property
+    def counts(self) -> Tensor:
+        return self.track().counts
+
+    @property
+    def applied_steps(self) -> Tensor:
+        return self.track().applied_steps
+
+    @property
+    def skipped_steps(self) -> Tensor:
+        return self.track().skipped_steps
+
+    @property
+    def applied_steps_host(self) -> int | None:
+        return self.track().applied_steps_host
+
+    def applied_steps_now(self) -> int:
+        return self.track().applied_steps_now()
+
+    def accumulate(self, key: str, value: Tensor | float) -> None:
+        """Add ``value`` to the current optimizer's window sum ``key`` (on the device, saved in checkpoints)."""
+        self.track().accumulate(key, value)
+
+    def pop_window(self, key: str) -> Tensor:
+        """Return the current optimizer's window sum ``key`` and reset it to zero."""
+        return self.track().pop_window(key)
