@@ -82,6 +82,13 @@ class Track:
         counts = self.counts
         return counts.sum() - counts[Outcome.APPLIED]
 
+    def skipped_steps_now(self) -> Tensor | float:
+        """Skipped steps: a host number while every outcome so far was decided on the host (no device op),
+        else the device count."""
+        if self._host_counts is not None:
+            return float(sum(self._host_counts) - self._host_counts[Outcome.APPLIED])
+        return self.skipped_steps
+
     @property
     def applied_steps_host(self) -> int | None:
         """Applied updates as a host integer, when every outcome so far was decided on the host."""

@@ -217,7 +217,9 @@ class GradientNormMonitor(LedgerCallback):
             # Under fp16 the vote joins the loss scaler's own overflow decision: no extra sync.
             ledger.mark_skip(Outcome.SKIPPED_NONFINITE, ~finite)
         # counted when the step closes, so the current step's outcome is included
-        ledger.on_close(lambda closed: closed.log("stability/skipped_steps", closed.skipped_steps, logging))
+        ledger.on_close(
+            lambda closed: closed.log("stability/skipped_steps", closed.track().skipped_steps_now(), logging)
+        )
         if logging:
             self._queue_logs(trainer, ledger, total, layer_norms, layers)
 
