@@ -204,7 +204,9 @@ def update_scale_(
         ``(overflow, floor_hit)``, 0-dim bool tensors (``floor_hit`` is all-false without a floor).
     """
     scale, growth, hyst = state
-    found = found_inf.reshape(1).to(device=scale.device, dtype=torch.float32, non_blocking=True)
+    found = found_inf
+    if found.dim() != 1 or found.dtype != torch.float32 or found.device != scale.device:  # usually it is already
+        found = found.reshape(1).to(device=scale.device, dtype=torch.float32, non_blocking=True)
     overflow = (found != 0).reshape(())
     backoff = found * (hyst <= 1)  # nonzero for the overflow that uses up the hysteresis
     _compat.amp_update_scale_(scale, growth, found, rule.growth_factor, 1.0, rule.growth_interval)
