@@ -215,8 +215,11 @@ def test_an_endless_run_names_its_real_cause() -> None:
 def test_total_steps_that_disagrees_with_the_run_warns_once(total: int, how: str) -> None:
     rec = Recorder()
     trainer = quiet_trainer(max_steps=32, callbacks=[WarmupConstantCosineLR(total_steps=total), rec])
-    with pytest.warns(UserWarning, match=rf"total_steps={total}\) but the Trainer will run 32 optimizer steps.*{how}"):
+    with pytest.warns(
+        UserWarning, match=rf"total_steps={total}\) but the Trainer will run 32 optimizer steps.*{how}"
+    ) as w:
         trainer.fit(TinyModule(n=512))
+    assert sum("LR" in str(x.message) or "schedule" in str(x.message) for x in w) == 1  # said once, at the start
     assert len(rec.lrs) == 32
     if total == 16:  # the schedule ended at its floor (0) and stayed there, as the warning said
         assert [x[0] for x in rec.lrs[16:]] == [0.0] * 16

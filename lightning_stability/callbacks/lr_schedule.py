@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stability.callbacks.base import LedgerCallback
-from lightning_stability.callbacks.lr_run_length import run_lengths
+from lightning_stability.callbacks.lr_run_length import estimated_updates, run_lengths
 from lightning_stability.errors import StabilityConfigError, config_error
 from lightning_stability.ledger import StepLedger
 from lightning_stability.schedules import (
@@ -214,6 +214,13 @@ class ScheduledLR(LedgerCallback):
             for total in set(self._totals):
                 self.schedule.validate(total)
         self._tables, self._warned_past_end = {}, set()
+        if (
+            self.total_steps is not None
+            and self._totals
+            and self._totals != [self._estimate_or_none(trainer)] * len(self._totals)
+        ):
+            # the start-of-fit warning about `total_steps` already said the LR will sit at its final value
+            self._warned_past_end = set(range(len(self._totals)))
         ledger = StepLedger.of(trainer)
         for index, opt in enumerate(self._optimizers):
             track = ledger.track(opt)
@@ -221,6 +228,9 @@ class ScheduledLR(LedgerCallback):
             # decision stayed on the device. A resumed run restores the ledger, hence the same type as before.
             as_tensor = track.applied_steps_host is None and self._tensor_lr_ok(index)
             self._set_host(index, track.applied_steps_now(), as_tensor)  # HOST SYNC (once) at most
+
+    def _estimate_or_none(self, trainer: pl.Trainer) -> int | None:
+        return estimated_updates(trainer, len(self._optimizers), self._source)
 
     def _resolve_totals(self, trainer: pl.Trainer) -> list[int | None]:
         needs_total = self.schedule.needs_total_steps if isinstance(self.schedule, Schedule) else True
