@@ -8,7 +8,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from torch.optim import Optimizer
 
-from lightning_stability import _compat
+from lightning_stability.skips import unscale_if_deferred
 
 
 class FusedClipMixedPrecision(MixedPrecision):
@@ -31,14 +31,8 @@ class FusedClipMixedPrecision(MixedPrecision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        scaler = self.scaler
-        if (
-            clip_val > 0
-            and scaler is not None
-            and _compat.step_supports_amp_scaling(optimizer)
-            and _compat.scaler_is_ready(scaler, optimizer)
-        ):
-            scaler.unscale_(optimizer)
+        if clip_val > 0 and self.scaler is not None:
+            unscale_if_deferred(self.scaler, optimizer)
         # Skip MixedPrecision.clip_gradients (the fused-optimizer refusal): the gradients are unscaled now.
         Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
 

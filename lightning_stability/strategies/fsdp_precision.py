@@ -21,6 +21,7 @@ from torch.optim import LBFGS, Optimizer
 from lightning_stability import _compat
 from lightning_stability.errors import StabilityConfigError, config_error
 from lightning_stability.norms import clip_coefficient, combine_norms, per_tensor_norms, scale_
+from lightning_stability.skips import unscale_if_deferred
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -184,10 +185,8 @@ class StableFSDPPrecision(Precision):
 
     def _unscale_deferred(self, optimizer: Optimizer) -> None:
         scaler = self.scaler
-        if scaler is None or not scaler.is_enabled() or not _defers_unscaling(optimizer):
-            return
-        if _compat.scaler_is_ready(scaler, optimizer):  # not unscaled yet in this step
-            scaler.unscale_(optimizer)
+        if scaler is not None and scaler.is_enabled():
+            unscale_if_deferred(scaler, optimizer)  # only fused optimizers, and only once per step
 
     # ------------------------------------------------------------------ clipping
     def clip_gradients(
