@@ -178,6 +178,11 @@ def foreach_norm(tensors: list[Tensor], ord: float = 2.0, dtype: torch.dtype | N
     return torch._foreach_norm(tensors, ord, dtype=dtype)
 
 
+def foreach_sub_(tensors: list[Tensor], others: list[Tensor]) -> None:
+    """``tensors[i] -= others[i]`` for all i in one fused call (``torch._foreach_sub_``)."""
+    torch._foreach_sub_(tensors, others)
+
+
 def foreach_add_(tensors: list[Tensor], others: list[Tensor]) -> None:
     """``tensors[i] += others[i]`` for all i in one fused call (``torch._foreach_add_``)."""
     torch._foreach_add_(tensors, others)
@@ -231,6 +236,12 @@ def scaler_optimizer_state(scaler: Any, optimizer: Optimizer) -> dict[str, Any] 
     return states.get(id(optimizer))
 
 
+def scaler_optimizer_state_by_id(scaler: Any, key: int) -> dict[str, Any] | None:
+    """torch's per-optimizer GradScaler state under ``id(optimizer)``, without creating one."""
+    states: dict[int, dict[str, Any]] = scaler._per_optimizer_states
+    return states.get(key)
+
+
 def scaler_found_inf(scaler: Any, optimizer: Optimizer) -> dict[torch.device, Tensor]:
     """The scaler's overflow flags of ``optimizer`` after ``unscale_`` (empty before it)."""
     state = scaler_optimizer_state(scaler, optimizer)
@@ -262,7 +273,7 @@ def scaler_device(scaler: Any, default: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- checks
-_TORCH_OPS = ("_foreach_norm", "_foreach_mul_", "_foreach_add_", "_amp_update_scale_")
+_TORCH_OPS = ("_foreach_norm", "_foreach_mul_", "_foreach_add_", "_foreach_sub_", "_amp_update_scale_")
 #: what an enabled GradScaler must have (TunedGradScaler subclasses it and uses these too)
 _SCALER_ATTRS = (
     "_per_optimizer_states",

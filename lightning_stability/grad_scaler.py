@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 from lightning_stability import _compat
 from lightning_stability.scaler_args import check_scaler_arguments
 from lightning_stability.scaling import ScaleRule, ScaleState, auto_initial_scale, update_scale, update_scale_
+from lightning_stability.skips import restore_overflow_flags
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -95,6 +96,9 @@ class TunedGradScaler(torch.amp.GradScaler):
         scaler = TunedGradScaler("cuda", init_scale="auto", hysteresis=2, min_scale=1.0)
         trainer = L.Trainer(plugins=[MixedPrecision("16-mixed", "cuda", scaler=scaler)])
     """
+
+    #: ``update`` ignores the skip votes the ledger added to the overflow flags (see ``skips``).
+    restores_overflow_flags = True
 
     def __init__(
         self,
@@ -287,6 +291,7 @@ class TunedGradScaler(torch.amp.GradScaler):
         """
         if not self._enabled:
             return
+        restore_overflow_flags(self)  # the scale follows the gradients' overflows, not the ledger's skip votes
         if new_scale is not None:
             super().update(new_scale)
             self._probing = False
@@ -384,5 +389,6 @@ class TunedGradScaler(torch.amp.GradScaler):
         if self._enabled:
             state["_init_extra"] = self._extra_host()
             state.update(_hysteresis_tracker=None, _overflows=None, _floor_hits=None, _window=None)
+        state.pop("_stability_overflow_flags", None)
         state.update(_after_update=None, _probe_found=None, _probe_peak=None, process_group=None, _backoff_tracker=None)
         return state

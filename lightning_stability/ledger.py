@@ -25,17 +25,13 @@ from torch.optim import Optimizer
 from lightning_stability import _compat
 from lightning_stability.skips import (
     Flag,
-    add_to_scaler_decision,
-    either,
-    enforce_skip,
     loss_scaler,
-    scaler_found_inf,
-    supports_found_inf,
-    unscale_if_deferred,
 )
+from lightning_stability.step_grads import StepGradients
 from lightning_stability.step_metrics import FlushHook, FlushValues, MetricQueue, metric_name, monitor, publish
 from lightning_stability.track import CurrentTrackView, Outcome, Track, device_of, optimizer_names
 from lightning_stability.update_loss import UpdateLoss
+from lightning_stability.votes import StepVotes
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -67,12 +63,9 @@ class StepLedger(CurrentTrackView):
         self._loaded: dict[int, dict[str, Any]] = {}
         self._current: Track | None = None
         self._open: Optimizer | None = None
-        self._skip: dict[Outcome, Flag] = {}
-        self._found_inf_set = False
-        self._votes: dict[Outcome, Flag] = {}  # skip votes not yet enforced
-        self._enforced = False  # the step's votes were enforced; a later vote is enforced at once
+        self._votes: StepVotes | None = None  # the open step's skip decision
         self._stepped = False  # the optimizer's step() ran for the open step
-        self._scaler_on_host = False  # the scaler decides this step on the host (non-fused optimizer)
+        self._grads: dict[float, StepGradients] = {}  # the open step's gradient norms, by norm type
         self._close_hooks: list[Callable[[StepLedger], None]] = []
         self._queue = MetricQueue()
         self._loss = UpdateLoss()
@@ -145,24 +138,13 @@ class StepLedger(CurrentTrackView):
         track = self.track(optimizer)
         self._current, self._open = track, optimizer
         track.steps += 1
-        self.record, self._skip = {}, {}
-        self._found_inf_set = self._stepped = self._scaler_on_host = False
-        self._votes, self._enforced = {}, False
+        self.record, self._grads = {}, {}
+        self._stepped = False
         loss = self._loss.take()
         if loss is not None:
             self.record["loss"] = loss
         trainer = self.trainer
-        scaler = loss_scaler(trainer) if trainer is not None else None
-        if scaler is not None:
-            unscale_if_deferred(scaler, optimizer)
-            if supports_found_inf(optimizer):
-                found_inf = scaler_found_inf(scaler, optimizer)
-                if found_inf is not None:
-                    self._skip[Outcome.SKIPPED_SCALER] = found_inf
-            else:
-                # The scaler reads its overflow flag on the host itself and calls `optimizer.step()` only when
-                # it found none: whether the step post-hook ran is the outcome, known without another sync.
-                self._scaler_on_host = True
+        self._votes = StepVotes(optimizer, loss_scaler(trainer) if trainer is not None else None, track.device)
         return True
 
     @property
@@ -184,6 +166,18 @@ class StepLedger(CurrentTrackView):
         scale = _compat.scaler_scale(scaler) if scaler is not None else None
         self._loss.add(loss, scale, trainer.accumulate_grad_batches if automatic else 1)
 
+    def gradients(self, norm_type: float = 2.0) -> StepGradients:
+        """The open step's gradients and their global norm, computed once per step for all callbacks.
+
+        Clip them with ``gradients().clip_(threshold)``: clips by several callbacks leave the smallest threshold.
+        """
+        if self._open is None:
+            raise RuntimeError("gradients() called outside an optimizer step; call open_step(optimizer) first")
+        grads = self._grads.get(norm_type)
+        if grads is None:
+            grads = self._grads[norm_type] = StepGradients(self._open, norm_type, self.device)
+        return grads
+
     def label(self) -> int:
         """Lightning's step label for the current step: ``self.log`` and ``LearningRateMonitor`` use it too."""
         trainer = self.trainer
@@ -192,8 +186,13 @@ class StepLedger(CurrentTrackView):
         return max(self.steps - 1, 0)
 
     def is_logging_step(self, every_n_steps: int) -> bool:
-        """Whether the current step logs by Lightning's rule for ``log_every_n_steps`` (0: never)."""
-        return every_n_steps > 0 and (self.label() + 1) % every_n_steps == 0
+        """Whether the current step logs by Lightning's rule for ``log_every_n_steps`` (0: never; the step on
+        which the run is told to stop logs too)."""
+        if every_n_steps <= 0:
+            return False
+        trainer = self.trainer
+        # Lightning also logs the step on which the run is told to stop (`_LoggerConnector.should_update_logs`)
+        return (self.label() + 1) % every_n_steps == 0 or bool(trainer is not None and trainer.should_stop)
 
     def put(self, key: str, value: Tensor) -> None:
         """Record a value of the current step."""
@@ -208,46 +207,31 @@ class StepLedger(CurrentTrackView):
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return value > 0
 
-    def mark_skip(self, reason: Outcome, flag: Flag) -> None:
+    def mark_skip(self, reason: Outcome, flag: Flag, optimizer: Optimizer | None = None) -> None:
         """Skip the current update when ``flag`` is true, and say why. Any callback may vote, in any order.
 
-        The votes are enforced together by :meth:`enforce_votes`, which the last ``lightning_stability``
-        callback calls at the end of its ``on_before_optimizer_step``: one host read for all of them at most,
-        none under fp16 or with a fused optimizer. A vote cast later (a callback after it, the module's own
-        hook) is enforced at once. The decision must be identical on every rank: pass a flag from globally
-        reduced values, or through :meth:`any_rank`.
+        From a callback's ``on_before_optimizer_step``, pass the hook's ``optimizer``: it opens the step if no
+        ``lightning_stability`` callback has yet. The votes are enforced together by :meth:`enforce_votes`,
+        which the last ``lightning_stability`` callback calls at the end of its ``on_before_optimizer_step``:
+        one host read for all of them at most, none under fp16 or with a fused optimizer. A vote cast later
+        (a callback after it, the module's own hook) is enforced at once. Under fp16 a vote skips the step
+        without changing the loss scale. The decision must be identical on every rank: pass a flag from
+        globally reduced values, or through :meth:`any_rank`.
         """
+        if optimizer is not None:
+            self.open_step(optimizer)
         if self._open is None:
-            raise RuntimeError("mark_skip() called outside an optimizer step; call open_step() first")
-        if reason is Outcome.APPLIED:
-            raise ValueError("Outcome.APPLIED is not a skip reason")
-        trainer = self.trainer
-        scaler = loss_scaler(trainer) if trainer is not None else None
-        fp16_vote = reason is not Outcome.SKIPPED_SCALER and isinstance(flag, Tensor) and scaler is not None
-        # Under fp16 the vote joins the scaler's own overflow flags now, before the scaler decides.
-        if fp16_vote and add_to_scaler_decision(scaler, self._open, flag):  # type: ignore[arg-type]
-            if supports_found_inf(self._open):  # a non-fused step's outcome is the scaler's host decision
-                self._skip[reason] = either(self._skip.get(reason, False), flag)
-            return
-        if reason is Outcome.SKIPPED_SCALER:
-            self._skip[reason] = either(self._skip.get(reason, False), flag)
-        else:
-            self._votes[reason] = either(self._votes.get(reason, False), flag)
-            if self._enforced:
-                self.enforce_votes()
+            raise RuntimeError(
+                "mark_skip() called outside an optimizer step. Fix: call it from `on_before_optimizer_step` and "
+                "pass that hook's optimizer: ledger.mark_skip(reason, flag, optimizer)."
+            )
+        assert self._votes is not None
+        self._votes.vote(reason, flag)
 
     def enforce_votes(self) -> None:
         """Make the open step skip if any vote so far says so (see :meth:`mark_skip`)."""
-        self._enforced = True
-        optimizer = self._open
-        if optimizer is None or not self._votes:
-            return
-        votes, self._votes = self._votes, {}
-        trainer = self.trainer
-        scaler = loss_scaler(trainer) if trainer is not None else None
-        known, self._found_inf_set = enforce_skip(optimizer, votes, scaler, self.device, self._found_inf_set)
-        for reason, flag in known.items():
-            self._skip[reason] = either(self._skip.get(reason, False), flag)
+        if self._votes is not None:
+            self._votes.enforce()
 
     def _after_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         if self._open is optimizer:
@@ -263,25 +247,10 @@ class StepLedger(CurrentTrackView):
         optimizer = self._open
         if optimizer is None:
             return
-        if self._found_inf_set:
-            del optimizer.found_inf  # type: ignore[attr-defined]
-            del optimizer.grad_scale  # type: ignore[attr-defined]
-            self._found_inf_set = False
-        if self._scaler_on_host:
-            self._skip[Outcome.SKIPPED_SCALER] = either(
-                self._skip.get(Outcome.SKIPPED_SCALER, False), not self._stepped
-            )
-            self._scaler_on_host = False
+        assert self._votes is not None
+        outcome = self._votes.outcome(self._stepped)
+        self._votes = None
         track = self.track()
-        outcome: Outcome | Tensor = Outcome.APPLIED
-        for reason in sorted(self._skip, reverse=True):  # the lowest reason that applies wins
-            flag = self._skip[reason]
-            if isinstance(flag, Tensor):
-                # scalars, not host-made tensors: on a GPU those would be blocking host-to-device copies
-                other = outcome if isinstance(outcome, Tensor) else int(outcome)
-                outcome = torch.where(flag.to(track.device, non_blocking=True).bool(), int(reason), other)
-            elif flag:
-                outcome = reason
         track.count(outcome)
         self.outcome = outcome
         self._open = None

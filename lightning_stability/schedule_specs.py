@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -194,8 +195,11 @@ def check_multiplier(value: object, step: int, schedule: object) -> float:
     Raises:
         StabilityConfigError: NaN, infinite, negative or not a number; names the schedule and the step.
     """
-    number = value.item() if hasattr(value, "item") and getattr(value, "numel", lambda: 0)() == 1 else value
-    if isinstance(number, bool) or not isinstance(number, (int, float)):
+    # a one-element tensor or array, or a numpy scalar, is as good as a float
+    numel = getattr(value, "numel", None)
+    size = numel() if callable(numel) else getattr(value, "size", None)
+    number = value.item() if hasattr(value, "item") and size == 1 else value
+    if isinstance(number, bool) or not isinstance(number, numbers.Real):
         raise config_error(
             "schedule", schedule, f"returned {value!r} at step {step}, not a number", "return a float multiplier"
         )

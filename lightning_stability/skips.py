@@ -62,16 +62,52 @@ def scaler_found_inf(scaler: Any, optimizer: Optimizer) -> Tensor | None:
 
 
 def add_to_scaler_decision(scaler: Any, optimizer: Optimizer, flag: Tensor) -> bool:
-    """OR ``flag`` into the scaler's overflow flags of ``optimizer``, so its own decision skips the step.
+    """Make the scaler's ``step`` skip ``optimizer`` when ``flag`` is true, without touching the loss scale.
 
-    Returns ``False`` when the scaler has not unscaled this optimizer yet (nothing to add to).
+    The vote joins the overflow flags that ``step`` reads (on the host for ordinary optimizers, as
+    ``found_inf`` for fused ones), so the scaler's one decision covers it with no sync of its own. ``update``
+    then sees the flags as they were before any vote (:func:`restore_overflow_flags`): a skipped loss spike
+    neither lowers the scale nor counts as an overflow. Returns ``False`` when the scaler has not unscaled
+    this optimizer yet (nothing to add to).
     """
     found = _compat.scaler_found_inf(scaler, optimizer)
     if not found:
         return False
+    saved: dict[int, dict[torch.device, Tensor]] = scaler.__dict__.setdefault(_OVERFLOW_FLAGS, {})
+    saved.setdefault(id(optimizer), dict(found))
+    if not getattr(type(scaler), "restores_overflow_flags", False) and not isinstance(
+        scaler.__dict__.get("update"), _UpdateWithOverflowFlags
+    ):
+        scaler.update = _UpdateWithOverflowFlags(scaler)  # torch's own GradScaler: restore, then its update
     device, current = next(iter(found.items()))
     found[device] = torch.maximum(current, flag.to(device=current.device, dtype=current.dtype, non_blocking=True))
     return True
+
+
+_OVERFLOW_FLAGS = "_stability_overflow_flags"
+
+
+def restore_overflow_flags(scaler: Any) -> None:
+    """Give ``update`` the overflow flags of the gradients alone, without the skip votes that ``step`` obeyed."""
+    saved = scaler.__dict__.pop(_OVERFLOW_FLAGS, None)
+    for key, flags in (saved or {}).items():
+        state = _compat.scaler_optimizer_state_by_id(scaler, key)
+        if state is not None:
+            state["found_inf_per_device"] = flags
+
+
+class _UpdateWithOverflowFlags:
+    """``scaler.update`` of a torch ``GradScaler`` that received skip votes: restore its flags, then update.
+
+    A module-level class rather than a closure, so the scaler stays picklable.
+    """
+
+    def __init__(self, scaler: Any) -> None:
+        self.scaler = scaler
+
+    def __call__(self, new_scale: float | Tensor | None = None) -> None:
+        restore_overflow_flags(self.scaler)
+        type(self.scaler).update(self.scaler, new_scale)
 
 
 def unscale_if_deferred(scaler: Any, optimizer: Optimizer) -> None:

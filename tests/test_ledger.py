@@ -22,10 +22,9 @@ class Voter(pl.Callback):
         self.reason = reason
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        ledger = StepLedger.of(trainer)
-        ledger.open_step(optimizer)
         bad = torch.full((), trainer.global_step == BAD)  # a device flag, as a spike detector computes it
-        ledger.mark_skip(self.reason, bad)
+        # passing the hook's optimizer opens the step when no lightning_stability callback has yet
+        StepLedger.of(trainer).mark_skip(self.reason, bad, optimizer)
 
 
 class Snapshots(pl.Callback):
@@ -167,3 +166,58 @@ def test_the_update_loss_under_manual_optimization_belongs_to_the_optimizer_that
     model = Manual()
     quiet_trainer(max_steps=4, callbacks=[probe]).fit(model)
     assert [t.item() for t in probe.losses] == pytest.approx(model.losses, rel=1e-6)
+
+
+class ScaleRecorder(pl.Callback):
+    """The loss scale after each batch (a host read: tests only)."""
+
+    def __init__(self) -> None:
+        self.scales: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.scales.append(trainer.precision_plugin.scaler.get_scale())  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])
+@pytest.mark.parametrize("tuned", [False, True], ids=["torch_scaler", "loss_scale_tuner"])
+def test_an_fp16_skip_vote_skips_the_update_but_leaves_the_loss_scale_alone(optimizer: str, tuned: bool) -> None:
+    """A spike skip is not an overflow: the scale must not back off, nor the overflow count grow."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    from lightning_stability import LossScaleTuner
+
+    snaps, scales = Snapshots(), ScaleRecorder()
+    tuner = [LossScaleTuner(init_scale=256.0, hysteresis=1, growth_interval=1000)] if tuned else []
+    trainer = quiet_trainer(
+        max_steps=5,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=256.0))],
+        callbacks=[Voter(), *tuner, snaps, scales],
+    )
+    trainer.fit(TinyModule(optimizer=optimizer))
+    assert snaps.outcomes == [0, 0, int(Outcome.SKIPPED_SPIKE), 0, 0]  # a spike, not SKIPPED_SCALER
+    assert all(torch.equal(a, b) for a, b in zip(snaps.before[BAD], snaps.after[BAD], strict=True))
+    assert not torch.equal(snaps.before[BAD + 1][0], snaps.after[BAD + 1][0])
+    assert scales.scales == [256.0] * 5
+    if tuned:
+        assert int(tuner[0].scaler.overflow_steps) == 0  # type: ignore[union-attr]
+
+
+def test_an_fp16_overflow_still_backs_off_when_a_vote_also_skips() -> None:
+    """The vote and a real overflow on the same step: the overflow wins the outcome and lowers the scale."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    snaps, scales = Snapshots(), ScaleRecorder()
+    trainer = quiet_trainer(
+        max_steps=4,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=256.0))],
+        callbacks=[Voter(), snaps, scales],
+    )
+    trainer.fit(TinyModule(inf_at_step=BAD))
+    assert snaps.outcomes == [0, 0, int(Outcome.SKIPPED_SCALER), 0]
+    assert scales.scales == [256.0, 256.0, 128.0, 128.0]
+
+
+def test_mark_skip_outside_a_step_says_how_to_call_it() -> None:
+    trainer = quiet_trainer(max_steps=1)
+    with pytest.raises(RuntimeError, match=r"pass that hook's optimizer"):
+        StepLedger.of(trainer).mark_skip(Outcome.SKIPPED_SPIKE, True)

@@ -407,3 +407,30 @@ def test_fp16_scaler_skips_hold_the_lr_still_without_syncs(optimizer: str) -> No
     assert [x[0] for x in rec.lrs] == pytest.approx(expected, rel=1e-6)
     assert rec.lrs[3] == rec.lrs[4] == rec.lrs[5]
     assert scheduled == bare
+
+
+def test_a_plain_function_holds_its_final_value_past_total_steps() -> None:
+    """Past `total_steps` the function is not called with steps it was not written for: the LR holds the
+    value at the end, as the device table does (here the function would turn negative)."""
+    rec = Recorder()
+    schedule = ScheduledLR(lambda s, t: (t - s) / t, total_steps=4)
+    trainer = quiet_trainer(max_steps=6, callbacks=[schedule, rec])
+    with pytest.warns(UserWarning, match=r"total_steps=4\) but the Trainer will run 6 .*ends early"):
+        trainer.fit(TinyModule())
+    assert [x[0] for x in rec.lrs] == pytest.approx([0.05, 0.0375, 0.025, 0.0125, 0.0, 0.0])
+
+
+def test_passing_the_end_of_a_run_without_a_known_length_warns() -> None:
+    trainer = quiet_trainer(max_epochs=1, callbacks=[ScheduledLR(CosineSchedule(), total_steps=2)])
+    with pytest.warns(UserWarning, match=r"has taken 3 steps, more than the LR schedule's run length of 2"):
+        trainer.fit(StreamModule())  # 4 batches of an iterable dataset without a length
+
+
+def test_total_steps_of_the_wrong_type_and_numpy_multipliers() -> None:
+    import numpy as np
+
+    with pytest.raises(StabilityConfigError, match=r"`total_steps=4.0` must be an int >= 1"):
+        ScheduledLR(lambda s, t: 1.0, total_steps=4.0)  # type: ignore[arg-type]
+    rec = Recorder()
+    quiet_trainer(max_steps=2, callbacks=[ScheduledLR(lambda s, t: np.float32(0.5)), rec]).fit(TinyModule())
+    assert [x[0] for x in rec.lrs] == [0.025, 0.025]

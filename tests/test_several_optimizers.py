@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -195,8 +196,10 @@ def test_run_lengths_per_optimizer_and_a_warning_past_the_end() -> None:
     probe = PerOptimizerProbe()
     schedule = WarmupConstantCosineLR(warmup=0.25, decay=0.5, total_steps=[24, 8])
     trainer = quiet_trainer(max_epochs=1, callbacks=[probe, schedule])
-    with pytest.warns(UserWarning, match="total_steps"):  # [24, 8] differs from the Trainer's 8 batches
+    with warnings.catch_warnings(record=True) as caught:  # [24, 8] is exactly right: nothing to warn about
+        warnings.simplefilter("always")
         trainer.fit(FiveToOne())
+    assert not [w for w in caught if "total_steps" in str(w.message) or "run length" in str(w.message)]
     assert probe.lrs["SGD"] == pytest.approx([0.1 * warmup_constant_cosine(n, 24, 0.25, 0.5) for n in range(24)])
     with pytest.raises(StabilityConfigError, match=r"gives 3 run lengths for 2 optimizer"):
         quiet_trainer(max_epochs=1, callbacks=[WarmupConstantCosineLR(total_steps=[8, 8, 8])]).fit(TwoOptimizerGAN())
@@ -243,3 +246,43 @@ def test_names_follow_learning_rate_monitor_for_repeated_classes() -> None:
     params = [nn.Parameter(torch.zeros(1))]
     opts = [torch.optim.Adam(params), torch.optim.SGD(params, lr=1.0), torch.optim.Adam(params)]
     assert optimizer_names(opts) == ["Adam", "SGD", "Adam-1"]
+
+
+def test_fp16_metrics_of_each_optimizer_keep_the_value_of_its_own_step(tmp_path: Path) -> None:
+    """Both optimizers overflow at batch 2: D's update halves the scale, G's halves it again. Each optimizer's
+    `stability/loss_scale/<name>` must be the scale after its own update, not the scaler's live value."""
+
+    class BothOverflow(TwoOptimizerGAN):
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            self.batch_idx = batch_idx
+            super().training_step(batch, batch_idx)
+
+        def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+            super().manual_backward(loss * float("inf") if self.batch_idx == 2 else loss, *args, **kwargs)
+
+    class SeenByMonitor(pl.Callback):
+        def __init__(self) -> None:
+            self.seen: dict[str, float] = {}
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == 6:  # after batch 2 (two optimizer steps per batch)
+                self.seen = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("stability/")}
+
+    seen = SeenByMonitor()
+    trainer = quiet_trainer(
+        max_epochs=1,
+        logger=CSVLogger(tmp_path, name="", version=""),
+        log_every_n_steps=1,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))],
+        callbacks=[LossScaleTuner(init_scale=2.0**8, hysteresis=1, growth_interval=1000), seen],
+    )
+    trainer.fit(BothOverflow())
+    assert seen.seen["stability/loss_scale/SGD"] == 128.0
+    assert seen.seen["stability/loss_scale/Adam"] == 64.0
+    assert seen.seen["stability/overflow_steps/SGD"] == 1.0
+    assert seen.seen["stability/overflow_steps/Adam"] == 2.0
+    rows = list(csv.DictReader((tmp_path / "metrics.csv").open()))
+    sgd = [float(r["stability/loss_scale/SGD"]) for r in rows if r.get("stability/loss_scale/SGD")]
+    adam = [float(r["stability/loss_scale/Adam"]) for r in rows if r.get("stability/loss_scale/Adam")]
+    assert sgd == [256.0, 256.0, 128.0, 64.0, 64.0, 64.0, 64.0, 64.0]
+    assert adam == [256.0, 256.0, 64.0, 64.0, 64.0, 64.0, 64.0, 64.0]

@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 from lightning_stability.callbacks.base import LedgerCallback
 from lightning_stability.errors import StabilityConfigError, config_error
 from lightning_stability.ledger import FlushValues, Outcome, StepLedger, loss_scaler
-from lightning_stability.norms import clip_coefficient, combine_norms, group_norms, per_tensor_norms, scale_
+from lightning_stability.norms import group_norms
 from lightning_stability.replicas import gather_from_ranks, warn_disagreeing_replicas
 
 _K_STEPS = "grad_norm_monitor/steps"
@@ -185,14 +185,12 @@ class GradientNormMonitor(LedgerCallback):
         return layers
 
     def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer, logging: bool) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        gradients = ledger.gradients(self.norm_type)  # computed once per step, shared with other callbacks
+        params, norms, total = gradients.params, gradients.norms, gradients.total
         if not params:
             if self.skip_nonfinite:  # every rank joins the flag's all-reduce, also one without gradients
                 ledger.any_rank(torch.zeros((), dtype=torch.bool, device=ledger.device))
             return
-        grads: list[Tensor] = [p.grad for p in params]
-        norms = per_tensor_norms(grads, self.norm_type)
-        total = combine_norms(norms, self.norm_type)
         finite = torch.isfinite(total)
         if self.skip_nonfinite:
             # A gradient can go bad on one rank after the data-parallel all-reduce (a hook that edits it, a
@@ -204,11 +202,10 @@ class GradientNormMonitor(LedgerCallback):
         ledger.log("stability/grad_norm", total, logging)
         coef = None
         if self.max_norm is not None:
-            coef = clip_coefficient(total, self.max_norm)
-            scale_(grads, coef)
+            coef = gradients.clip_(self.max_norm)  # relative to another callback's clip, if one came first
             ledger.put("clip_coef", coef)
             ledger.accumulate(_K_CLIPPED, coef < 1.0)
-            ledger.log("stability/grad_norm_clipped", total * coef, logging)
+            ledger.log("stability/grad_norm_clipped", gradients.current, logging)
             ledger.log("stability/clip_coef", coef, logging)
         layers = self._layers_of(ledger, params, norms.device)
         layer_norms = group_norms(norms, layers.index, len(layers.names), self.norm_type)

@@ -11,6 +11,7 @@ from functools import partial
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
@@ -215,9 +216,13 @@ class LossScaleTuner(LedgerCallback):
             self._scaler.call_after_next_update(partial(self._queue_logs, ledger, logging))
 
     def _queue_logs(self, ledger: StepLedger, logging: bool, scaler: TunedGradScaler) -> None:
-        ledger.log(_K_SCALE, scaler.loss_scale, logging)
-        ledger.log(_K_OVERFLOWS, scaler.overflow_steps, logging)
-        ledger.log(_K_FLOOR, scaler.floor_hits, logging)
+        # A snapshot: the scaler updates these tensors in place, and with several optimizers (or a monitor that
+        # reads `callback_metrics` later) each step's metric must keep the value it had after its own update.
+        snapshot = torch.stack([scaler.loss_scale, scaler.overflow_steps.float(), scaler.floor_hits.float()])
+        scale, overflows, floor_hits = snapshot.unbind(0)
+        ledger.log(_K_SCALE, scale, logging)
+        ledger.log(_K_OVERFLOWS, overflows, logging)
+        ledger.log(_K_FLOOR, floor_hits, logging)
         if not logging:
             return
         ledger.log(_K_RATE, scaler.overflow_rate())

@@ -19,11 +19,16 @@ def run_lengths(
     n_optimizers: int,
     source: Any | None,
     needs_total: bool,
-) -> list[int | None]:
+) -> tuple[list[int | None], set[int]]:
     """Each optimizer's number of updates: ``total_steps`` (one for all, or one each) or the Trainer's estimate.
 
-    Warns once when ``total_steps`` disagrees with the run; raises, naming the real cause, when the schedule
-    needs a length that the run does not have.
+    With one optimizer, warns once when ``total_steps`` disagrees with the run. With several (manual
+    optimization), how often each one steps is the module's choice, so there is nothing to compare with
+    until the run shows it: the schedule warns when an optimizer passes its end. Raises, naming the real
+    cause, when the schedule needs a length that the run does not have.
+
+    Returns:
+        the run lengths, and the optimizers already warned that their schedule ends before the run does.
     """
     n = n_optimizers
     estimate = estimated_updates(trainer, n, source)
@@ -36,25 +41,26 @@ def run_lengths(
                 f"gives {len(totals)} run lengths for {n} optimizer(s)",
                 f"pass one int for all, or one per optimizer ({n})",
             )
-        if estimate is not None and any(t != estimate for t in totals):
-            rank_zero_warn(
-                f"{owner}(total_steps={total_steps}) but the Trainer will run {estimate} optimizer steps: the "
-                "schedule "
-                + (
-                    "ends early and the LR stays at its final value for the rest of the run"
-                    if max(totals) < estimate
-                    else "will not reach its end (no full decay)"
-                )
-                + ". Fix: drop `total_steps` to follow the Trainer, or match it to the run.",
-                category=UserWarning,
+        if n > 1 or estimate is None or totals[0] == estimate:
+            return list(totals), set()
+        ends_early = totals[0] < estimate
+        rank_zero_warn(
+            f"{owner}(total_steps={total_steps}) but the Trainer will run {estimate} optimizer steps: the schedule "
+            + (
+                "ends early and the LR stays at its final value for the rest of the run"
+                if ends_early
+                else "will not reach its end (no full decay)"
             )
-        return list(totals)
+            + ". Fix: drop `total_steps` to follow the Trainer, or match it to the run.",
+            category=UserWarning,
+        )
+        return list(totals), {0} if ends_early else set()
     if estimate is None and needs_total:
         raise StabilityConfigError(
             f"{owner} needs the run length but {_why_no_length(trainer)}. Fix: pass `total_steps=` or set "
             "`Trainer(max_steps=)`."
         )
-    return [estimate] * n
+    return [estimate] * n, set()
 
 
 def estimated_updates(trainer: pl.Trainer, n_optimizers: int, source: Any | None) -> int | None:

@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stability.callbacks.base import LedgerCallback
-from lightning_stability.callbacks.lr_run_length import estimated_updates, run_lengths
+from lightning_stability.callbacks.lr_run_length import run_lengths
 from lightning_stability.errors import StabilityConfigError, config_error
 from lightning_stability.ledger import StepLedger
 from lightning_stability.schedules import (
@@ -150,7 +150,12 @@ class ScheduledLR(LedgerCallback):
             )
         if not isinstance(schedule, Schedule):
             check_schedule_callable(schedule)
-        totals = [total_steps] if total_steps is None or isinstance(total_steps, int) else list(total_steps)
+        if total_steps is None or isinstance(total_steps, int):
+            totals: list[Any] = [total_steps]
+        elif isinstance(total_steps, Sequence) and not isinstance(total_steps, str):
+            totals = list(total_steps)
+        else:
+            totals = []
         if total_steps is not None and (
             not totals or any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in totals)
         ):
@@ -176,6 +181,9 @@ class ScheduledLR(LedgerCallback):
     def multiplier(self, applied_steps: int, optimizer_index: int = 0) -> float:
         """The factor on each base LR for the update after ``applied_steps`` applied updates."""
         total = self._totals[optimizer_index] if optimizer_index < len(self._totals) else None
+        if total is not None:
+            # past its end a schedule holds its final value, on the host as in the device table
+            applied_steps = min(applied_steps, total)
         value = check_multiplier(self.schedule(applied_steps, total), applied_steps, self.schedule)
         if self._source is not None:
             value *= self._source.lr_scale_at(applied_steps)
@@ -209,18 +217,12 @@ class ScheduledLR(LedgerCallback):
             )
         sources = [cb for cb in trainer.callbacks if isinstance(cb, LRScaleSource)]  # type: ignore[attr-defined]
         self._source = sources[0] if sources else None
-        self._totals = self._resolve_totals(trainer)
+        # an optimizer already told at fit start that its schedule ends early is not warned again
+        self._totals, self._warned_past_end = self._resolve_totals(trainer)
         if isinstance(self.schedule, Schedule):
             for total in set(self._totals):
                 self.schedule.validate(total)
-        self._tables, self._warned_past_end = {}, set()
-        if (
-            self.total_steps is not None
-            and self._totals
-            and self._totals != [self._estimate_or_none(trainer)] * len(self._totals)
-        ):
-            # the start-of-fit warning about `total_steps` already said the LR will sit at its final value
-            self._warned_past_end = set(range(len(self._totals)))
+        self._tables = {}
         ledger = StepLedger.of(trainer)
         for index, opt in enumerate(self._optimizers):
             track = ledger.track(opt)
@@ -229,10 +231,7 @@ class ScheduledLR(LedgerCallback):
             as_tensor = track.applied_steps_host is None and self._tensor_lr_ok(index)
             self._set_host(index, track.applied_steps_now(), as_tensor)  # HOST SYNC (once) at most
 
-    def _estimate_or_none(self, trainer: pl.Trainer) -> int | None:
-        return estimated_updates(trainer, len(self._optimizers), self._source)
-
-    def _resolve_totals(self, trainer: pl.Trainer) -> list[int | None]:
+    def _resolve_totals(self, trainer: pl.Trainer) -> tuple[list[int | None], set[int]]:
         needs_total = self.schedule.needs_total_steps if isinstance(self.schedule, Schedule) else True
         return run_lengths(
             trainer, type(self).__name__, self.total_steps, len(self._optimizers), self._source, needs_total

@@ -37,9 +37,12 @@ def test_inf_on_one_rank_skips_on_every_rank(tmp_path: Path, optimizer: str) -> 
 def test_a_gradient_that_goes_bad_on_one_rank_after_the_all_reduce_is_skipped_everywhere(
     tmp_path: Path, optimizer: str, precision: str
 ) -> None:
-    """Nothing spreads rank 1's inf to rank 0 here: only the flag's own all-reduce makes both ranks skip."""
+    """Nothing spreads rank 1's inf to rank 0 here: only the flag's own all-reduce makes both ranks skip.
+
+    Under fp16 the inf appears after the loss scaler looked: the skip is the monitor's (not an overflow), and
+    the scale does not back off for it."""
     rank0, rank1 = torchrun(SCRIPT, 2, tmp_path, optimizer, "after_allreduce", precision)
-    skipped = int(Outcome.SKIPPED_SCALER if precision == "16-mixed" else Outcome.SKIPPED_NONFINITE)
+    skipped = int(Outcome.SKIPPED_NONFINITE)
     for r in (rank0, rank1):
         assert r["outcomes"] == [0, 0, 0, skipped, 0, 0]
         assert r["bad_step_weights_unchanged"] and r["bad_step_state_unchanged"]
