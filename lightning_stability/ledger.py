@@ -68,6 +68,10 @@ class StepLedger(CurrentTrackView):
         self._grads: dict[float, StepGradients] = {}  # the open step's gradient norms, by norm type
         self._close_hooks: list[Callable[[StepLedger], None]] = []
         self._queue = MetricQueue()
+        self.events: list[dict[str, Any]] = []  # rollbacks and other events, with their step labels
+        # Set by the lightning_stability callbacks at setup: the last of them enforces the votes at the end of
+        # its hook. Without any, a vote is enforced at once (one host read per vote for a non-fused optimizer).
+        self.callbacks_enforce = False
         self._loss = UpdateLoss()
         # id(optimizer) -> (weak reference, track index, hook handle); the reference tells a reused id apart
         self._hooked: dict[int, tuple[weakref.ref[Optimizer], int, Any]] = {}
@@ -194,6 +198,11 @@ class StepLedger(CurrentTrackView):
         # Lightning also logs the step on which the run is told to stop (`_LoggerConnector.should_update_logs`)
         return (self.label() + 1) % every_n_steps == 0 or bool(trainer is not None and trainer.should_stop)
 
+    def note(self, event: dict[str, Any]) -> None:
+        """Record an event of the run (e.g. a rollback: ``{"step": 120, "kind": "rollback", ...}``); saved in
+        checkpoints, so a resumed run keeps the whole record."""
+        self.events.append(dict(event))
+
     def put(self, key: str, value: Tensor) -> None:
         """Record a value of the current step."""
         self.record[key] = value
@@ -227,6 +236,8 @@ class StepLedger(CurrentTrackView):
             )
         assert self._votes is not None
         self._votes.vote(reason, flag)
+        if not self.callbacks_enforce:
+            self._votes.enforce()
 
     def enforce_votes(self) -> None:
         """Make the open step skip if any vote so far says so (see :meth:`mark_skip`)."""
@@ -303,7 +314,7 @@ class StepLedger(CurrentTrackView):
     def state_dict(self) -> dict[str, Any]:
         tracks = {i: t.state_dict() for i, t in self._tracks.items()}
         tracks.update({i: s for i, s in self._loaded.items() if i not in tracks})
-        return {"version": 2, "tracks": {str(i): s for i, s in sorted(tracks.items())}}
+        return {"version": 2, "tracks": {str(i): s for i, s in sorted(tracks.items())}, "events": list(self.events)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # version 1 held one optimizer's record
@@ -311,6 +322,7 @@ class StepLedger(CurrentTrackView):
         for index, track in self._tracks.items():
             track.load_state_dict(loaded.pop(index, {}))
         self._loaded = loaded
+        self.events = list(state.get("events", []))
 
     def save_into(self, checkpoint: dict[str, Any]) -> None:
         """Write the ledger into a Lightning checkpoint dict (idempotent: every callback may call it)."""

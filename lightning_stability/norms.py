@@ -142,3 +142,15 @@ def scale_(tensors: Sequence[Tensor], coef: Tensor) -> None:
 def total_norm(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
     """The norm of all tensors taken together (a 0-dim fp32 tensor, no host sync)."""
     return combine_norms(per_tensor_norms(tensors, norm_type), norm_type)
+
+
+def module_groups(params: Sequence[Tensor], names: dict[int, str]) -> tuple[list[int], list[str]]:
+    """Each parameter's module (the owner in its qualified name: ``net.0`` for ``net.0.weight``), as indices
+    into the returned list of module names. ``names`` maps ``id(param)`` to its name."""
+    groups: dict[str, int] = {}
+    index = []
+    for i, p in enumerate(params):
+        name = names.get(id(p), f"param_{i}")
+        module = name.rsplit(".", 1)[0] if "." in name else name
+        index.append(groups.setdefault(module, len(groups)))
+    return index, list(groups)

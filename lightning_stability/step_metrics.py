@@ -115,6 +115,10 @@ def publish(
         for key, value in values.items():
             if not key.startswith("_") and isinstance(value, float):
                 metrics[metric_name(key, track, several_optimizers)] = value
+        for key, value in values.items():  # host numbers (also those flush hooks added): monitorable too
+            if not key.startswith("_") and isinstance(value, float):
+                # a host tensor from a fill, not from host data: never a host-to-device copy
+                monitored[metric_name(key, track, several_optimizers)] = torch.full((), value, dtype=torch.float32)
         monitored.update(
             {metric_name(k, track, several_optimizers): v for k, v in scalars.items() if not k.startswith("_")}
         )

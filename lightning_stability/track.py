@@ -17,6 +17,7 @@ class Outcome(IntEnum):
     SKIPPED_SCALER = 1  # the fp16 loss scaler found inf/NaN in the scaled gradients
     SKIPPED_NONFINITE = 2  # a non-finite gradient norm (GradientNormMonitor)
     SKIPPED_SPIKE = 3  # a loss or gradient spike (health monitoring)
+    SKIPPED_ROLLBACK = 4  # a batch of the data window skipped after a rollback (health monitoring)
 
 
 def device_of(optimizer: Optimizer) -> torch.device:

@@ -54,7 +54,7 @@ def test_a_vote_counts_whatever_the_callback_order(optimizer: str, voter_first: 
     assert snaps.outcomes == [0, 0, int(Outcome.SKIPPED_SPIKE), 0, 0]
     assert all(torch.equal(a, b) for a, b in zip(snaps.before[BAD], snaps.after[BAD], strict=True))
     assert not torch.equal(snaps.before[BAD + 1][0], snaps.after[BAD + 1][0])
-    assert StepLedger.of(trainer).counts.tolist() == [4, 0, 0, 1]
+    assert StepLedger.of(trainer).counts.tolist() == [4, 0, 0, 1, 0]
 
 
 def test_votes_from_several_callbacks_cost_one_host_read_together() -> None:
@@ -221,3 +221,12 @@ def test_mark_skip_outside_a_step_says_how_to_call_it() -> None:
     trainer = quiet_trainer(max_steps=1)
     with pytest.raises(RuntimeError, match=r"pass that hook's optimizer"):
         StepLedger.of(trainer).mark_skip(Outcome.SKIPPED_SPIKE, True)
+
+
+def test_a_vote_from_a_users_callback_alone_is_enforced() -> None:
+    """No lightning_stability callback in the Trainer: the ledger enforces the vote itself."""
+    snaps = Snapshots()
+    trainer = quiet_trainer(max_steps=5, callbacks=[Voter(), snaps])
+    trainer.fit(TinyModule())
+    assert all(torch.equal(a, b) for a, b in zip(snaps.before[BAD], snaps.after[BAD], strict=True))
+    assert snaps.outcomes == [0, 0, int(Outcome.SKIPPED_SPIKE), 0, 0]

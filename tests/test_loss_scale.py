@@ -113,7 +113,7 @@ def test_scale_trace_under_forced_overflows(hysteresis: int, optimizer: str) -> 
     assert rec.moved == [i not in INF_STEPS for i in range(12)]
     ledger = StepLedger.of(trainer)
     assert int(ledger.applied_steps) == 12 - len(INF_STEPS)
-    assert ledger.counts.tolist() == [12 - len(INF_STEPS), len(INF_STEPS), 0, 0]
+    assert ledger.counts.tolist() == [12 - len(INF_STEPS), len(INF_STEPS), 0, 0, 0]
     assert int(tuner.scaler.overflow_steps) == len(INF_STEPS)  # type: ignore[union-attr]
 
 

@@ -99,6 +99,7 @@ class LedgerCallback(Callback):
         # the model's own callbacks are attached before setup, so the list is complete here
         ours = [cb for cb in trainer.callbacks if isinstance(cb, LedgerCallback)]  # type: ignore[attr-defined]
         self._last = ours[-1] is self
+        StepLedger.of(trainer).callbacks_enforce = True
         self.on_setup(trainer, pl_module)
 
     def on_before_optimizer_step(

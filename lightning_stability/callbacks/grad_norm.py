@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 from lightning_stability.callbacks.base import LedgerCallback
 from lightning_stability.errors import StabilityConfigError, config_error
 from lightning_stability.ledger import FlushValues, Outcome, StepLedger, loss_scaler
-from lightning_stability.norms import group_norms
+from lightning_stability.norms import group_norms, module_groups
 from lightning_stability.replicas import gather_from_ranks, warn_disagreeing_replicas
 
 _K_STEPS = "grad_norm_monitor/steps"
@@ -174,14 +174,9 @@ class GradientNormMonitor(LedgerCallback):
         layers = self._layers.get(track)
         key = tuple(id(p) for p in params)
         if layers is None or layers.key != key:
-            groups: dict[str, int] = {}
-            index = []
-            for i, p in enumerate(params):
-                name = self._names.get(id(p), f"param_{i}")
-                module = name.rsplit(".", 1)[0] if "." in name else name
-                index.append(groups.setdefault(module, len(groups)))
+            index, names = module_groups(params, self._names)
             index_t = torch.tensor(index, dtype=torch.int64, device=device)
-            layers = self._layers[track] = _Layers(key, index_t, list(groups))
+            layers = self._layers[track] = _Layers(key, index_t, names)
         return layers
 
     def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer, logging: bool) -> None:
