@@ -2,6 +2,7 @@
 
 from lightning_stability.callbacks.accumulation import GradientAccumulation
 from lightning_stability.callbacks.grad_norm import GradientNormMonitor
+from lightning_stability.callbacks.health import TrainingHealthMonitor
 from lightning_stability.callbacks.loss_scale import LossScaleFloorError, LossScaleTuner
 from lightning_stability.callbacks.lr_schedule import ScheduledLR, WarmupConstantCosineLR
 from lightning_stability.diagnostics import PrecisionDiagnostics, TrainingStatus, check_training_status
@@ -9,6 +10,7 @@ from lightning_stability.errors import StabilityConfigError
 from lightning_stability.fused_clip import FusedClipMixedPrecision
 from lightning_stability.grad_scaler import TunedGradScaler
 from lightning_stability.ledger import Outcome, StepLedger
+from lightning_stability.rollback import TrainingDivergedError
 from lightning_stability.scaling import ScaleRule, auto_initial_scale, update_scale
 from lightning_stability.schedules import (
     CosineSchedule,
@@ -38,6 +40,8 @@ __all__ = [
     "StableFSDPPrecision",
     "StableFSDPStrategy",
     "StepLedger",
+    "TrainingDivergedError",
+    "TrainingHealthMonitor",
     "StepSchedule",
     "TrainingStatus",
     "TunedGradScaler",

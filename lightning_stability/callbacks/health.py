@@ -1,0 +1,369 @@
+"""TrainingHealthMonitor: the seed's four indicators (gradient norm, update size, loss, memory) and the response
+to a spike: warn, adaptive clip (ZClip), skip (OLMo-core), or rollback (PaLM)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+from torchmetrics.aggregation import MeanMetric
+
+from lightning_stability.callbacks.base import LedgerCallback
+from lightning_stability.callbacks.grad_norm import GradientNormMonitor
+from lightning_stability.callbacks.health_args import check_health_arguments
+from lightning_stability.errors import StabilityConfigError
+from lightning_stability.health_history import HealthHistory
+from lightning_stability.ledger import Outcome, StepLedger, loss_scaler
+from lightning_stability.memory import capacity, memory_warning, peak_memory_over_ranks
+from lightning_stability.norms import module_groups
+from lightning_stability.rollback import Rollback
+from lightning_stability.snapshots import Snapshot
+from lightning_stability.spike_stats import SpikeStats, zclip_threshold
+from lightning_stability.step_metrics import FlushValues
+from lightning_stability.update_size import UpdateSize
+
+Response = Literal["warn", "clip", "skip", "rollback"]
+_LOSS, _GRAD = 0, 1
+
+
+class TrainingHealthMonitor(LedgerCallback):
+    """Watches the loss, the gradient norm, the update size and the memory, and acts on spikes.
+
+    Every optimizer step, on the device and identically on every rank (the loss and the norm are averaged
+    over ranks with one 2-element all-reduce, then scored against running statistics, ZClip's EMA
+    estimator): a value more than ``spike_z`` standard deviations above its running mean is a spike, and a
+    non-finite loss or norm always skips the update. The response to a spike:
+
+    * ``"warn"``: a warning naming the steps, at the next logging step;
+    * ``"clip"``: ZClip's adaptive clipping of the gradient when its norm's z-score exceeds ``clip_z``;
+    * ``"skip"``: the update is skipped, weights and optimizer state stay exactly as they were (OLMo-core);
+    * ``"rollback"``: the update is skipped, and at the next logging step the weights and optimizer state
+      are restored from the last good snapshot (taken every ``snapshot_every`` steps, in host memory, each
+      rank its own shard) and the next ``skip_batches`` batches are skipped (PaLM); after ``max_rollbacks``
+      rollbacks training stops with :class:`TrainingDivergedError`.
+
+    On logging steps it also measures the update-to-weight ratio ``‖Δθ‖/‖θ‖`` (total and per module, one
+    transient copy of the local shard) and the peak memory (max over ranks), and warns when the peak nears
+    the device's capacity. At the end of ``fit`` it writes the stability report (JSON, and a PNG with
+    matplotlib) into the logger's directory or ``report_dir``.
+
+    Args:
+        response: ``"warn"``, ``"clip"``, ``"skip"`` or ``"rollback"``.
+        spike_z: z-score above which a loss or gradient norm is a spike (OLMo-core's ``sigma_factor``, 6).
+        clip_z: z-score above which ``"clip"`` clips the gradient (ZClip's ``z_thresh``, 2.5).
+        alpha: EMA factor of the running statistics (ZClip, 0.97).
+        warmup_steps: values that initialise the statistics before any spike is called (ZClip, 25).
+        snapshot_every: steps between rollback snapshots (PaLM restarted ~100 steps before a spike).
+        skip_batches: batches skipped after a rollback (PaLM skipped 200-500).
+        max_rollbacks: rollbacks allowed before :class:`TrainingDivergedError`.
+        memory_warn_fraction: warn when the peak memory passes this share of the capacity.
+        top_modules: per-module update ratios logged on logging steps (the largest ones).
+        report: write the stability report at the end of ``fit``.
+        report_dir: where; default: the logger's ``log_dir``, else the Trainer's ``default_root_dir``.
+        log_every_n_steps: default: the Trainer's.
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[GradientNormMonitor(max_norm=1.0), TrainingHealthMonitor(response="skip")])
+    """
+
+    one_instance_reason = "each would vote on the same steps and restore the same weights"
+
+    def __init__(
+        self,
+        response: Response = "warn",
+        spike_z: float = 6.0,
+        clip_z: float = 2.5,
+        alpha: float = 0.97,
+        warmup_steps: int = 25,
+        snapshot_every: int = 100,
+        skip_batches: int = 200,
+        max_rollbacks: int = 3,
+        memory_warn_fraction: float = 0.9,
+        top_modules: int = 5,
+        report: bool = True,
+        report_dir: str | Path | None = None,
+        log_every_n_steps: int | None = None,
+    ) -> None:
+        super().__init__(log_every_n_steps)
+        check_health_arguments(
+            response,
+            spike_z,
+            clip_z,
+            alpha,
+            warmup_steps,
+            snapshot_every,
+            skip_batches,
+            max_rollbacks,
+            memory_warn_fraction,
+            top_modules,
+        )
+        self.response, self.spike_z, self.clip_z = response, float(spike_z), float(clip_z)
+        self.rollback = Rollback(snapshot_every, skip_batches, max_rollbacks)
+        self.memory_warn_fraction, self.top_modules = memory_warn_fraction, top_modules
+        self.report, self.report_dir = report, report_dir
+        self.stats = SpikeStats(2, alpha, warmup_steps)
+        self.history = HealthHistory()
+        self.events: list[dict[str, Any]] = []
+        self._spike_steps: list[int] = []
+        self._pending: Tensor | None = None  # a spike since the last logging step (rollback), on the device
+        self._names: list[str] = []
+        self._module_index: Tensor | None = None
+        self._capacity: float | None = None
+        self._memory_warned = False
+        self._trainer: pl.Trainer | None = None
+        self._loss_mean: MeanMetric | None = None  # the loss over the logging interval
+        self._fixed_clip = math.nan
+
+    def state_fields(self) -> dict[str, Any]:
+        return {"response": self.response}
+
+    # ------------------------------------------------------------------ setup
+    def on_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        StepLedger.of(trainer).want_update_loss()
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if len(trainer.optimizers) > 1:
+            raise StabilityConfigError(
+                f"TrainingHealthMonitor watches one optimizer's updates; this module has {len(trainer.optimizers)}. "
+                "Fix: remove it, or train with one optimizer (GradientNormMonitor and the LR schedules serve several)."
+            )
+        names = {id(p): n for n, p in pl_module.named_parameters()}
+        params = [p for g in trainer.optimizers[0].param_groups for p in g["params"]] if trainer.optimizers else []
+        index, self._names = module_groups(params, names)
+        device = pl_module.device
+        self._module_index = torch.tensor(index, dtype=torch.int64, device=device)
+        self._capacity = capacity(device)
+        # the report draws GradientNormMonitor's fixed clip line when this monitor does not clip adaptively
+        fixed = [cb.max_norm for cb in trainer.callbacks if isinstance(cb, GradientNormMonitor)]  # type: ignore[attr-defined]
+        self._fixed_clip = float(fixed[0]) if fixed and fixed[0] is not None else math.nan
+        self._trainer = trainer
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.response == "rollback":
+            self.rollback.snapshot = Snapshot(pl_module, trainer.optimizers, StepLedger.of(trainer).label())
+
+    # ------------------------------------------------------------------ the step
+    def _reduced(self, values: Tensor) -> Tensor:
+        """The mean over ranks: every rank then decides from the same numbers (one 2-element all-reduce)."""
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(values, op=dist.ReduceOp.SUM)
+            values = values / dist.get_world_size()
+        return values
+
+    def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer, logging: bool) -> None:
+        lr = optimizer.param_groups[0]["lr"]
+        host = {} if isinstance(lr, Tensor) else {"lr": float(lr)}
+        if self.rollback.take_skip():  # the data window after a rollback: a host decision, no sync
+            ledger.mark_skip(Outcome.SKIPPED_ROLLBACK, True)
+            row = self.history.add(ledger.label(), torch.zeros(0, device=ledger.device), host)
+            self.history.set_outcome(row, int(Outcome.SKIPPED_ROLLBACK))
+            if logging:
+                self._queue_logs(trainer, ledger, None)
+            return
+        grads = ledger.gradients()
+        loss = ledger.record.get("loss")
+        nan = torch.full((), math.nan, device=grads.total.device)
+        values = self._reduced(torch.stack([(loss if loss is not None else nan).float().to(nan.device), grads.total]))
+        has = torch.isfinite(values)
+        if loss is None:
+            has[_LOSS] = True
+        z = self.stats.zscore(values)
+        spikes = (z > self.spike_z) & torch.isfinite(values)
+        ledger.mark_skip(Outcome.SKIPPED_NONFINITE, ~has.all())  # never applied, whatever the response
+        include = has & ~spikes
+        threshold = torch.full_like(nan, self._fixed_clip)  # a fill: no host-to-device copy
+        if self.response == "clip":
+            mean, std = self.stats.mean_std(values.device)
+            over = z[_GRAD] > self.clip_z
+            threshold = torch.where(over, zclip_threshold(mean[_GRAD], std[_GRAD], z[_GRAD], self.clip_z), math.inf)
+            grads.clip_(threshold)
+            values = torch.stack([values[_LOSS], torch.minimum(values[_GRAD], threshold)])  # ZClip: the clipped norm
+            include = torch.stack([include[_LOSS], has[_GRAD]])
+            ledger.log("stability/clip_threshold", threshold, logging)
+        elif self.response in ("skip", "rollback"):
+            ledger.mark_skip(Outcome.SKIPPED_SPIKE, spikes.any())
+        if self.response == "rollback":
+            self._pending = spikes.any() if self._pending is None else self._pending | spikes.any()
+        self.stats.update(values, include)
+        self._mean_of(values.device).update(torch.where(has[_LOSS], values[_LOSS], 0.0), has[_LOSS].float())
+        ledger.log("stability/loss_z", z[_LOSS], logging)
+        ledger.log("stability/grad_norm_z", z[_GRAD], logging)
+        scaler = loss_scaler(trainer)
+        scale = scaler._scale if scaler is not None and scaler._scale is not None else nan
+        row_values = torch.stack(
+            [
+                values[_LOSS],
+                grads.total,
+                threshold,
+                spikes[_LOSS].float(),
+                spikes[_GRAD].float(),
+                (lr if isinstance(lr, Tensor) else nan).float(),
+                scale.float().to(nan.device),
+            ]
+        )
+        row = self.history.add(ledger.label(), row_values, host)
+        ledger.on_close(lambda closed: self.history.set_outcome(row, closed.outcome))
+        if logging:
+            self._queue_logs(
+                trainer,
+                ledger,
+                UpdateSize(grads.params, self._module_index, len(self._names))
+                if grads.params and self._module_index is not None
+                else None,
+            )
+
+    def _mean_of(self, device: torch.device) -> MeanMetric:
+        # torchmetrics' running mean: with nan_strategy="disable" its update adds no host sync (measured in
+        # tests/test_health.py); the EMA statistics above have no torchmetrics counterpart.
+        if self._loss_mean is None or self._loss_mean.device != device:
+            self._loss_mean = MeanMetric(nan_strategy="disable", sync_on_compute=False).to(device)
+        return self._loss_mean
+
+    # ------------------------------------------------------------------ logging steps
+    def _queue_logs(self, trainer: pl.Trainer, ledger: StepLedger, size: UpdateSize | None) -> None:
+        if size is not None:
+
+            def finish(closed: StepLedger) -> None:
+                total, per_module = size.finish()
+                closed.log("stability/update_ratio", total)
+                k = min(self.top_modules, per_module.numel())
+                if k:
+                    top = torch.topk(torch.nan_to_num(per_module, nan=math.inf), k)
+                    closed.log("_health/top_values", per_module[top.indices])
+                    closed.log("_health/top_indices", top.indices)
+
+            ledger.on_close(finish)
+        memory = peak_memory_over_ranks(ledger.device)
+        ledger.log("stability/memory_peak_gb", memory[0])
+        if ledger.device.type == "cuda":
+            ledger.log("stability/memory_reserved_gb", memory[1])
+        ledger.log("stability/rollbacks", float(self.rollback.rollbacks))
+        if self._loss_mean is not None and self._loss_mean.update_count:
+            ledger.log("stability/loss_mean", self._loss_mean.compute())  # rank-averaged update losses
+            self._loss_mean.reset()
+        if self._pending is not None:
+            ledger.log("_health/rollback", self._pending)
+            self._pending = None
+        ledger.on_close(self._queue_rows)
+
+    def _queue_rows(self, ledger: StepLedger) -> None:
+        rows = self.history.pending()
+        if rows is not None:
+            ledger.log("_health/rows", rows)
+        ledger.on_flush(self._on_flush)
+
+    def _on_flush(self, values: FlushValues) -> dict[str, float]:
+        extra: dict[str, float] = {}
+        top_i, top_v = values.get("_health/top_indices"), values.get("_health/top_values")
+        if isinstance(top_i, list) and isinstance(top_v, list):
+            for i, v in zip(top_i, top_v, strict=True):
+                extra[f"stability/update_ratio/{self._names[int(i)]}"] = v
+        sparse = {
+            key: value
+            for key, name in (("update_ratio", "stability/update_ratio"), ("memory_gb", "stability/memory_peak_gb"))
+            if isinstance(value := values.get(name), float)
+        }
+        rows = values.get("_health/rows")
+        if isinstance(rows, list):
+            taken = self.history.take(rows, sparse)
+            for row in taken:
+                if row["loss_spike"] > 0 or row["grad_spike"] > 0:
+                    self._spike_steps.append(int(row["step"]))
+            if taken:
+                extra["stability/skip_rate"] = sum(row["outcome"] != 0 for row in taken) / len(taken)
+        if self._spike_steps:
+            self._on_spikes(self._spike_steps)
+            self._spike_steps = []
+        trainer = self._trainer
+        if trainer is not None and self.response == "rollback":
+            module, optimizers, step = trainer.lightning_module, trainer.optimizers, StepLedger.of(trainer).label()
+            if values.get("_health/rollback", 0.0) == 1.0:
+                event = self.rollback.roll_back(module, optimizers, step)
+                self.events.append(event)
+                StepLedger.of(trainer).note(event)
+                r = self.rollback
+                rank_zero_warn(f"TrainingHealthMonitor: rollback {r.rollbacks}/{r.max_rollbacks}: {event['detail']}.")
+            else:  # the steps since the last logging step were clean
+                self.rollback.maybe_snapshot(module, optimizers, step)
+        self._check_memory(sparse.get("memory_gb"))
+        return extra
+
+    # ------------------------------------------------------------------ responses (host, logging steps)
+    def _on_spikes(self, steps: list[int]) -> None:
+        action = {
+            "warn": "no action (response='warn')",
+            "clip": "gradients clipped to ZClip's adaptive threshold (loss spikes: no action)",
+            "skip": "those updates were skipped",
+            "rollback": "those updates were skipped; rolling back",
+        }[self.response]
+        for step in steps:
+            self.events.append({"step": step, "kind": "spike", "detail": action})
+        rank_zero_warn(
+            f"TrainingHealthMonitor: a loss or gradient-norm spike (more than {self.spike_z:g} standard deviations "
+            f"above its running mean) at step(s) {steps}: {action}.",
+            category=UserWarning,
+        )
+
+    def _check_memory(self, peak: float | None) -> None:
+        message = (
+            None
+            if peak is None or self._memory_warned
+            else memory_warning(peak, self._capacity, self.memory_warn_fraction)
+        )
+        if message:
+            self._memory_warned = True
+            rank_zero_warn(message, category=UserWarning)
+
+    # ------------------------------------------------------------------ end of fit, checkpoints
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.history.flush_now()  # HOST SYNC (once): the steps after the last logging step
+        if self.report and trainer.is_global_zero:
+            self.write_report(trainer)
+
+    def write_report(
+        self, trainer: pl.Trainer | None = None, out_dir: str | Path | None = None
+    ) -> tuple[Path, Path | None]:
+        """Write ``stability_report.json`` (and ``.png`` with matplotlib); returns their paths."""
+        from lightning_stability.report import write_report
+
+        trainer = trainer or self._trainer
+        directory = out_dir or self.report_dir
+        if directory is None and trainer is not None:
+            directory = (
+                trainer.logger.log_dir if trainer.logger is not None and trainer.logger.log_dir else None
+            ) or trainer.default_root_dir
+        meta = {
+            "response": self.response,
+            "spike_z": self.spike_z,
+            "clip_z": self.clip_z,
+            "rollbacks": self.rollback.rollbacks,
+            "module_names": self._names,
+        }
+        json_path, png_path = write_report(self.history.series, self.events, directory or ".", meta)
+        rank_zero_info(f"stability report: {json_path}" + (f", {png_path}" if png_path else ""))
+        return json_path, png_path
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "stats": self.stats.state_dict(),
+            "history": self.history.state_dict(),
+            "events": list(self.events),
+            "rollback": self.rollback.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.stats.load_state_dict(state_dict.get("stats", {}))
+        self.history.load_state_dict(state_dict.get("history", {}))
+        self.events = list(state_dict.get("events", []))
+        self.rollback.load_state_dict(state_dict.get("rollback", {}))
+
+    def transient_state(self) -> dict[str, Any]:
+        return {"_trainer": None, "_pending": None, "_module_index": None, "_loss_mean": None}

@@ -1,0 +1,79 @@
+"""PaLM's recovery from a loss spike: go back to the last good snapshot and skip the data that follows.
+
+:class:`Rollback` keeps the snapshot (:class:`~lightning_stability.snapshots.Snapshot`, host memory, each rank
+its own shard), takes a new one every ``snapshot_every`` steps once the steps since the last one are known to be
+clean, restores it on demand, counts down the batches to skip, and bounds the retries. Every decision is taken
+from rank-consistent values, so every rank rolls back together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_stability.snapshots import Snapshot
+
+
+class TrainingDivergedError(RuntimeError):
+    """Training kept spiking after ``max_rollbacks`` rollbacks."""
+
+
+class Rollback:
+    """Snapshots, restores and the data window to skip.
+
+    Args:
+        snapshot_every: steps between snapshots (PaLM restarted from ~100 steps before a spike).
+        skip_batches: batches skipped after a rollback (PaLM skipped 200-500).
+        max_rollbacks: rollbacks allowed; the next spike raises :class:`TrainingDivergedError`.
+    """
+
+    def __init__(self, snapshot_every: int, skip_batches: int, max_rollbacks: int) -> None:
+        self.snapshot_every, self.skip_batches, self.max_rollbacks = snapshot_every, skip_batches, max_rollbacks
+        self.snapshot: Snapshot | None = None
+        self.rollbacks = 0
+        self.skip_left = 0
+
+    def take_skip(self) -> bool:
+        """Whether this batch belongs to the skipped data window (and count it)."""
+        if self.skip_left <= 0:
+            return False
+        self.skip_left -= 1
+        return True
+
+    def maybe_snapshot(self, module: nn.Module, optimizers: Sequence[Optimizer], step: int) -> None:
+        """Take a snapshot at ``step`` if the last one is ``snapshot_every`` steps old (the caller knows the steps
+        since are clean)."""
+        if self.skip_left > 0:
+            return
+        if self.snapshot is None or step - self.snapshot.step >= self.snapshot_every:
+            self.snapshot = Snapshot(module, optimizers, step)  # HOST SYNC: device-to-host copies
+
+    def roll_back(self, module: nn.Module, optimizers: Sequence[Optimizer], step: int) -> dict[str, Any]:
+        """Restore the snapshot and start skipping; returns the event to record."""
+        if self.snapshot is None:
+            raise RuntimeError("roll_back() before any snapshot")
+        if self.rollbacks >= self.max_rollbacks:
+            raise TrainingDivergedError(
+                f"TrainingHealthMonitor: training spiked again at step {step} after {self.rollbacks} rollback(s) "
+                f"(max_rollbacks={self.max_rollbacks}). Fix: lower the learning rate, clip harder "
+                "(GradientNormMonitor(max_norm=...)), or look at the data around these steps; raise max_rollbacks "
+                "to retry more."
+            )
+        self.snapshot.restore(module, optimizers)
+        self.rollbacks += 1
+        self.skip_left = self.skip_batches
+        detail = f"restored the step-{self.snapshot.step} snapshot; skipping {self.skip_batches} batches"
+        return {"step": step, "kind": "rollback", "to_step": self.snapshot.step, "detail": detail}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "snapshot": None}  # host copies of the weights stay out of pickles
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rollbacks": self.rollbacks, "skip_left": self.skip_left}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rollbacks = int(state.get("rollbacks", 0))
+        self.skip_left = int(state.get("skip_left", 0))
