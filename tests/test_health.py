@@ -355,3 +355,41 @@ def test_under_fp16_the_skip_votes_ride_the_scalers_decision_without_syncs(optim
     pl.seed_everything(0)
     callbacks = [GradientNormMonitor(max_norm=1.0), monitor("skip", log_every_n_steps=50)]
     assert count_syncs_per_step(trainer(callbacks), TinyModule(optimizer=optimizer)) == bare
+
+
+def test_with_the_callbacks_real_projects_combine(tmp_path: Path) -> None:
+    """Trainer defaults (log_every_n_steps=50, max_epochs), EarlyStopping and ModelCheckpoint on stability/ keys,
+    LearningRateMonitor, a CSV logger and Tuner.lr_find before fit: the report lands in the logger's directory."""
+    from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.tuner import Tuner
+
+    pl.seed_everything(0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_epochs=3,
+        default_root_dir=tmp_path,
+        logger=CSVLogger(tmp_path),
+        enable_progress_bar=False,
+        callbacks=[
+            GradientNormMonitor(max_norm=1.0),
+            TrainingHealthMonitor(response="rollback"),
+            LearningRateMonitor(),
+            EarlyStopping(monitor="stability/loss_mean", patience=100),
+            ModelCheckpoint(monitor="stability/loss_z", dirpath=tmp_path / "ckpt"),
+        ],
+    )
+    model = Spiky(spike_at=())
+    Tuner(trainer).lr_find(model, num_training=20)
+    trainer.fit(model)
+    assert trainer.global_step == 24
+    assert (Path(trainer.logger.log_dir) / "stability_report.json").is_file()  # type: ignore[union-attr]
+    assert len(list((tmp_path / "ckpt").glob("*.ckpt"))) == 1
+
+
+def test_several_optimizers_are_refused_at_fit_start() -> None:
+    from tests.test_several_optimizers import TwoOptimizerGAN
+
+    trainer = quiet_trainer(max_steps=2, callbacks=[TrainingHealthMonitor(report=False)])
+    with pytest.raises(StabilityConfigError, match=r"watches one optimizer's updates; this module has 2"):
+        trainer.fit(TwoOptimizerGAN())

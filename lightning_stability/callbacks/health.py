@@ -193,7 +193,11 @@ class TrainingHealthMonitor(LedgerCallback):
         if self.response == "rollback":
             self._pending = spikes.any() if self._pending is None else self._pending | spikes.any()
         self.stats.update(values, include)
-        self._mean_of(values.device).update(torch.where(has[_LOSS], values[_LOSS], 0.0), has[_LOSS].float())
+        mean = self._mean_of(values.device)
+        mean.update(torch.where(has[_LOSS], values[_LOSS], 0.0), has[_LOSS].float())
+        # every step, so that EarlyStopping/ModelCheckpoint find it at any epoch end (device ops, no sync)
+        ledger.log("stability/loss_mean", mean.compute(), logging)
+        ledger.log("stability/rollbacks", float(self.rollback.rollbacks), logging)
         ledger.log("stability/loss_z", z[_LOSS], logging)
         ledger.log("stability/grad_norm_z", z[_GRAD], logging)
         scaler = loss_scaler(trainer)
@@ -245,10 +249,8 @@ class TrainingHealthMonitor(LedgerCallback):
         ledger.log("stability/memory_peak_gb", memory[0])
         if ledger.device.type == "cuda":
             ledger.log("stability/memory_reserved_gb", memory[1])
-        ledger.log("stability/rollbacks", float(self.rollback.rollbacks))
-        if self._loss_mean is not None and self._loss_mean.update_count:
-            ledger.log("stability/loss_mean", self._loss_mean.compute())  # rank-averaged update losses
-            self._loss_mean.reset()
+        if self._loss_mean is not None:
+            self._loss_mean.reset()  # its value for this interval was logged in on_step
         if self._pending is not None:
             ledger.log("_health/rollback", self._pending)
             self._pending = None
