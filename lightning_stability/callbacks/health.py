@@ -193,10 +193,10 @@ class TrainingHealthMonitor(LedgerCallback):
         if self.response == "rollback":
             self._pending = spikes.any() if self._pending is None else self._pending | spikes.any()
         self.stats.update(values, include)
-        mean = self._mean_of(values.device)
-        mean.update(torch.where(has[_LOSS], values[_LOSS], 0.0), has[_LOSS].float())
+        loss_mean = self._mean_of(values.device)
+        loss_mean.update(torch.where(has[_LOSS], values[_LOSS], 0.0), has[_LOSS].float())
         # every step, so that EarlyStopping/ModelCheckpoint find it at any epoch end (device ops, no sync)
-        ledger.log("stability/loss_mean", mean.compute(), logging)
+        ledger.log("stability/loss_mean", loss_mean.compute(), logging)
         ledger.log("stability/rollbacks", float(self.rollback.rollbacks), logging)
         ledger.log("stability/loss_z", z[_LOSS], logging)
         ledger.log("stability/grad_norm_z", z[_GRAD], logging)
