@@ -10,6 +10,7 @@ from lightning_stability.errors import StabilityConfigError
 from lightning_stability.fused_clip import FusedClipMixedPrecision
 from lightning_stability.grad_scaler import TunedGradScaler
 from lightning_stability.ledger import Outcome, StepLedger
+from lightning_stability.presets import Preset, describe, list_presets
 from lightning_stability.rollback import TrainingDivergedError
 from lightning_stability.scaling import ScaleRule, auto_initial_scale, update_scale
 from lightning_stability.schedules import (
@@ -21,6 +22,7 @@ from lightning_stability.schedules import (
     WarmupConstantCosineSchedule,
 )
 from lightning_stability.strategies import StableFSDPPrecision, StableFSDPStrategy, consolidate_checkpoint
+from lightning_stability.trainer import StableTrainer
 
 __all__ = [
     "CosineSchedule",
@@ -32,6 +34,7 @@ __all__ = [
     "LossScaleFloorError",
     "LossScaleTuner",
     "Outcome",
+    "Preset",
     "PrecisionDiagnostics",
     "ScaleRule",
     "Schedule",
@@ -39,6 +42,7 @@ __all__ = [
     "StabilityConfigError",
     "StableFSDPPrecision",
     "StableFSDPStrategy",
+    "StableTrainer",
     "StepLedger",
     "TrainingDivergedError",
     "TrainingHealthMonitor",
@@ -50,6 +54,8 @@ __all__ = [
     "auto_initial_scale",
     "check_training_status",
     "consolidate_checkpoint",
+    "describe",
+    "list_presets",
     "update_scale",
 ]
 __version__ = "0.1.0"

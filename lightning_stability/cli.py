@@ -1,4 +1,4 @@
-"""Command line: ``lightning-stability demo``."""
+"""Command line: ``lightning-stability demo | presets [NAME]``."""
 
 from __future__ import annotations
 
@@ -49,6 +49,20 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _presets(args: argparse.Namespace) -> int:
+    from lightning_stability.presets import describe, list_presets
+
+    if args.name:
+        print(describe(args.name))
+        return 0
+    table = list_presets()
+    width = max(len(name) for name in table)
+    for name, description in table.items():
+        print(f"{name:<{width}}  {description}")
+    print("\n`lightning-stability presets NAME` shows every setting of one, with its source.")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="lightning-stability", description="Stable large-model training for Lightning."
@@ -59,8 +73,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--max-norm", type=float, default=1.0)
     demo.add_argument("--nan-at-step", type=int, default=20)
     demo.set_defaults(func=_demo)
+    presets = sub.add_parser("presets", help="list the presets, or describe one (every setting and its source)")
+    presets.add_argument("name", nargs="?", default=None, help="the preset to describe (default: list them all)")
+    presets.set_defaults(func=_presets)
     args = parser.parse_args(argv)
-    return int(args.func(args))
+    from lightning_stability.errors import StabilityConfigError
+
+    try:
+        return int(args.func(args))
+    except StabilityConfigError as err:
+        parser.exit(2, f"lightning-stability {args.command}: {err}\n")
 
 
 if __name__ == "__main__":

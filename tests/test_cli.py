@@ -27,3 +27,17 @@ def test_demo_lr_holds_still_on_the_skipped_step() -> None:
 def test_unknown_command_exits_with_usage() -> None:
     with pytest.raises(SystemExit):
         main(["bogus"])
+
+
+def test_presets_lists_them_and_describes_one(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_stability.cli import main
+
+    assert main(["presets"]) == 0
+    listing = capsys.readouterr().out
+    assert "175b      the seed's 175B recipe" in listing and "gpt       GPT-like decoders" in listing
+    assert main(["presets", "175b"]) == 0
+    assert "accumulation              32            seed row 24 (accumulation 32)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["presets", "gtp"])
+    assert exit_info.value.code == 2
+    assert "Did you mean 'gpt'?" in capsys.readouterr().err

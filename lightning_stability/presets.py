@@ -1,0 +1,185 @@
+"""Named training recipes from the seed's numbers: one table, every value with its source.
+
+A :class:`Preset` is a complete, typed configuration of the package's callbacks and strategy. Variants derive
+from a base with :func:`dataclasses.replace`, so a family (``gpt``) and a size (``over-10b``) do not multiply
+into a table of combinations; ``StableTrainer.from_preset`` builds a Trainer from one and lets the user
+override any field. Pure data: no Trainer is built here.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal
+
+from lightning_stability.errors import StabilityConfigError
+
+Precision = Literal["16-mixed", "bf16-mixed", "32-true"]
+Response = Literal["warn", "clip", "skip", "rollback"]
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A recipe. ``sources`` maps a field to where its value comes from (a seed row of SEED-DIGEST.md or a peer).
+
+    Fields:
+        max_norm: ``GradientNormMonitor(max_norm=...)``: the global gradient-norm clip (``None``: measure only).
+        warmup, decay, min_lr_ratio: ``WarmupConstantCosineLR`` (fractions of the run, or step counts).
+        precision: ``"16-mixed"`` (fp16 compute, fp32 master weights and update), ``"bf16-mixed"`` or ``"32-true"``.
+        init_scale, hysteresis: ``LossScaleTuner`` (fp16 only).
+        accumulation: ``GradientAccumulation(steps=...)`` (1: none).
+        lr_scaling: how the LR follows the accumulation (``"linear"``: ``lr * steps``; ``"none"``).
+        effective_batch: the global batch the recipe aims at (documentation and the memory planner).
+        fsdp: shard with ``StableFSDPStrategy``; activation_checkpointing: its activation checkpointing.
+        num_nodes: machines the recipe was written for (adapted to the user's).
+        health: ``TrainingHealthMonitor(response=...)``.
+    """
+
+    name: str
+    description: str
+    max_norm: float | None = 1.0
+    warmup: float = 0.05
+    decay: float = 0.20
+    min_lr_ratio: float = 0.0
+    precision: Precision = "bf16-mixed"
+    init_scale: float = 65536.0
+    hysteresis: int = 2
+    accumulation: int = 1
+    lr_scaling: Literal["linear", "sqrt", "none"] = "none"
+    effective_batch: int | None = None
+    fsdp: bool = False
+    activation_checkpointing: bool = False
+    num_nodes: int = 1
+    health: Response = "skip"
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def derive(self, name: str, description: str, sources: dict[str, str] | None = None, **changes: Any) -> Preset:
+        """A variant of this preset: ``changes`` applied, their ``sources`` added to the inherited ones."""
+        return replace(self, name=name, description=description, sources={**self.sources, **(sources or {})}, **changes)
+
+    def settings(self) -> dict[str, Any]:
+        """Every configurable field and its value."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _META}
+
+
+_META = ("name", "description", "sources")
+FIELDS = tuple(f.name for f in fields(Preset) if f.name not in _META)
+
+_BASE = Preset(
+    name="base",
+    description="the defaults every preset starts from",
+    sources={
+        "max_norm": "seed row 2 (BERT-like models clip at 1.0)",
+        "warmup": "seed rows 5 and 7 (warmup over the first 5% of the run)",
+        "decay": "seed row 7 (cosine over the last 20%, constant between)",
+        "precision": "bf16 where fp16's loss scaling is not asked for (PyTorch's recommendation on Ampere+)",
+        "init_scale": "seed row 11 (GradScaler's default 65536)",
+        "hysteresis": "Megatron-LM's hysteresis=2",
+        "health": "OLMo-core's skip-step optimizer; benchmarks/spikes.py (skip ends closest to clean runs)",
+        "min_lr_ratio": "0: decay to zero, as the seed's schedules",
+        "lr_scaling": "your LR as configured; 'linear' is the seed's row 17 rule (lr * accumulation steps)",
+        "accumulation": "1: no accumulation below the sizes of seed row 16",
+        "effective_batch": "none: your DataLoader's batch",
+        "fsdp": "off: one replica per device (DDP or one device) below the sizes of seed rows 20-22",
+        "activation_checkpointing": "off: seed row 19 pairs it with heavy accumulation only",
+        "num_nodes": "1",
+    },
+)
+
+_FP16 = {"precision": "seed row 9 (fp16 forward and backward, fp32 master weights and update)"}
+
+
+def _table() -> dict[str, Preset]:
+    tiny = _BASE.derive(
+        "tiny",
+        "a small model on one CPU or GPU: tests and the demo",
+        {"precision": "fp32: nothing to gain from mixed precision at this size"},
+        precision="32-true",
+    )
+    bert = _BASE.derive("bert", "BERT-like encoders", {"max_norm": "seed row 2 (BERT-like: 1.0)"}, max_norm=1.0)
+    gpt = _BASE.derive("gpt", "GPT-like decoders", {"max_norm": "seed row 2 (GPT-like: 0.5)"}, max_norm=0.5)
+    moe = _BASE.derive("moe", "mixture-of-experts models", {"max_norm": "seed row 2 (MoE: 2.0)"}, max_norm=2.0)
+    size = "seed row 16 (accumulation steps and global batch by model size)"
+    under_1b = _BASE.derive(
+        "under-1b",
+        "models under 1B parameters",
+        {"accumulation": size, "effective_batch": size, **_FP16},
+        accumulation=4,
+        effective_batch=512,
+        precision="16-mixed",
+    )
+    b1_10 = under_1b.derive(
+        "1b-10b",
+        "models of 1-10B parameters",
+        {"activation_checkpointing": "seed row 19 (pair accumulation with activation checkpointing)"},
+        accumulation=16,
+        effective_batch=2048,
+        activation_checkpointing=True,
+    )
+    over_10b = b1_10.derive(
+        "over-10b",
+        "models over 10B parameters, sharded",
+        {"fsdp": "seed rows 20-22 (FSDP for models that do not fit one device)"},
+        accumulation=32,
+        effective_batch=4096,
+        fsdp=True,
+    )
+    b100 = over_10b.derive(
+        "100b",
+        "100B-scale: the seed's mixed LR strategy",
+        {"warmup": "seed row 7 (0-5% linear warmup)", "decay": "seed row 7 (5-80% constant, last 20% cosine)"},
+        warmup=0.05,
+        decay=0.20,
+    )
+    b175 = over_10b.derive(
+        "175b",
+        "the seed's 175B recipe",
+        {
+            "max_norm": "seed row 24 (clip 1.0)",
+            "warmup": "seed row 24 (cosine with 5% warmup)",
+            "decay": "seed row 24 (cosine over the rest of the run)",
+            "init_scale": "seed row 24 (initial loss scale 32768)",
+            "accumulation": "seed row 24 (accumulation 32)",
+            "fsdp": "seed row 24 (FSDP)",
+            "num_nodes": "seed row 24 (8 nodes)",
+        },
+        max_norm=1.0,
+        warmup=0.05,
+        decay=0.95,
+        init_scale=32768.0,
+        accumulation=32,
+        num_nodes=8,
+    )
+    return {p.name: p for p in (tiny, bert, gpt, moe, under_1b, b1_10, over_10b, b100, b175)}
+
+
+PRESETS: dict[str, Preset] = _table()
+
+
+def list_presets() -> dict[str, str]:
+    """Every preset's name and one-line description."""
+    return {name: p.description for name, p in PRESETS.items()}
+
+
+def get_preset(name: str) -> Preset:
+    """The preset ``name``; an unknown name is an error that lists the known ones and suggests the closest."""
+    preset = PRESETS.get(str(name).lower())
+    if preset is not None:
+        return preset
+    close = difflib.get_close_matches(str(name).lower(), PRESETS, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    raise StabilityConfigError(
+        f"Unknown preset {name!r}.{hint} Known presets: {', '.join(PRESETS)}. "
+        "Fix: pass one of them (`lightning-stability presets` lists them)."
+    )
+
+
+def describe(name: str | Preset) -> str:
+    """Every setting of a preset, its value and its source, one per line."""
+    preset = name if isinstance(name, Preset) else get_preset(name)
+    width = max(len(k) for k in FIELDS)
+    lines = [f"{preset.name}: {preset.description}"]
+    for key, value in preset.settings().items():
+        source = preset.sources.get(key, "")
+        lines.append(f"  {key:<{width}}  {value!s:<12}  {source}".rstrip())
+    return "\n".join(lines)

@@ -1,0 +1,173 @@
+"""StableTrainer: a ``lightning.Trainer`` built from a preset, with every callback and the strategy configured.
+
+``StableTrainer.from_preset("175b", **overrides)`` takes the recipe's numbers and applies them on the user's
+hardware: what cannot apply there (8 nodes on one machine, FSDP on one device, fp16 on a CPU, which needs an
+explicit loss-scaler plugin) is adapted and said in one info line. Overrides are any preset field or any
+``Trainer`` argument; anything else is an error naming it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import replace
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins import MixedPrecision
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_stability.callbacks.accumulation import GradientAccumulation
+from lightning_stability.callbacks.base import LedgerCallback
+from lightning_stability.callbacks.grad_norm import GradientNormMonitor
+from lightning_stability.callbacks.health import TrainingHealthMonitor
+from lightning_stability.callbacks.loss_scale import LossScaleTuner
+from lightning_stability.callbacks.lr_schedule import WarmupConstantCosineLR
+from lightning_stability.errors import StabilityConfigError
+from lightning_stability.presets import FIELDS, Preset, get_preset
+from lightning_stability.strategies import StableFSDPStrategy
+
+_TRAINER_ARGS = frozenset(inspect.signature(pl.Trainer.__init__).parameters) - {"self"}
+
+
+def _nodes_in_environment() -> int:
+    """Machines this job runs on, as far as the launcher says (SLURM, torchrun); 1 otherwise."""
+    if os.environ.get("SLURM_NNODES", "").isdigit():
+        return int(os.environ["SLURM_NNODES"])
+    world, local = os.environ.get("WORLD_SIZE", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
+    if world.isdigit() and local.isdigit() and int(local) > 0:
+        return max(1, int(world) // int(local))
+    return 1
+
+
+def _devices_per_node(devices: Any, gpu: bool) -> int:
+    if isinstance(devices, int) and devices > 0:
+        return devices
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    if isinstance(devices, str) and devices.isdigit():
+        return int(devices)
+    return torch.cuda.device_count() if gpu else 1
+
+
+class StableTrainer(pl.Trainer):
+    """A ``lightning.Trainer``; :meth:`from_preset` builds one from a recipe. ``preset`` is the recipe used."""
+
+    preset: Preset | None = None
+
+    @classmethod
+    def from_preset(cls, name: str | Preset, **overrides: Any) -> StableTrainer:
+        """The Trainer of preset ``name`` with ``overrides`` (preset fields or Trainer arguments) applied.
+
+        ``callbacks=[...]`` are appended after the preset's; one of the same kind as a preset callback is an
+        error that says which field to override instead.
+
+        Example::
+
+            trainer = StableTrainer.from_preset("175b", accelerator="cpu", devices=2, max_steps=10)
+            trainer = StableTrainer.from_preset("gpt", max_norm=0.3, callbacks=[LearningRateMonitor()])
+        """
+        preset = name if isinstance(name, Preset) else get_preset(name)
+        unknown = sorted(set(overrides) - set(FIELDS) - _TRAINER_ARGS)
+        if unknown:
+            raise StabilityConfigError(
+                f"StableTrainer.from_preset({preset.name!r}) got unknown override(s) {unknown}. Fix: pass a preset "
+                f"field ({', '.join(FIELDS)}) or a lightning.Trainer argument."
+            )
+        preset = replace(preset, **{k: v for k, v in overrides.items() if k in FIELDS})
+        args = {k: v for k, v in overrides.items() if k in _TRAINER_ARGS}
+        extra = args.pop("callbacks", None) or []
+        extra = [extra] if isinstance(extra, Callback) else list(extra)
+        notes: list[str] = []
+        args.update(_hardware(preset, args, notes))
+        callbacks = _callbacks(preset, args)
+        _check_duplicates(preset, callbacks, extra)
+        if notes:
+            rank_zero_info(f"StableTrainer preset {preset.name!r} on this hardware: " + "; ".join(notes) + ".")
+        trainer = cls(callbacks=[*callbacks, *extra], **args)
+        trainer.preset = preset
+        return trainer
+
+
+def _hardware(preset: Preset, args: dict[str, Any], notes: list[str]) -> dict[str, Any]:
+    """Nodes, strategy and precision for this machine; ``notes`` say what differs from the recipe."""
+    out: dict[str, Any] = {}
+    accelerator = args.get("accelerator", "auto")
+    gpu = torch.cuda.is_available() and str(accelerator) in ("auto", "gpu", "cuda")
+    nodes = args.get("num_nodes")
+    if nodes is None:
+        nodes = min(preset.num_nodes, _nodes_in_environment())
+        if nodes != preset.num_nodes:
+            notes.append(f"num_nodes {preset.num_nodes} -> {nodes} (the job runs on {nodes} machine(s))")
+        out["num_nodes"] = nodes
+    world = nodes * _devices_per_node(args.get("devices", "auto"), gpu)
+    fsdp = preset.fsdp and "strategy" not in args
+    if fsdp and world < 2:
+        fsdp = False
+        notes.append("FSDP off (one device: nothing to shard)")
+    user_precision = "precision" in args or any(isinstance(p, MixedPrecision) for p in args.get("plugins") or [])
+    if fsdp:
+        mixed = {"16-mixed": True, "bf16-mixed": torch.bfloat16, "32-true": False}[preset.precision]
+        out["strategy"] = StableFSDPStrategy(
+            mixed_precision=None if user_precision else mixed,
+            activation_checkpointing=preset.activation_checkpointing,
+        )
+    elif preset.activation_checkpointing and "strategy" not in args:
+        notes.append("activation checkpointing off (it comes with FSDP here)")
+    if user_precision or fsdp:
+        return out
+    if preset.precision == "16-mixed" and not gpu:
+        # Lightning turns precision="16-mixed" on a CPU into bf16; an explicit scaler plugin keeps fp16
+        out["plugins"] = [
+            *(args.get("plugins") or []),
+            MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu")),
+        ]
+        notes.append("fp16 on the CPU through an explicit loss-scaler plugin")
+    else:
+        out["precision"] = preset.precision
+    return out
+
+
+def _fp16(preset: Preset, args: dict[str, Any]) -> bool:
+    precision = str(args.get("precision", preset.precision))
+    plugins = [p for p in args.get("plugins") or [] if isinstance(p, MixedPrecision)]
+    return precision in ("16-mixed", "16") or any(str(p.precision) == "16-mixed" for p in plugins)
+
+
+def _callbacks(preset: Preset, args: dict[str, Any]) -> list[Callback]:
+    callbacks: list[Callback] = [
+        GradientNormMonitor(max_norm=preset.max_norm),
+        WarmupConstantCosineLR(warmup=preset.warmup, decay=preset.decay, min_lr_ratio=preset.min_lr_ratio),
+    ]
+    if preset.accumulation > 1:
+        callbacks.append(GradientAccumulation(steps=preset.accumulation, lr_scaling=preset.lr_scaling))
+    if _fp16(preset, args):
+        callbacks.append(LossScaleTuner(init_scale=preset.init_scale, hysteresis=preset.hysteresis))
+    callbacks.append(TrainingHealthMonitor(response=preset.health))
+    return callbacks
+
+
+_FIELD_OF = {
+    GradientNormMonitor: "max_norm",
+    WarmupConstantCosineLR: "warmup, decay, min_lr_ratio",
+    GradientAccumulation: "accumulation, lr_scaling",
+    LossScaleTuner: "init_scale, hysteresis",
+    TrainingHealthMonitor: "health",
+}
+
+
+def _check_duplicates(preset: Preset, ours: list[Callback], extra: list[Callback]) -> None:
+    for cb in extra:
+        if not isinstance(cb, LedgerCallback):
+            continue
+        clash = next((o for o in ours if isinstance(o, LedgerCallback) and isinstance(cb, o.kind())), None)
+        if clash is not None:
+            kind = clash.kind()
+            fields = _FIELD_OF.get(type(clash), "its preset fields")
+            raise StabilityConfigError(
+                f"StableTrainer.from_preset({preset.name!r}) already attaches a {kind.__name__}, and callbacks= "
+                f"adds another ({type(cb).__name__}). Fix: override the preset's instead ({fields}=...), e.g. "
+                f"StableTrainer.from_preset({preset.name!r}, {fields.split(',')[0]}=...)."
+            )

@@ -1,0 +1,106 @@
+"""Presets and StableTrainer.from_preset with real Trainers on this CPU."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.callbacks import LearningRateMonitor
+
+from lightning_stability import (
+    GradientAccumulation,
+    GradientNormMonitor,
+    LossScaleTuner,
+    StabilityConfigError,
+    StableTrainer,
+    TrainingHealthMonitor,
+    WarmupConstantCosineLR,
+    describe,
+    list_presets,
+)
+from lightning_stability.presets import FIELDS, PRESETS, get_preset
+from tests.helpers import TinyModule, torchrun
+
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+warnings.filterwarnings("ignore", ".*LitLogger.*")
+
+
+def quiet(**kwargs: object) -> dict[str, object]:
+    return dict(
+        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, **kwargs
+    )
+
+
+def test_the_table_has_every_family_and_size_and_each_value_cites_its_source() -> None:
+    assert set(list_presets()) == {"tiny", "bert", "gpt", "moe", "under-1b", "1b-10b", "over-10b", "100b", "175b"}
+    assert (get_preset("bert").max_norm, get_preset("gpt").max_norm, get_preset("moe").max_norm) == (1.0, 0.5, 2.0)
+    sizes = [(get_preset(n).accumulation, get_preset(n).effective_batch) for n in ("under-1b", "1b-10b", "over-10b")]
+    assert sizes == [(4, 512), (16, 2048), (32, 4096)]
+    b175 = get_preset("175b")
+    assert (b175.max_norm, b175.warmup, b175.decay, b175.precision) == (1.0, 0.05, 0.95, "16-mixed")
+    assert (b175.init_scale, b175.accumulation, b175.fsdp, b175.num_nodes) == (32768.0, 32, True, 8)
+    for preset in PRESETS.values():
+        assert set(preset.sources) >= set(FIELDS), f"{preset.name}: no source for {set(FIELDS) - set(preset.sources)}"
+    text = describe("175b")
+    assert len(text.splitlines()) == 1 + len(FIELDS)
+    assert "init_scale                32768.0       seed row 24 (initial loss scale 32768)" in text
+
+
+def test_an_unknown_preset_lists_the_known_ones_and_suggests_the_closest() -> None:
+    with pytest.raises(StabilityConfigError, match=r"Unknown preset 'gtp'\. Did you mean 'gpt'\? Known presets: tiny"):
+        StableTrainer.from_preset("gtp")
+
+
+def test_from_preset_is_a_trainer_with_the_recipes_callbacks_and_trains() -> None:
+    trainer = StableTrainer.from_preset("tiny", accelerator="cpu", max_steps=4, **quiet())
+    assert isinstance(trainer, pl.Trainer) and trainer.preset is not None
+    kinds = [type(cb) for cb in trainer.callbacks if not type(cb).__module__.startswith("lightning.")]
+    assert kinds == [GradientNormMonitor, WarmupConstantCosineLR, TrainingHealthMonitor]
+    trainer.fit(TinyModule())
+    assert trainer.global_step == 4
+
+
+def test_overrides_go_to_the_preset_or_the_trainer_and_callbacks_are_appended() -> None:
+    monitor = LearningRateMonitor()
+    trainer = StableTrainer.from_preset(
+        "gpt", accelerator="cpu", max_norm=0.3, health="rollback", max_steps=2, callbacks=[monitor], **quiet()
+    )
+    norm = next(cb for cb in trainer.callbacks if isinstance(cb, GradientNormMonitor))
+    health = next(cb for cb in trainer.callbacks if isinstance(cb, TrainingHealthMonitor))
+    assert norm.max_norm == 0.3 and health.response == "rollback" and trainer.max_steps == 2
+    ours = [cb for cb in trainer.callbacks if cb is norm or cb is monitor]
+    assert ours == [norm, monitor]  # the user's after the preset's
+
+
+def test_unknown_overrides_and_duplicate_callbacks_are_errors_that_say_what_to_do() -> None:
+    with pytest.raises(StabilityConfigError, match=r"unknown override\(s\) \['max_nrom'\].*max_norm"):
+        StableTrainer.from_preset("gpt", max_nrom=0.3)
+    with pytest.raises(StabilityConfigError, match=r"already attaches a GradientNormMonitor.*max_norm=\.\.\."):
+        StableTrainer.from_preset("gpt", callbacks=[GradientNormMonitor(max_norm=2.0)])
+    with pytest.raises(StabilityConfigError, match=r"`max_norm=-1.0`"):
+        StableTrainer.from_preset("gpt", max_norm=-1.0)
+
+
+def test_175b_on_one_cpu_adapts_and_says_so_in_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO):
+        trainer = StableTrainer.from_preset("175b", accelerator="cpu", devices=1, max_steps=2, **quiet())
+    notes = [r.getMessage() for r in caplog.records if "StableTrainer preset" in r.getMessage()]
+    assert len(notes) == 1
+    assert "num_nodes 8 -> 1" in notes[0] and "FSDP off" in notes[0] and "fp16 on the CPU" in notes[0]
+    kinds = {type(cb) for cb in trainer.callbacks}
+    assert {GradientAccumulation, LossScaleTuner, TrainingHealthMonitor} <= kinds
+    trainer.fit(TinyModule(n=512))  # 2 updates of 32 micro-batches each
+    assert trainer.global_step == 2
+    scaler = next(cb for cb in trainer.callbacks if isinstance(cb, LossScaleTuner)).scaler
+    assert scaler is not None and scaler.get_scale() == 32768.0  # the recipe's initial scale, on a CPU
+
+
+@pytest.mark.distributed
+def test_175b_on_two_cpu_processes_shards_with_fsdp_and_trains(tmp_path: Path) -> None:
+    rank0, rank1 = torchrun(Path(__file__).parent / "distributed" / "preset_script.py", 2, tmp_path)
+    assert rank0["strategy"] == "StableFSDPStrategy" and rank0["global_step"] == 2
+    assert rank0["weights"] == rank1["weights"]  # gathered full weights, identical on both ranks
+    assert rank0["loss_scale"] == 32768.0
