@@ -53,9 +53,32 @@ def _devices_per_node(devices: Any, gpu: bool) -> int:
 
 
 class StableTrainer(pl.Trainer):
-    """A ``lightning.Trainer``; :meth:`from_preset` builds one from a recipe. ``preset`` is the recipe used."""
+    """A ``lightning.Trainer`` that can be built from a preset: :meth:`from_preset` in Python, or
+    ``preset=`` / ``preset_overrides=`` as constructor arguments (so ``LightningCLI(trainer_class=StableTrainer)``
+    takes ``--trainer.preset 175b``). Without a preset it is a plain Trainer. ``preset`` holds the recipe used.
 
-    preset: Preset | None = None
+    Args:
+        preset: a preset name (``lightning-stability presets`` lists them), or ``None``.
+        preset_overrides: preset fields to change, e.g. ``{"max_norm": 0.3}``.
+        **kwargs: any ``lightning.Trainer`` argument; ``callbacks`` come after the preset's.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        preset: str | Preset | None = None,
+        preset_overrides: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        recipe = None
+        if preset is not None:
+            recipe, kwargs = _preset_arguments(preset, dict(preset_overrides or {}), kwargs)
+        elif preset_overrides:
+            raise StabilityConfigError(
+                f"StableTrainer(preset_overrides={preset_overrides}) without a preset. Fix: pass preset=NAME too."
+            )
+        super().__init__(*args, **kwargs)
+        self.preset: Preset | None = recipe
 
     @classmethod
     def from_preset(cls, name: str | Preset, **overrides: Any) -> StableTrainer:
@@ -69,26 +92,39 @@ class StableTrainer(pl.Trainer):
             trainer = StableTrainer.from_preset("175b", accelerator="cpu", devices=2, max_steps=10)
             trainer = StableTrainer.from_preset("gpt", max_norm=0.3, callbacks=[LearningRateMonitor()])
         """
-        preset = name if isinstance(name, Preset) else get_preset(name)
+        preset_name = name.name if isinstance(name, Preset) else str(name)
         unknown = sorted(set(overrides) - set(FIELDS) - _TRAINER_ARGS)
         if unknown:
             raise StabilityConfigError(
-                f"StableTrainer.from_preset({preset.name!r}) got unknown override(s) {unknown}. Fix: pass a preset "
+                f"StableTrainer.from_preset({preset_name!r}) got unknown override(s) {unknown}. Fix: pass a preset "
                 f"field ({', '.join(FIELDS)}) or a lightning.Trainer argument."
             )
-        preset = replace(preset, **{k: v for k, v in overrides.items() if k in FIELDS})
-        args = {k: v for k, v in overrides.items() if k in _TRAINER_ARGS}
-        extra = args.pop("callbacks", None) or []
-        extra = [extra] if isinstance(extra, Callback) else list(extra)
-        notes: list[str] = []
-        args.update(_hardware(preset, args, notes))
-        callbacks = _callbacks(preset, args)
-        _check_duplicates(preset, callbacks, extra)
-        if notes:
-            rank_zero_info(f"StableTrainer preset {preset.name!r} on this hardware: " + "; ".join(notes) + ".")
-        trainer = cls(callbacks=[*callbacks, *extra], **args)
-        trainer.preset = preset
-        return trainer
+        fields = {k: v for k, v in overrides.items() if k in FIELDS}
+        return cls(preset=name, preset_overrides=fields, **{k: v for k, v in overrides.items() if k not in FIELDS})
+
+
+def _preset_arguments(
+    name: str | Preset, fields: dict[str, Any], args: dict[str, Any]
+) -> tuple[Preset, dict[str, Any]]:
+    """The preset with ``fields`` applied, and the Trainer arguments that build it on this hardware."""
+    preset = name if isinstance(name, Preset) else get_preset(name)
+    unknown = sorted(set(fields) - set(FIELDS))
+    if unknown:
+        raise StabilityConfigError(
+            f"preset_overrides has unknown preset field(s) {unknown}. Fix: use one of {', '.join(FIELDS)}."
+        )
+    preset = replace(preset, **fields)
+    args = dict(args)
+    extra = args.pop("callbacks", None) or []
+    extra = [extra] if isinstance(extra, Callback) else list(extra)
+    notes: list[str] = []
+    args.update(_hardware(preset, args, notes))
+    callbacks = _callbacks(preset, args)
+    _check_duplicates(preset, callbacks, extra)
+    if notes:
+        rank_zero_info(f"StableTrainer preset {preset.name!r} on this hardware: " + "; ".join(notes) + ".")
+    args["callbacks"] = [*callbacks, *extra]
+    return preset, args
 
 
 def _hardware(preset: Preset, args: dict[str, Any], notes: list[str]) -> dict[str, Any]:

@@ -1,0 +1,81 @@
+"""LightningCLI: every callback and the strategy from YAML by class path, and a preset from the command line."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+from lightning.pytorch.cli import LightningCLI
+
+from lightning_stability import (
+    GradientAccumulation,
+    GradientNormMonitor,
+    LossScaleTuner,
+    StableFSDPStrategy,
+    StableTrainer,
+    TrainingHealthMonitor,
+    WarmupConstantCosineLR,
+)
+from tests.helpers import TinyModule
+
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+warnings.filterwarnings("ignore", ".*LitLogger.*")
+
+QUIET = ["--trainer.accelerator=cpu", "--trainer.logger=false", "--trainer.enable_progress_bar=false"]
+
+CONFIG = """
+trainer:
+  max_steps: 4
+  callbacks:
+    - class_path: lightning_stability.GradientNormMonitor
+      init_args: {max_norm: 0.5, per_layer: 3}
+    - class_path: lightning_stability.WarmupConstantCosineLR
+      init_args: {warmup: 0.25, decay: 0.5}
+    - class_path: lightning_stability.GradientAccumulation
+      init_args: {steps: 2}
+    - class_path: lightning_stability.LossScaleTuner
+      init_args: {init_scale: 1024.0}
+    - class_path: lightning_stability.TrainingHealthMonitor
+      init_args: {response: skip, report: false}
+"""
+
+
+def test_every_callback_from_yaml(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(CONFIG)
+    cli = LightningCLI(TinyModule, run=False, save_config_callback=None, args=[f"--config={config}", *QUIET])
+    kinds = {type(cb): cb for cb in cli.trainer.callbacks}
+    assert kinds[GradientNormMonitor].max_norm == 0.5  # type: ignore[attr-defined]
+    assert kinds[WarmupConstantCosineLR].schedule.warmup == 0.25  # type: ignore[attr-defined]
+    assert kinds[GradientAccumulation].steps == 2  # type: ignore[attr-defined]
+    assert kinds[TrainingHealthMonitor].response == "skip"  # type: ignore[attr-defined]
+    assert LossScaleTuner in kinds
+    cli.trainer.fit(cli.model)
+    assert cli.trainer.global_step == 4
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    ['{"class_path": "lightning_stability.StableFSDPStrategy", "init_args": {"reduce_dtype": null}}', "stable_fsdp"],
+)
+def test_the_strategy_by_class_path_or_registered_name(strategy: str) -> None:
+    """The registered name works once the package is imported (here, by this test); the class path always."""
+    args = [f"--trainer.strategy={strategy}", "--trainer.devices=1", *QUIET]
+    cli = LightningCLI(TinyModule, run=False, save_config_callback=None, args=args)
+    assert isinstance(cli.trainer.strategy, StableFSDPStrategy)
+
+
+def test_a_preset_from_the_command_line() -> None:
+    args = ["--trainer.preset=gpt", "--trainer.preset_overrides={max_norm: 0.3, health: warn}", "--trainer.max_steps=3"]
+    cli = LightningCLI(
+        TinyModule, trainer_class=StableTrainer, run=False, save_config_callback=None, args=[*args, *QUIET]
+    )
+    trainer = cli.trainer
+    assert isinstance(trainer, StableTrainer) and trainer.preset is not None and trainer.preset.name == "gpt"
+    norm = next(cb for cb in trainer.callbacks if isinstance(cb, GradientNormMonitor))
+    health = next(cb for cb in trainer.callbacks if isinstance(cb, TrainingHealthMonitor))
+    assert norm.max_norm == 0.3 and health.response == "warn"
+    health.report = False
+    trainer.fit(cli.model)
+    assert trainer.global_step == 3
