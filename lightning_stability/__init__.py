@@ -10,6 +10,7 @@ from lightning_stability.errors import StabilityConfigError
 from lightning_stability.fused_clip import FusedClipMixedPrecision
 from lightning_stability.grad_scaler import TunedGradScaler
 from lightning_stability.ledger import Outcome, StepLedger
+from lightning_stability.planner import MemoryPlan, ModelShape, plan_memory
 from lightning_stability.presets import Preset, describe, list_presets
 from lightning_stability.rollback import TrainingDivergedError
 from lightning_stability.scaling import ScaleRule, auto_initial_scale, update_scale
@@ -33,6 +34,8 @@ __all__ = [
     "LinearSchedule",
     "LossScaleFloorError",
     "LossScaleTuner",
+    "MemoryPlan",
+    "ModelShape",
     "Outcome",
     "Preset",
     "PrecisionDiagnostics",
@@ -56,6 +59,7 @@ __all__ = [
     "consolidate_checkpoint",
     "describe",
     "list_presets",
+    "plan_memory",
     "update_scale",
 ]
 __version__ = "0.1.0"

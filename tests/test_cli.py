@@ -41,3 +41,19 @@ def test_presets_lists_them_and_describes_one(capsys: pytest.CaptureFixture[str]
         main(["presets", "gtp"])
     assert exit_info.value.code == 2
     assert "Did you mean 'gpt'?" in capsys.readouterr().err
+
+
+def test_plan_175b_on_8_nodes_of_8_gpus(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_stability.cli import main
+
+    args = ["plan", "--preset", "175b", "--params", "175e9", "--layers", "96", "--hidden", "12288"]
+    args += ["--heads", "96", "--vocab", "51200", "--gpus-per-node", "8", "--gpu-memory", "80GiB"]
+    assert main(args) == 0  # exit code 0: it fits
+    out = capsys.readouterr().out
+    assert "preset 175b: precision 16-mixed, sharding full, activation checkpointing True" in out
+    assert "on 8 x 8 = 64 GPUs" in out  # the preset's 8 nodes
+    # 16 bytes per parameter (ZeRO, mixed-precision Adam) over 64 GPUs
+    assert "optimizer                   30.56  12P/64" in out and "params                       5.09  2P/64" in out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--params", "7e9", "--sharding", "zero9"])
+    assert exit_info.value.code == 2 and "`sharding='zero9'` is not supported" in capsys.readouterr().err
