@@ -54,13 +54,14 @@ def test_an_unknown_preset_lists_the_known_ones_and_suggests_the_closest() -> No
         StableTrainer.from_preset("gtp")
 
 
-def test_from_preset_is_a_trainer_with_the_recipes_callbacks_and_trains() -> None:
-    trainer = StableTrainer.from_preset("tiny", accelerator="cpu", max_steps=4, **quiet())
+def test_from_preset_is_a_trainer_with_the_recipes_callbacks_and_trains(tmp_path: Path) -> None:
+    trainer = StableTrainer.from_preset("tiny", accelerator="cpu", max_steps=4, default_root_dir=tmp_path, **quiet())
     assert isinstance(trainer, pl.Trainer) and trainer.preset is not None
     kinds = [type(cb) for cb in trainer.callbacks if not type(cb).__module__.startswith("lightning.")]
     assert kinds == [GradientNormMonitor, WarmupConstantCosineLR, TrainingHealthMonitor]
     trainer.fit(TinyModule())
     assert trainer.global_step == 4
+    assert (tmp_path / "stability_report.json").is_file()  # the preset's health report, in default_root_dir
 
 
 def test_overrides_go_to_the_preset_or_the_trainer_and_callbacks_are_appended() -> None:
@@ -84,9 +85,11 @@ def test_unknown_overrides_and_duplicate_callbacks_are_errors_that_say_what_to_d
         StableTrainer.from_preset("gpt", max_norm=-1.0)
 
 
-def test_175b_on_one_cpu_adapts_and_says_so_in_one_line(caplog: pytest.LogCaptureFixture) -> None:
+def test_175b_on_one_cpu_adapts_and_says_so_in_one_line(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     with caplog.at_level(logging.INFO):
-        trainer = StableTrainer.from_preset("175b", accelerator="cpu", devices=1, max_steps=2, **quiet())
+        trainer = StableTrainer.from_preset(
+            "175b", accelerator="cpu", devices=1, max_steps=2, default_root_dir=tmp_path, **quiet()
+        )
     notes = [r.getMessage() for r in caplog.records if "StableTrainer preset" in r.getMessage()]
     assert len(notes) == 1
     assert "num_nodes 8 -> 1" in notes[0] and "FSDP off" in notes[0] and "fp16 on the CPU" in notes[0]
