@@ -79,17 +79,34 @@ class HealthHistory:
         self._labels, self._host = [], []
         return rows
 
-    def flush_now(self) -> None:
-        """Move the pending rows to the host directly (HOST SYNC: end of training and checkpoints only)."""
+    def pending_on_host(self) -> list[float]:
+        """The pending rows, flattened, as host values (HOST SYNC: end of training only)."""
         flat = self.pending()
-        if flat is not None:
-            self.take(flat.cpu().tolist())
+        return [] if flat is None else flat.cpu().tolist()
 
     def state_dict(self) -> dict[str, Any]:
-        self.flush_now()
-        return {k: torch.tensor(v, dtype=torch.float64) for k, v in self.series.items()}
+        """The host series and the rows not yet moved to the host (a sync: checkpoints only). Nothing is taken
+        from the pending rows: the next logging step still reads them, as in a run that was never saved."""
+        return {
+            "series": {k: torch.tensor(v, dtype=torch.float64) for k, v in self.series.items()},
+            "pending": {
+                "labels": list(self._labels),
+                "host": [dict(h) for h in self._host],
+                "rows": self.pending_on_host(),
+            },
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        series = state.get("series", {})
         for key in self.series:
-            value = state.get(key)
-            self.series[key] = value.tolist() if value is not None else [math.nan] * len(state.get("step", []))
+            value = series.get(key)
+            self.series[key] = value.tolist() if value is not None else [math.nan] * len(series.get("step", []))
+        pending = state.get("pending", {})
+        self._labels, self._host = list(pending.get("labels", [])), [dict(h) for h in pending.get("host", [])]
+        rows = pending.get("rows", [])
+        self._buf = None
+        if self._labels:
+            # moved to the device by the first `add` (``_buffer`` copies the rows it holds)
+            buf = torch.full((max(64, 2 * len(self._labels)), len(COLUMNS)), math.nan, dtype=torch.float32)
+            buf[: len(self._labels)] = torch.tensor(rows, dtype=torch.float32).reshape(len(self._labels), len(COLUMNS))
+            self._buf = buf

@@ -27,7 +27,7 @@ from lightning_stability.skips import (
     Flag,
     loss_scaler,
 )
-from lightning_stability.step_grads import StepGradients
+from lightning_stability.step_grads import ClipScale, StepGradients
 from lightning_stability.step_metrics import FlushHook, FlushValues, MetricQueue, metric_name, monitor, publish
 from lightning_stability.track import CurrentTrackView, Outcome, Track, device_of, optimizer_names
 from lightning_stability.update_loss import UpdateLoss
@@ -66,6 +66,7 @@ class StepLedger(CurrentTrackView):
         self._votes: StepVotes | None = None  # the open step's skip decision
         self._stepped = False  # the optimizer's step() ran for the open step
         self._grads: dict[float, StepGradients] = {}  # the open step's gradient norms, by norm type
+        self._clip = ClipScale()  # the clips applied to the open step's gradients, shared by all norm types
         self._close_hooks: list[Callable[[StepLedger], None]] = []
         self._queue = MetricQueue()
         self.events: list[dict[str, Any]] = []  # rollbacks and other events, with their step labels
@@ -142,7 +143,7 @@ class StepLedger(CurrentTrackView):
         track = self.track(optimizer)
         self._current, self._open = track, optimizer
         track.steps += 1
-        self.record, self._grads = {}, {}
+        self.record, self._grads, self._clip = {}, {}, ClipScale()
         self._stepped = False
         loss = self._loss.take()
         if loss is not None:
@@ -179,7 +180,7 @@ class StepLedger(CurrentTrackView):
             raise RuntimeError("gradients() called outside an optimizer step; call open_step(optimizer) first")
         grads = self._grads.get(norm_type)
         if grads is None:
-            grads = self._grads[norm_type] = StepGradients(self._open, norm_type, self.device)
+            grads = self._grads[norm_type] = StepGradients(self._open, norm_type, self.device, self._clip)
         return grads
 
     def label(self) -> int:

@@ -12,7 +12,7 @@ import difflib
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
-from lightning_stability.errors import StabilityConfigError
+from lightning_stability.errors import StabilityConfigError, config_error
 
 Precision = Literal["16-mixed", "bf16-mixed", "32-true"]
 Response = Literal["warn", "clip", "skip", "rollback"]
@@ -53,6 +53,23 @@ class Preset:
     health: Response = "skip"
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
+    def __post_init__(self) -> None:
+        if self.precision not in _PRECISIONS:
+            raise config_error("precision", self.precision, "is not a preset precision", f"pass one of {_PRECISIONS}")
+        if self.health not in _RESPONSES:
+            raise config_error("health", self.health, "is not a response", f"pass one of {_RESPONSES}")
+        if self.lr_scaling not in ("linear", "sqrt", "none"):
+            raise config_error(
+                "lr_scaling", self.lr_scaling, "is not a scaling rule", "pass 'linear', 'sqrt' or 'none'"
+            )
+        for key in ("accumulation", "num_nodes"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise config_error(key, value, "must be an int >= 1", "pass e.g. 1 or 32")
+        for key in ("fsdp", "activation_checkpointing"):
+            if not isinstance(getattr(self, key), bool):
+                raise config_error(key, getattr(self, key), "must be True or False", "pass a bool")
+
     def derive(self, name: str, description: str, sources: dict[str, str] | None = None, **changes: Any) -> Preset:
         """A variant of this preset: ``changes`` applied, their ``sources`` added to the inherited ones."""
         return replace(self, name=name, description=description, sources={**self.sources, **(sources or {})}, **changes)
@@ -63,6 +80,8 @@ class Preset:
 
 
 _META = ("name", "description", "sources")
+_PRECISIONS = ("16-mixed", "bf16-mixed", "32-true")
+_RESPONSES = ("warn", "clip", "skip", "rollback")
 FIELDS = tuple(f.name for f in fields(Preset) if f.name not in _META)
 
 _BASE = Preset(

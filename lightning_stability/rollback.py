@@ -51,8 +51,10 @@ class Rollback:
         if self.snapshot is None or step - self.snapshot.step >= self.snapshot_every:
             self.snapshot = Snapshot(module, optimizers, step)  # HOST SYNC: device-to-host copies
 
-    def roll_back(self, module: nn.Module, optimizers: Sequence[Optimizer], step: int) -> dict[str, Any]:
-        """Restore the snapshot and start skipping; returns the event to record."""
+    def roll_back(
+        self, module: nn.Module, optimizers: Sequence[Optimizer], step: int, skip: bool = True
+    ) -> dict[str, Any]:
+        """Restore the snapshot and (with ``skip``) start skipping; returns the event to record."""
         if self.snapshot is None:
             raise RuntimeError("roll_back() before any snapshot")
         if self.rollbacks >= self.max_rollbacks:
@@ -64,8 +66,11 @@ class Rollback:
             )
         self.snapshot.restore(module, optimizers)
         self.rollbacks += 1
-        self.skip_left = self.skip_batches
-        detail = f"restored the step-{self.snapshot.step} snapshot; skipping {self.skip_batches} batches"
+        self.skip_left = self.skip_batches if skip else 0
+        where = "the state at the start" if self.snapshot.step < 0 else f"the state after step {self.snapshot.step}"
+        detail = f"restored {where}; " + (
+            f"skipping {self.skip_batches} batches" if skip else "training ended, nothing left to skip"
+        )
         return {"step": step, "kind": "rollback", "to_step": self.snapshot.step, "detail": detail}
 
     def __getstate__(self) -> dict[str, Any]:

@@ -15,33 +15,55 @@ from torch.optim import Optimizer
 from lightning_stability.norms import clip_coefficient, combine_norms, per_tensor_norms, scale_
 
 
+class ClipScale:
+    """The product of every clip coefficient applied to the open step's gradients so far (``None``: none)."""
+
+    def __init__(self) -> None:
+        self.coef: Tensor | None = None
+
+
 class StepGradients:
     """Gradients of ``optimizer`` for the open step, with their norms (0-dim device tensors, no host sync).
+
+    Norms are homogeneous (``||c g|| = c ||g||``), so an object made after another one clipped (a second norm
+    type) still reports the norms from before any clip, by dividing out the shared :class:`ClipScale`.
 
     Attributes:
         params: the parameters that have a gradient.
         grads: their gradients (local shards of sharded ones, scaled in place by :meth:`clip_`).
         norms: per-tensor norms before any clip (globally reduced for sharded tensors).
         total: the global norm before any clip.
-        current: the global norm after the clips so far.
     """
 
-    def __init__(self, optimizer: Optimizer, norm_type: float, device: torch.device) -> None:
+    def __init__(self, optimizer: Optimizer, norm_type: float, device: torch.device, clip: ClipScale) -> None:
         self.norm_type = norm_type
+        self._clip = clip
         self.params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         self.grads: list[Tensor] = [p.grad for p in self.params]
         if self.grads:
             self.norms = per_tensor_norms(self.grads, norm_type)
             self.total = combine_norms(self.norms, norm_type)
+            if clip.coef is not None:  # measured after a clip: back to the gradients' own norms
+                self.norms = self.norms / clip.coef
+                self.total = self.total / clip.coef
         else:
             self.norms = torch.zeros(0, dtype=torch.float32, device=device)
             self.total = torch.zeros((), dtype=torch.float32, device=device)
-        self.current = self.total
+
+    @property
+    def current(self) -> Tensor:
+        """The global norm after every clip so far (by any callback)."""
+        return self.total if self._clip.coef is None else self.total * self._clip.coef
+
+    @property
+    def coefficient(self) -> Tensor | float:
+        """The product of the clip coefficients applied so far (1.0 when none)."""
+        return 1.0 if self._clip.coef is None else self._clip.coef
 
     def clip_(self, threshold: float | Tensor) -> Tensor:
         """Scale the gradients so that their norm is at most ``threshold``; returns the coefficient applied."""
         coef = clip_coefficient(self.current, threshold)  # type: ignore[arg-type]
         if self.grads:
             scale_(self.grads, coef)
-        self.current = self.current * coef
+        self._clip.coef = coef if self._clip.coef is None else self._clip.coef * coef
         return coef

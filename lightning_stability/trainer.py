@@ -29,6 +29,7 @@ from lightning_stability.errors import StabilityConfigError
 from lightning_stability.presets import FIELDS, Preset, get_preset
 from lightning_stability.strategies import StableFSDPStrategy
 
+_ALIASES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true"}
 _TRAINER_ARGS = frozenset(inspect.signature(pl.Trainer.__init__).parameters) - {"self"}
 
 
@@ -113,8 +114,12 @@ def _preset_arguments(
         raise StabilityConfigError(
             f"preset_overrides has unknown preset field(s) {unknown}. Fix: use one of {', '.join(FIELDS)}."
         )
-    preset = replace(preset, **fields)
     args = dict(args)
+    if "precision" in args:  # a preset field too: the recipe adapts it to the hardware (e.g. fp16 on a CPU)
+        fields.setdefault("precision", args.pop("precision"))
+    if "precision" in fields:  # Lightning's short spellings
+        fields["precision"] = _ALIASES.get(str(fields["precision"]), fields["precision"])
+    preset = replace(preset, **fields)
     extra = args.pop("callbacks", None) or []
     extra = [extra] if isinstance(extra, Callback) else list(extra)
     notes: list[str] = []
@@ -150,8 +155,9 @@ def _hardware(preset: Preset, args: dict[str, Any], notes: list[str]) -> dict[st
             mixed_precision=None if user_precision else mixed,
             activation_checkpointing=preset.activation_checkpointing,
         )
-    elif preset.activation_checkpointing and "strategy" not in args:
-        notes.append("activation checkpointing off (it comes with FSDP here)")
+    elif preset.activation_checkpointing:
+        where = "your strategy= replaces the preset's" if "strategy" in args else "it comes with FSDP here"
+        notes.append(f"activation checkpointing off ({where})")
     if user_precision or fsdp:
         return out
     if preset.precision == "16-mixed" and not gpu:
@@ -167,9 +173,10 @@ def _hardware(preset: Preset, args: dict[str, Any], notes: list[str]) -> dict[st
 
 
 def _fp16(preset: Preset, args: dict[str, Any]) -> bool:
-    precision = str(args.get("precision", preset.precision))
     plugins = [p for p in args.get("plugins") or [] if isinstance(p, MixedPrecision)]
-    return precision in ("16-mixed", "16") or any(str(p.precision) == "16-mixed" for p in plugins)
+    if plugins:  # the user's (or the CPU fp16) plugin decides
+        return any(str(p.precision) == "16-mixed" for p in plugins)
+    return str(args.get("precision", preset.precision)) in ("16-mixed", "16")
 
 
 def _callbacks(preset: Preset, args: dict[str, Any]) -> list[Callback]:

@@ -107,3 +107,17 @@ def test_175b_on_two_cpu_processes_shards_with_fsdp_and_trains(tmp_path: Path) -
     assert rank0["strategy"] == "StableFSDPStrategy" and rank0["global_step"] == 2
     assert rank0["weights"] == rank1["weights"]  # gathered full weights, identical on both ranks
     assert rank0["loss_scale"] == 32768.0
+
+
+def test_preset_fields_are_checked_and_lightnings_short_precisions_accepted() -> None:
+    with pytest.raises(StabilityConfigError, match=r"`precision='fp8'` is not a preset precision"):
+        StableTrainer.from_preset("gpt", precision="fp8")
+    with pytest.raises(StabilityConfigError, match=r"`accumulation=0` must be an int >= 1"):
+        StableTrainer.from_preset("gpt", accumulation=0)
+    trainer = StableTrainer.from_preset("gpt", accelerator="cpu", precision="16", **quiet())
+    assert trainer.preset is not None and trainer.preset.precision == "16-mixed"
+    assert any(isinstance(cb, LossScaleTuner) for cb in trainer.callbacks)
+    # the constructor route (LightningCLI's) treats precision as the preset's too
+    same = StableTrainer(preset="gpt", accelerator="cpu", precision="16-mixed", **quiet())  # type: ignore[arg-type]
+    assert same.preset is not None and same.preset.precision == "16-mixed"
+    assert type(same.precision_plugin).__name__ == "MixedPrecision" and same.precision_plugin.precision == "16-mixed"

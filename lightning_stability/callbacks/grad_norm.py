@@ -17,6 +17,7 @@ from lightning_stability.errors import StabilityConfigError, config_error
 from lightning_stability.ledger import FlushValues, Outcome, StepLedger, loss_scaler
 from lightning_stability.norms import group_norms, module_groups
 from lightning_stability.replicas import gather_from_ranks, warn_disagreeing_replicas
+from lightning_stability.step_grads import StepGradients
 
 _K_STEPS = "grad_norm_monitor/steps"
 _K_CLIPPED = "grad_norm_monitor/clipped"
@@ -195,13 +196,10 @@ class GradientNormMonitor(LedgerCallback):
         ledger.put("grad_finite", finite)
         ledger.accumulate(_K_STEPS, 1.0)
         ledger.log("stability/grad_norm", total, logging)
-        coef = None
         if self.max_norm is not None:
-            coef = gradients.clip_(self.max_norm)  # relative to another callback's clip, if one came first
-            ledger.put("clip_coef", coef)
-            ledger.accumulate(_K_CLIPPED, coef < 1.0)
-            ledger.log("stability/grad_norm_clipped", gradients.current, logging)
-            ledger.log("stability/clip_coef", coef, logging)
+            # relative to another callback's clip, if one came first; the metrics, once every clip is done
+            ledger.put("clip_coef", gradients.clip_(self.max_norm))
+            ledger.on_close(partial(self._after_clips, gradients=gradients, logging=logging))
         layers = self._layers_of(ledger, params, norms.device)
         layer_norms = group_norms(norms, layers.index, len(layers.names), self.norm_type)
         layers.remember_first_bad(finite, layer_norms)
@@ -215,12 +213,19 @@ class GradientNormMonitor(LedgerCallback):
         if logging:
             self._queue_logs(trainer, ledger, total, layer_norms, layers)
 
+    def _after_clips(self, ledger: StepLedger, gradients: StepGradients, logging: bool) -> None:
+        """The clip metrics of the closed step: every clip applied to it (this one's and, e.g., an adaptive one)."""
+        coef = gradients.coefficient
+        ledger.accumulate(_K_CLIPPED, coef < 1.0)
+        ledger.log("stability/grad_norm_clipped", gradients.current, logging)
+        ledger.log("stability/clip_coef", coef, logging)
+        if logging:
+            steps = ledger.pop_window(_K_STEPS)
+            ledger.log("stability/clip_fraction", ledger.pop_window(_K_CLIPPED) / steps.clamp(min=1.0))
+
     def _queue_logs(
         self, trainer: pl.Trainer, ledger: StepLedger, total: Tensor, layer_norms: Tensor, layers: _Layers
     ) -> None:
-        steps = ledger.pop_window(_K_STEPS)
-        if self.max_norm is not None:
-            ledger.log("stability/clip_fraction", ledger.pop_window(_K_CLIPPED) / steps.clamp(min=1.0))
         if self.per_layer is True:
             ledger.log("_grad_norm_monitor/layers", layer_norms)
         elif self.per_layer:

@@ -61,7 +61,8 @@ class TrainingHealthMonitor(LedgerCallback):
         alpha: EMA factor of the running statistics (ZClip, 0.97).
         warmup_steps: values that initialise the statistics before any spike is called (ZClip, 25).
         snapshot_every: steps between rollback snapshots (PaLM restarted ~100 steps before a spike).
-        skip_batches: batches skipped after a rollback (PaLM skipped 200-500).
+        skip_batches: optimizer steps skipped after a rollback, each with its batch (its ``k`` micro-batches
+            under gradient accumulation); PaLM skipped 200-500 batches.
         max_rollbacks: rollbacks allowed before :class:`TrainingDivergedError`.
         memory_warn_fraction: warn when the peak memory passes this share of the capacity.
         top_modules: per-module update ratios logged on logging steps (the largest ones).
@@ -112,10 +113,11 @@ class TrainingHealthMonitor(LedgerCallback):
         self.stats = SpikeStats(2, alpha, warmup_steps)
         self.history = HealthHistory()
         self.events: list[dict[str, Any]] = []
-        self._spike_steps: list[int] = []
         self._pending: Tensor | None = None  # a spike since the last logging step (rollback), on the device
+        self._pending_loaded = False  # the checkpoint held a spike not yet answered
         self._names: list[str] = []
-        self._module_index: Tensor | None = None
+        self._module_of: dict[int, int] = {}  # id(param) -> its module's index in `_names`
+        self._module_index: tuple[tuple[int, ...], Tensor] | None = None  # for the params that have gradients
         self._capacity: float | None = None
         self._memory_warned = False
         self._trainer: pl.Trainer | None = None
@@ -138,8 +140,9 @@ class TrainingHealthMonitor(LedgerCallback):
         names = {id(p): n for n, p in pl_module.named_parameters()}
         params = [p for g in trainer.optimizers[0].param_groups for p in g["params"]] if trainer.optimizers else []
         index, self._names = module_groups(params, names)
+        self._module_of = {id(p): i for p, i in zip(params, index, strict=True)}
+        self._module_index = None
         device = pl_module.device
-        self._module_index = torch.tensor(index, dtype=torch.int64, device=device)
         self._capacity = capacity(device)
         # the report draws GradientNormMonitor's fixed clip line when this monitor does not clip adaptively
         fixed = [cb.max_norm for cb in trainer.callbacks if isinstance(cb, GradientNormMonitor)]  # type: ignore[attr-defined]
@@ -148,7 +151,8 @@ class TrainingHealthMonitor(LedgerCallback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.response == "rollback":
-            self.rollback.snapshot = Snapshot(pl_module, trainer.optimizers, StepLedger.of(trainer).label())
+            # the state before the next step: labelled with the last step taken (-1 at the very start)
+            self.rollback.snapshot = Snapshot(pl_module, trainer.optimizers, StepLedger.of(trainer).label() - 1)
 
     # ------------------------------------------------------------------ the step
     def _reduced(self, values: Tensor) -> Tensor:
@@ -191,7 +195,11 @@ class TrainingHealthMonitor(LedgerCallback):
         elif self.response in ("skip", "rollback"):
             ledger.mark_skip(Outcome.SKIPPED_SPIKE, spikes.any())
         if self.response == "rollback":
-            self._pending = spikes.any() if self._pending is None else self._pending | spikes.any()
+            if self._pending is None:  # after a resume, a spike found before the checkpoint still counts
+                self._pending = spikes.any() | self._pending_loaded
+                self._pending_loaded = False
+            else:
+                self._pending = self._pending | spikes.any()
         self.stats.update(values, include)
         loss_mean = self._mean_of(values.device)
         loss_mean.update(torch.where(has[_LOSS], values[_LOSS], 0.0), has[_LOSS].float())
@@ -219,10 +227,18 @@ class TrainingHealthMonitor(LedgerCallback):
             self._queue_logs(
                 trainer,
                 ledger,
-                UpdateSize(grads.params, self._module_index, len(self._names))
-                if grads.params and self._module_index is not None
-                else None,
+                UpdateSize(grads.params, self._index_of(grads.params), len(self._names)) if grads.params else None,
             )
+
+    def _index_of(self, params: list[Tensor]) -> Tensor:
+        """Each parameter's module index, on the device, for the parameters that have gradients this step (a
+        frozen or unused parameter has none); built once per distinct set (logging steps only)."""
+        key = tuple(id(p) for p in params)
+        if self._module_index is None or self._module_index[0] != key:
+            index = [self._module_of.get(id(p), 0) for p in params]
+            device = params[0].to_local().device if hasattr(params[0], "to_local") else params[0].device
+            self._module_index = (key, torch.tensor(index, dtype=torch.int64, device=device))
+        return self._module_index[1]
 
     def _mean_of(self, device: torch.device) -> MeanMetric:
         # torchmetrics' running mean: with nan_strategy="disable" its update adds no host sync (measured in
@@ -274,29 +290,33 @@ class TrainingHealthMonitor(LedgerCallback):
             if isinstance(value := values.get(name), float)
         }
         rows = values.get("_health/rows")
-        if isinstance(rows, list):
-            taken = self.history.take(rows, sparse)
-            for row in taken:
-                if row["loss_spike"] > 0 or row["grad_spike"] > 0:
-                    self._spike_steps.append(int(row["step"]))
-            if taken:
-                extra["stability/skip_rate"] = sum(row["outcome"] != 0 for row in taken) / len(taken)
-        if self._spike_steps:
-            self._on_spikes(self._spike_steps)
-            self._spike_steps = []
-        trainer = self._trainer
-        if trainer is not None and self.response == "rollback":
-            module, optimizers, step = trainer.lightning_module, trainer.optimizers, StepLedger.of(trainer).label()
-            if values.get("_health/rollback", 0.0) == 1.0:
-                event = self.rollback.roll_back(module, optimizers, step)
-                self.events.append(event)
-                StepLedger.of(trainer).note(event)
-                r = self.rollback
-                rank_zero_warn(f"TrainingHealthMonitor: rollback {r.rollbacks}/{r.max_rollbacks}: {event['detail']}.")
-            else:  # the steps since the last logging step were clean
-                self.rollback.maybe_snapshot(module, optimizers, step)
+        extra.update(self._take_rows(rows if isinstance(rows, list) else [], sparse))
+        self._respond(values.get("_health/rollback", 0.0) == 1.0, end=False)
         self._check_memory(sparse.get("memory_gb"))
         return extra
+
+    def _take_rows(self, rows: list[float], sparse: dict[str, float]) -> dict[str, float]:
+        """Append the transferred rows to the history and warn about their spikes; returns the skip rate."""
+        taken = self.history.take(rows, sparse)
+        spikes = [int(row["step"]) for row in taken if row["loss_spike"] > 0 or row["grad_spike"] > 0]
+        if spikes:
+            self._on_spikes(spikes)
+        return {"stability/skip_rate": sum(row["outcome"] != 0 for row in taken) / len(taken)} if taken else {}
+
+    def _respond(self, spiked: bool, end: bool) -> None:
+        """Roll back after a spike (at the end of training: restore only); else take a snapshot when due."""
+        trainer = self._trainer
+        if trainer is None or self.response != "rollback":
+            return
+        module, optimizers, step = trainer.lightning_module, trainer.optimizers, StepLedger.of(trainer).label()
+        if spiked:
+            event = self.rollback.roll_back(module, optimizers, step, skip=not end)
+            self.events.append(event)
+            StepLedger.of(trainer).note(event)
+            r = self.rollback
+            rank_zero_warn(f"TrainingHealthMonitor: rollback {r.rollbacks}/{r.max_rollbacks}: {event['detail']}.")
+        elif not end:  # the steps since the last logging step were clean
+            self.rollback.maybe_snapshot(module, optimizers, step)
 
     # ------------------------------------------------------------------ responses (host, logging steps)
     def _on_spikes(self, steps: list[int]) -> None:
@@ -326,7 +346,12 @@ class TrainingHealthMonitor(LedgerCallback):
 
     # ------------------------------------------------------------------ end of fit, checkpoints
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.history.flush_now()  # HOST SYNC (once): the steps after the last logging step
+        # HOST SYNC (once): the steps after the last logging step get the same scan, and a pending rollback
+        # restores the last good snapshot (there is no data left to skip)
+        self._take_rows(self.history.pending_on_host(), {})
+        spiked = self._pending is not None and bool(self._pending)
+        self._pending = None
+        self._respond(spiked, end=True)
         if self.report and trainer.is_global_zero:
             self.write_report(trainer)
 
@@ -359,6 +384,7 @@ class TrainingHealthMonitor(LedgerCallback):
             "history": self.history.state_dict(),
             "events": list(self.events),
             "rollback": self.rollback.state_dict(),
+            "pending_rollback": self._pending is not None and bool(self._pending),  # a sync: checkpoints only
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -366,6 +392,7 @@ class TrainingHealthMonitor(LedgerCallback):
         self.history.load_state_dict(state_dict.get("history", {}))
         self.events = list(state_dict.get("events", []))
         self.rollback.load_state_dict(state_dict.get("rollback", {}))
+        self._pending_loaded = bool(state_dict.get("pending_rollback", False))
 
     def transient_state(self) -> dict[str, Any]:
         return {"_trainer": None, "_pending": None, "_module_index": None, "_loss_mean": None}
