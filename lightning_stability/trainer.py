@@ -115,6 +115,8 @@ def _preset_arguments(
             f"preset_overrides has unknown preset field(s) {unknown}. Fix: use one of {', '.join(FIELDS)}."
         )
     args = dict(args)
+    if args.get("precision", "") is None:  # Lightning's default (LightningCLI passes every argument)
+        del args["precision"]
     if "precision" in args:  # a preset field too: the recipe adapts it to the hardware (e.g. fp16 on a CPU)
         fields.setdefault("precision", args.pop("precision"))
     if "precision" in fields:  # Lightning's short spellings

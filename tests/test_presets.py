@@ -121,3 +121,6 @@ def test_preset_fields_are_checked_and_lightnings_short_precisions_accepted() ->
     same = StableTrainer(preset="gpt", accelerator="cpu", precision="16-mixed", **quiet())  # type: ignore[arg-type]
     assert same.preset is not None and same.preset.precision == "16-mixed"
     assert type(same.precision_plugin).__name__ == "MixedPrecision" and same.precision_plugin.precision == "16-mixed"
+    # LightningCLI passes every Trainer argument, precision=None (Lightning's default) included: the recipe's holds
+    cli = StableTrainer(preset="gpt", accelerator="cpu", precision=None, **quiet())  # type: ignore[arg-type]
+    assert cli.preset is not None and cli.preset.precision == get_preset("gpt").precision
