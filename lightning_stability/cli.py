@@ -5,47 +5,79 @@ from __future__ import annotations
 import argparse
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
+
+
+def _say(text: str) -> None:
+    from lightning.pytorch.utilities import rank_zero_only
+
+    if getattr(rank_zero_only, "rank", 0) == 0:  # --devices 2: the second process runs this command too
+        print(text, flush=True)
 
 
 def _demo(args: argparse.Namespace) -> int:
-    import logging
+    from lightning_stability.demo import quiet_lightning, run_demo
+    from lightning_stability.demo_model import load_corpus
 
-    lightning_logger = logging.getLogger("lightning.pytorch")
-    previous_level = lightning_logger.level
-    lightning_logger.setLevel(logging.WARNING)  # no "GPU available" / tip banners
-    try:
-        return _run_demo(args)
-    finally:
-        lightning_logger.setLevel(previous_level)
-
-
-def _run_demo(args: argparse.Namespace) -> int:
-    from lightning_stability.demo import run_demo
-
-    print(
-        f"Training a small transformer LM for {args.steps} steps (max_norm={args.max_norm}, "
-        f"NaN loss injected at step {args.nan_at_step}) ..."
+    corpus = load_corpus()
+    fault = int(0.6 * args.steps) if args.nan_at_step is None else args.nan_at_step
+    _say(
+        f"A Post-LN character-level GPT (4 layers) on {len(corpus.tokens):,} characters of this package's source, "
+        f"AdamW lr={args.lr:g} from step 0, {args.steps} steps"
+        + (f", the loss of step {fault} made NaN (a corrupted batch)." if fault >= 0 else ".")
+        + (" The same run bare, then with the preset." if args.compare else "")
     )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result = run_demo(steps=args.steps, max_norm=args.max_norm, nan_at_step=args.nan_at_step)
-    for w in caught:
-        if "Non-finite gradient" in str(w.message):
-            print(f"warning: {w.message}")
-    norms = result.grad_norms
-    finite = [n for n in norms if n == n and n != float("inf")]
-    print()
-    print(f"optimizer steps         {result.steps}")
-    print(f"applied / skipped (NaN) {result.applied} / {result.skipped_nonfinite}")
-    print(
-        f"grad norm first/median  {finite[0]:.3f} / {sorted(finite)[len(finite) // 2]:.3f} (clipped to {args.max_norm})"
+    with warnings.catch_warnings(record=True) as caught, quiet_lightning():
+        warnings.simplefilter("always")  # recorded; the callbacks' own warnings are printed after the runs
+        runs = run_demo(
+            preset=args.preset,
+            steps=args.steps,
+            precision=args.precision,
+            devices=args.devices,
+            out=args.out,
+            compare=args.compare,
+            nan_at_step=fault,
+            lr=args.lr,
+            seed=args.seed,
+            progress_bar=not args.no_progress_bar,
+            say=_say,
+        )
+    ours = {str(w.message).split(". ")[0] for w in caught if "lightning_stability" in str(w.filename)}
+    for message in sorted(ours):
+        _say(f"warning from the preset's callbacks: {message}")
+    _say("")
+    _say(f"{'run':<10} {'result':<10} {'at step':>7} {'final loss':>10} {'skipped':>7} {'time':>6}")
+    for run in runs:
+        v = run.verdict
+        skipped = "-" if run.skipped is None else str(run.skipped)
+        at = "-" if v.step is None or v.status == "trained" else str(v.step)
+        _say(f"{run.name:<10} {v.status:<10} {at:>7} {v.final_loss:>10.3f} {skipped:>7} {run.seconds:>5.0f}s")
+    _say(
+        f"Checked: a run diverged if its loss was NaN/inf or above {corpus.uniform_loss + 1:.2f} (ln V + 1) at any "
+        f"step; it stalled if its final loss (mean of the last 10% of steps) is above "
+        f"{corpus.unigram_loss - 0.1:.2f}, i.e. no better than guessing characters by frequency."
     )
-    lrs = result.lrs
-    print(f"LR warmup/peak/final    {lrs[0]:.2e} / {max(lrs):.2e} / {lrs[-1]:.2e} (warmup -> constant -> cosine)")
-    print(f"loss first -> last      {result.first_loss:.3f} -> {result.last_loss:.3f} (mean of 10 steps)")
-    print(f"weights finite          {result.weights_finite}")
-    ok = result.weights_finite and result.last_loss < result.first_loss and result.skipped_nonfinite == 1
-    print("demo " + ("OK: the broken step was skipped and training went on." if ok else "FAILED"))
+    preset_run = runs[-1]
+    ok = preset_run.verdict.status == "trained"
+    if ok and len(runs) == 2 and runs[0].verdict.status != "trained":
+        bare = runs[0].verdict
+        verdict = f"OK: the plain Trainer {bare.status} ({bare.detail}); the preset trained"
+        verdict += f" ({preset_run.verdict.detail})."
+    elif ok and len(runs) == 2:
+        verdict = "OK, but the plain Trainer trained too with these settings: the preset made no difference here."
+    elif ok:
+        verdict = f"OK: the preset trained ({preset_run.verdict.detail})."
+    else:
+        verdict = f"FAILED: the preset's run {preset_run.verdict.status}: {preset_run.verdict.detail}."
+    _say(verdict)
+    out = Path(args.out)
+    _say("Files:")
+    if (out / "comparison.png").exists():
+        _say(f"  {out / 'comparison.png'}  both runs' loss on one chart")
+    for path in preset_run.report:
+        _say(f"  {path}  the preset run's stability report")
+    for run in runs:
+        _say(f"  {run.log_dir / 'metrics.csv'}  the {run.name} run's logged metrics (CSV)")
     return 0 if ok else 1
 
 
@@ -96,20 +128,53 @@ def _plan(args: argparse.Namespace) -> int:
     return 0 if plan.fits else 1
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default where it says something (not for flags, nor where the help text says it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if isinstance(action.default, bool) or action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="lightning-stability", description="Stable large-model training for Lightning."
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train a small transformer with the stability callbacks and report")
-    demo.add_argument("--steps", type=int, default=60)
-    demo.add_argument("--max-norm", type=float, default=1.0)
-    demo.add_argument("--nan-at-step", type=int, default=20)
+    demo = sub.add_parser(
+        "demo",
+        help="a fragile training run, bare and with a preset, side by side (about 2 minutes on a CPU)",
+        description="Train the same fragile run (a Post-LN character-level GPT at a high learning rate, with one "
+        "NaN step) with a plain lightning.Trainer and with StableTrainer.from_preset, and judge both.",
+        formatter_class=_Help,
+    )
+    demo.add_argument("--preset", default="tiny", help="the preset to run (`lightning-stability presets` lists them)")
+    demo.add_argument("--steps", type=_positive, default=300, help="optimizer steps of each run")
+    demo.add_argument("--precision", default=None, help="16-mixed, bf16-mixed or 32-true (default: the preset's)")
+    demo.add_argument("--devices", type=_positive, default=1, help="devices; on a CPU, 2 runs 2 DDP processes")
+    demo.add_argument("--out", default="lightning_stability_demo", help="folder for the logs, report and chart")
+    demo.add_argument(
+        "--no-compare", dest="compare", action="store_false", help="run only the preset, not the plain Trainer"
+    )
+    demo.add_argument(
+        "--nan-at-step", type=int, default=None, help="the step whose loss is made NaN (default: 60%% in; -1: none)"
+    )
+    demo.add_argument("--lr", type=float, default=1e-2, help="AdamW's learning rate (peak LR for the preset)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
+    demo.add_argument("--no-progress-bar", action="store_true", help="no progress bars (for logs)")
     demo.set_defaults(func=_demo)
     plan = sub.add_parser(
         "plan",
         help="memory per GPU of a training run: fits or not, the largest micro-batch, the accumulation",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_Help,
     )
     plan.add_argument("--preset", default=None, help="take precision, sharding, checkpointing, nodes and batch from it")
     plan.add_argument("--params", type=float, required=True, help="number of parameters, e.g. 175e9")
@@ -133,6 +198,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     presets.add_argument("name", nargs="?", default=None, help="the preset to describe (default: list them all)")
     presets.set_defaults(func=_presets)
     args = parser.parse_args(argv)
+    if args.command == "demo" and args.nan_at_step is not None and not -1 <= args.nan_at_step < args.steps:
+        demo.error(
+            f"argument --nan-at-step: {args.nan_at_step} is outside the run (steps 0..{args.steps - 1}). "
+            f"Fix: pass a step below --steps {args.steps}, or -1 for no NaN step."
+        )
     from lightning_stability.errors import StabilityConfigError
 
     try:

@@ -1,140 +1,215 @@
-"""The demo: a small transformer language model trained with the stability callbacks on CPU or GPU.
+"""The demo: one fragile training run, with a plain Trainer and with a preset, side by side.
 
-The task is synthetic and needs no download: continue a sequence of tokens drawn from a fixed random
-bigram table. One step gets a NaN loss on purpose, so the demo shows a step being skipped without
-harming the weights, and the loss still falls.
+The fragile run is a Post-LN character-level GPT (:mod:`lightning_stability.demo_model`) at a high learning rate
+with no warmup, a configuration known to stall, plus one step whose loss is NaN (a corrupted batch, an
+overflow). Both runs start from the same weights and see the same batches. The plain run gets Lightning's
+defaults; the other is ``StableTrainer.from_preset(preset)``. Each run is judged by the same rule
+(:func:`judge`), printed with the verdict.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from dataclasses import dataclass, field
-from typing import Any
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins import MixedPrecision
+from torch.utils.data import DataLoader
 
-from lightning_stability.callbacks.grad_norm import GradientNormMonitor
-from lightning_stability.callbacks.lr_schedule import WarmupConstantCosineLR
+from lightning_stability.demo_model import CharGPT, Corpus, CorpusWindows, load_corpus
 from lightning_stability.ledger import Outcome, StepLedger
+from lightning_stability.trainer import StableTrainer
+
+BATCH, CONTEXT = 16, 64
+DIVERGE_MARGIN = 1.0  # a loss above ln(V) + this is worse than guessing: diverged
+STALL_MARGIN = 0.1  # a final loss above unigram - this has learned nothing beyond letter frequencies: stalled
 
 
-class BigramSequences(Dataset):
-    """Token sequences sampled from a fixed random bigram distribution (deterministic per index)."""
-
-    def __init__(self, vocab: int = 64, length: int = 32, size: int = 2048, seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        logits = torch.randn(vocab, vocab, generator=g) * 3.0
-        self.table = torch.softmax(logits, dim=-1)
-        self.vocab, self.length, self.size, self.seed = vocab, length, size, seed
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        tokens = [int(torch.randint(self.vocab, (1,), generator=g))]
-        for _ in range(self.length):
-            tokens.append(int(torch.multinomial(self.table[tokens[-1]], 1, generator=g)))
-        return torch.tensor(tokens)
-
-
-class TinyGPT(pl.LightningModule):
-    """A decoder-only transformer of a few layers: an ordinary LightningModule, nothing stability-specific."""
-
-    def __init__(
-        self,
-        vocab: int = 64,
-        d_model: int = 64,
-        layers: int = 2,
-        heads: int = 4,
-        lr: float = 3e-3,
-        nan_at_step: int = -1,
-    ) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d_model)
-        self.pos = nn.Parameter(torch.zeros(1, 64, d_model))
-        block = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0, batch_first=True, norm_first=True)
-        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
-        self.head = nn.Linear(d_model, vocab)
-        self.lr = lr
-        self.nan_at_step = nan_at_step
-        self.losses: list[float] = []
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        t = tokens.shape[1]
-        mask = nn.Transformer.generate_square_subsequent_mask(t, device=tokens.device)
-        h = self.blocks(self.embed(tokens) + self.pos[:, :t], mask=mask, is_causal=True)
-        return self.head(h)
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        logits = self(batch[:, :-1])
-        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-        self.losses.append(float(loss.detach()))  # the demo's own record; a real run would self.log it
-        if self.global_step == self.nan_at_step:
-            loss = loss * float("nan")  # a deliberately broken step
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+@dataclass(frozen=True)
+class Verdict:
+    status: Literal["trained", "stalled", "diverged"]
+    step: int | None  # where it diverged, or where a stalled run had its best loss
+    final_loss: float  # mean over the last `window` steps (NaN when any of them is)
+    detail: str
 
 
 @dataclass
-class DemoResult:
-    steps: int
-    applied: int
-    skipped_nonfinite: int
-    first_loss: float
-    last_loss: float
-    weights_finite: bool
-    grad_norms: list[float] = field(default_factory=list)
-    lrs: list[float] = field(default_factory=list)
+class DemoRun:
+    name: str
+    losses: list[float]  # the loss each optimizer step computed (before the injected NaN)
+    skipped: int | None  # optimizer steps skipped (None: a plain Trainer does not count them)
+    seconds: float
+    log_dir: Path
+    verdict: Verdict
+    report: list[Path]  # the stability report's files (the preset run)
 
 
-class _Trace(pl.Callback):
-    """Records the gradient norm and the LR each update used (the demo prints them)."""
+def judge(losses: list[float], corpus: Corpus) -> Verdict:
+    """The rule both runs are judged by: diverged, stalled or trained."""
+    window = max(1, len(losses) // 10)
+    bound = corpus.uniform_loss + DIVERGE_MARGIN
+    final = sum(losses[-window:]) / window if losses else math.nan
+    for step, loss in enumerate(losses):
+        if not math.isfinite(loss) or loss > bound:
+            before = f"; best before: {min(losses[:step]):.3f}" if step else ""
+            return Verdict("diverged", step, final, f"loss {loss:.3g} at step {step} (bound {bound:.2f}{before})")
+    best = min(range(len(losses)), key=losses.__getitem__)
+    if final > corpus.unigram_loss - STALL_MARGIN:
+        detail = f"ends at {final:.3f}, no better than letter frequencies ({corpus.unigram_loss:.2f})"
+        return Verdict("stalled", best, final, detail)
+    return Verdict("trained", None, final, f"ends at {final:.3f} (letter frequencies: {corpus.unigram_loss:.2f})")
+
+
+class _Losses(pl.Callback):
+    """Keeps the loss of every step before the deliberate NaN in one preallocated tensor, read once at the end.
+
+    (A growing list of per-step scalar tensors fragmented the host heap here: the RSS grew ~300 KB a step.)
+    """
 
     def __init__(self) -> None:
-        self.norms: list[Any] = []
-        self.lrs: list[float] = []
+        self.values = torch.empty(0)
+        self.count = 0
 
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        self.norms.append(StepLedger.of(trainer).record.get("grad_norm"))
-        self.lrs.append(float(optimizer.param_groups[0]["lr"]))
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.values = torch.full((trainer.max_steps,), math.nan, device=pl_module.device)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        assert isinstance(pl_module, CharGPT) and pl_module.clean_loss is not None
+        self.values[self.count] = pl_module.clean_loss
+        self.count += 1
+
+    def host(self) -> list[float]:
+        return [float(x) for x in self.values[: self.count].tolist()]
 
 
 def run_demo(
-    steps: int = 60, max_norm: float = 1.0, nan_at_step: int = 20, batch_size: int = 16, seed: int = 0
-) -> DemoResult:
-    """Train :class:`TinyGPT` for ``steps`` optimizer steps with the stability callbacks; return a summary."""
-    pl.seed_everything(seed, verbose=False)
-    model = TinyGPT(nan_at_step=nan_at_step)
-    data = DataLoader(BigramSequences(seed=seed), batch_size=batch_size, shuffle=True)
-    trace = _Trace()
-    trainer = pl.Trainer(
-        max_steps=steps,
-        accelerator="auto",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[GradientNormMonitor(max_norm=max_norm), WarmupConstantCosineLR(warmup=0.1, decay=0.3), trace],
-    )
-    trainer.fit(model, data)
-    ledger = StepLedger.of(trainer)
-    counts = ledger.counts.tolist()
-    window = max(1, min(10, steps // 4))
-    finite_losses = [x for x in model.losses if math.isfinite(x)]
-    return DemoResult(
-        steps=ledger.steps,
-        applied=counts[Outcome.APPLIED],
-        skipped_nonfinite=counts[Outcome.SKIPPED_NONFINITE],
-        first_loss=sum(finite_losses[:window]) / window,
-        last_loss=sum(finite_losses[-window:]) / window,
-        weights_finite=all(bool(torch.isfinite(p).all()) for p in model.parameters()),
-        grad_norms=[float(n) for n in trace.norms if n is not None],
-        lrs=trace.lrs,
-    )
+    preset: str = "tiny",
+    steps: int = 300,
+    precision: str | None = None,
+    devices: int = 1,
+    out: str | Path = "lightning_stability_demo",
+    compare: bool = True,
+    nan_at_step: int | None = None,
+    lr: float = 1e-2,
+    seed: int = 0,
+    progress_bar: bool = True,
+    say: Callable[[str], None] = print,
+) -> list[DemoRun]:
+    """Train the fragile run bare (when ``compare``) and with ``preset``; return both, bare first.
+
+    ``nan_at_step`` (default: 60% into the run; -1: none) is the step whose loss is made NaN.
+    """
+    corpus = load_corpus()
+    out = Path(out)
+    fault = int(0.6 * steps) if nan_at_step is None else nan_at_step
+    common: dict[str, Any] = {
+        "max_steps": steps,
+        "devices": devices,
+        "log_every_n_steps": 10,
+        "enable_checkpointing": False,
+        "enable_model_summary": False,
+        "enable_progress_bar": progress_bar,
+    }
+    if devices > 1:
+        common["strategy"] = "ddp"  # on CPU: gloo, one process per device
+    runs = []
+    for name in ("bare", preset) if compare else (preset,):
+        pl.seed_everything(seed, verbose=False)
+        model = CharGPT(corpus.vocab, context=CONTEXT, lr=lr, nan_at_step=fault if fault >= 0 else None)
+        data = DataLoader(CorpusWindows(corpus, steps * BATCH * devices, CONTEXT, seed), batch_size=BATCH)
+        losses = _Losses()
+        logger = CSVLogger(out, name=name, version="")
+        if name == "bare":
+            trainer = pl.Trainer(logger=logger, callbacks=[losses], **common, **_bare_precision(precision))
+        else:
+            extra = {"precision": precision} if precision else {}
+            trainer = StableTrainer.from_preset(preset, logger=logger, callbacks=[losses], **common, **extra)
+        say(f"\n[{name}] {_describe(trainer, name)}")
+        started = time.perf_counter()
+        trainer.fit(model, data)
+        seconds = time.perf_counter() - started
+        host = losses.host()
+        skipped = None
+        if name != "bare":
+            counts = StepLedger.of(trainer).counts.tolist()
+            skipped = int(sum(counts) - counts[Outcome.APPLIED])
+        log_dir = Path(logger.log_dir)
+        report = sorted(log_dir.glob("stability_report.*"))
+        runs.append(DemoRun(name, host, skipped, seconds, log_dir, judge(host, corpus), report))
+    if trainer.is_global_zero:
+        _draw(runs, corpus, fault, out / "comparison.png")
+    return runs
+
+
+def _bare_precision(precision: str | None) -> dict[str, Any]:
+    """What a user passes to a plain Trainer; fp16 on a CPU needs the scaler plugin, as on a GPU."""
+    if precision in ("16-mixed", "16") and not torch.cuda.is_available():
+        return {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]}
+    return {"precision": precision} if precision else {}
+
+
+def _describe(trainer: pl.Trainer, name: str) -> str:
+    if name == "bare":
+        return "lightning.Trainer with its defaults: no clipping, no warmup, no skip of bad steps"
+    attached = trainer.callbacks  # type: ignore[attr-defined]
+    names = [type(cb).__name__ for cb in attached if type(cb).__module__.startswith("lightning_stability")]
+    callbacks = [name for name in names if not name.startswith("_")]
+    return f"StableTrainer.from_preset({name!r}): " + ", ".join(callbacks)
+
+
+def _draw(runs: list[DemoRun], corpus: Corpus, fault: int, path: Path) -> Path | None:
+    """The runs' losses on one chart (matplotlib's object API; none without matplotlib)."""
+    from lightning_stability.report import figure_class
+
+    figure = figure_class()
+    if figure is None:
+        return None
+    fig = figure(figsize=(8, 4.5))
+    ax = fig.add_subplot()
+    colours = {"bare": "tab:red"}
+    for run in runs:
+        label = f"{run.name}: {run.verdict.status}"
+        ax.plot(run.losses, color=colours.get(run.name, "tab:blue"), linewidth=1, label=label)
+        if run.verdict.status == "diverged" and run.verdict.step is not None:
+            colour = colours.get(run.name, "tab:blue")
+            ax.axvline(run.verdict.step, color=colour, linestyle=":", linewidth=1)
+            ax.annotate(
+                f" {run.name} diverged at step {run.verdict.step}",
+                (run.verdict.step, corpus.uniform_loss + 0.5),
+                color=colour,
+                fontsize=9,
+            )
+    ax.axhline(corpus.unigram_loss, color="gray", linestyle="--", linewidth=1, label="letter frequencies (unigram)")
+    ax.axhline(corpus.uniform_loss, color="gray", linestyle=":", linewidth=1, label="uniform guess")
+    if fault >= 0:
+        ax.axvline(fault, color="black", alpha=0.3, linewidth=6, label=f"NaN loss injected (step {fault})")
+    finite = [x for run in runs for x in run.losses if math.isfinite(x)]
+    ax.set_ylim(min(finite, default=0.0) - 0.2, corpus.uniform_loss + DIVERGE_MARGIN + 0.3)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss (nats per character)")
+    ax.set_title("The same fragile run: plain Trainer vs preset")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path
+
+
+@contextmanager
+def quiet_lightning() -> Iterator[None]:
+    """Lightning's info banners (devices found, tips) turned down while the demo runs."""
+    logger = logging.getLogger("lightning.pytorch")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

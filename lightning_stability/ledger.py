@@ -70,6 +70,7 @@ class StepLedger(CurrentTrackView):
         self._close_hooks: list[Callable[[StepLedger], None]] = []
         self._queue = MetricQueue()
         self.events: list[dict[str, Any]] = []  # rollbacks and other events, with their step labels
+        self.published: dict[str, float] = {}  # the last logged value of every metric (host numbers)
         # Set by the lightning_stability callbacks at setup: the last of them enforces the votes at the end of
         # its hook. Without any, a vote is enforced at once (one host read per vote for a non-fused optimizer).
         self.callbacks_enforce = False
@@ -309,7 +310,9 @@ class StepLedger(CurrentTrackView):
         if not self._queue:
             return {}
         several = self.several_optimizers
-        return publish(self.trainer, self._queue.transfer(self.device), self._track_at, several, self.label())
+        metrics = publish(self.trainer, self._queue.transfer(self.device), self._track_at, several, self.label())
+        self.published.update(metrics)
+        return metrics
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:

@@ -117,15 +117,15 @@ def write_report(
     json_path = out / f"{name}.json"
     json_path.write_text(json.dumps(_json_safe(report), allow_nan=False, indent=1) + "\n")
 
-    figure_class = _figure_class()
-    if figure_class is None:
+    figure = figure_class()
+    if figure is None:
         log.info(
             'stability report: %s; install matplotlib (pip install "lightning-stability[report]") for the PNG',
             json_path,
         )
         return json_path, None
     png_path = out / f"{name}.png"
-    _draw(history, events, summary, figure_class).savefig(png_path, dpi=110)
+    _draw(history, events, summary, figure).savefig(png_path, dpi=110)
     return json_path, png_path
 
 
@@ -135,7 +135,7 @@ def load_report(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def _figure_class() -> type[Figure] | None:
+def figure_class() -> type[Figure] | None:
     """matplotlib's ``Figure`` class, or ``None`` when matplotlib cannot be imported."""
     try:
         importlib.import_module("matplotlib")  # first: ``sys.modules["matplotlib"] = None`` must read as absent

@@ -15,7 +15,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -27,6 +27,7 @@ from lightning_stability.callbacks.loss_scale import LossScaleTuner
 from lightning_stability.callbacks.lr_schedule import WarmupConstantCosineLR
 from lightning_stability.errors import StabilityConfigError
 from lightning_stability.presets import FIELDS, Preset, get_preset
+from lightning_stability.progress import stability_progress_bar
 from lightning_stability.strategies import StableFSDPStrategy
 
 _ALIASES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true"}
@@ -128,6 +129,8 @@ def _preset_arguments(
     args.update(_hardware(preset, args, notes))
     callbacks = _callbacks(preset, args)
     _check_duplicates(preset, callbacks, extra)
+    if args.get("enable_progress_bar") is not False and not any(isinstance(cb, ProgressBar) for cb in extra):
+        callbacks.append(stability_progress_bar())  # the stability metrics beside the loss
     if notes:
         rank_zero_info(f"StableTrainer preset {preset.name!r} on this hardware: " + "; ".join(notes) + ".")
     args["callbacks"] = [*callbacks, *extra]

@@ -2,26 +2,92 @@
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from lightning_stability.cli import main
-from lightning_stability.demo import run_demo
+from lightning_stability.demo import judge
+from lightning_stability.demo_model import load_corpus
+from lightning_stability.report import figure_class
+from tests.helpers import REPO
 
 
-def test_demo_command_reports_a_skipped_step_and_a_falling_loss(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--steps", "30", "--nan-at-step", "10"]) == 0
-    out = capsys.readouterr().out
-    assert "applied / skipped (NaN) 29 / 1" in out
-    assert "weights finite          True" in out
-    assert "demo OK" in out
+def test_demo_shows_the_bare_run_fail_where_the_preset_trains(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "demo"
+    assert main(["demo", "--steps", "40", "--out", str(out), "--no-progress-bar"]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"^bare +diverged +25 +nan +- ", text, re.M), text  # NaN at step 24 -> NaN weights
+    assert re.search(r"^tiny +trained +- +\d\.\d+ +\d+ ", text, re.M), text
+    assert "OK: the plain Trainer diverged" in text and "Checked: a run diverged if" in text
+    assert (out / "bare" / "metrics.csv").is_file() and (out / "tiny" / "metrics.csv").is_file()
+    report = json.loads((out / "tiny" / "stability_report.json").read_text())
+    assert report["summary"]["skipped_steps"]["nonfinite_grad"] == 1
+    if figure_class() is not None:
+        assert (out / "comparison.png").stat().st_size > 10_000 and f"{out / 'comparison.png'}" in text
 
 
-def test_demo_lr_holds_still_on_the_skipped_step() -> None:
-    # the NaN step falls inside the warmup (3 of 30 updates), where every applied update raises the LR
-    result = run_demo(steps=30, nan_at_step=1)
-    assert result.applied == 29 and result.skipped_nonfinite == 1
-    assert result.lrs[2] == result.lrs[1]  # the update after the skipped one reuses its LR
-    assert result.lrs[1] > result.lrs[0] and result.lrs[3] > result.lrs[2]
+def test_the_demos_judge() -> None:
+    corpus = load_corpus()
+    assert judge([4.0, 3.0, float("nan"), 3.0], corpus).status == "diverged"
+    assert judge([4.0, 3.0, corpus.uniform_loss + 1.5], corpus).step == 2
+    stalled = judge([4.0] + [corpus.unigram_loss] * 19, corpus)
+    assert stalled.status == "stalled" and "no better than letter frequencies" in stalled.detail
+    assert judge([4.0] + [corpus.unigram_loss - 0.5] * 19, corpus).status == "trained"
+    assert 3.0 < corpus.unigram_loss < corpus.uniform_loss
+
+
+def test_demo_argument_errors_say_what_to_do(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--steps", "60", "--nan-at-step", "100"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--nan-at-step: 100 is outside the run (steps 0..59)" in err and "Fix:" in err
+    with pytest.raises(SystemExit):
+        main(["demo", "--steps", "0"])
+    assert "must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_help_and_the_pure_commands_do_not_import_torch() -> None:
+    code = (
+        "import sys, contextlib, io\n"
+        "from lightning_stability.cli import main\n"
+        "for argv in (['--help'], ['demo', '--help']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):\n"
+        "        main(argv)\n"
+        "    assert '--preset' in out.getvalue() or 'demo' in out.getvalue()\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    assert main(['presets', 'gpt']) == 0\n"
+        "    main(['plan', '--params', '7e9'])\n"
+        "print(sorted(m for m in ('torch', 'lightning') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_demo_on_two_cpu_processes(tmp_path: Path) -> None:
+    args = ["demo", "--devices", "2", "--steps", "40", "--out", str(tmp_path), "--no-progress-bar"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_stability.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("run        result") == 1  # one table: only rank 0 prints
+    assert re.search(r"^bare +diverged +25 ", done.stdout, re.M) and re.search(r"^tiny +trained ", done.stdout, re.M)
+    assert (tmp_path / "tiny" / "stability_report.json").is_file()
 
 
 def test_unknown_command_exits_with_usage() -> None:

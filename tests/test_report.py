@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from lightning_stability.report import _draw, _figure_class, load_report, summarize, write_report
+from lightning_stability.report import _draw, figure_class, load_report, summarize, write_report
 
 nan, inf = math.nan, math.inf
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -132,7 +132,7 @@ def test_figure_has_one_panel_per_series_and_rollback_lines_on_each() -> None:
     import numpy as np
 
     history, events = synthetic_run()
-    fig = _draw(history, events, summarize(history, events), _figure_class())
+    fig = _draw(history, events, summarize(history, events), figure_class())
     axes = fig.get_axes()
     assert [ax.get_ylabel() for ax in axes] == [
         "loss",
@@ -201,7 +201,7 @@ def test_missing_and_all_nan_series_are_skipped(tmp_path: Path) -> None:
     report = load_report(tmp_path / "stability_report.json")
     assert report["summary"]["max_grad_norm"] is None and report["summary"]["final_loss_scale"] is None
     assert report["summary"]["skipped_steps"]["nonfinite_grad"] == 1 and report["summary"]["rollbacks"] == 0
-    fig = _draw(history, [], report["summary"], _figure_class())
+    fig = _draw(history, [], report["summary"], figure_class())
     assert [ax.get_ylabel() for ax in fig.get_axes()] == ["loss", "learning rate"]
     legend = fig.get_axes()[0].get_legend()  # no legend entry for what is not there (no spike, no rollback)
     assert legend is not None

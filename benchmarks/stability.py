@@ -1,0 +1,601 @@
+"""Benchmark: run stability and speed of convergence, a bare Trainer versus ``StableTrainer.from_preset("tiny")``.
+
+The project's headline claim (issue 11): on fragile configurations the preset keeps at least 98% of runs stable
+where a bare Trainer keeps at most 60%, and converges no slower. Three fragile configurations, each trained over
+``--seeds`` seeds (20) in two arms, with the same data and initial weights per seed (seeds outermost, the two
+arms back to back, so drift on a shared machine hits both alike):
+
+* **bare** -- a plain ``lightning.pytorch.Trainer``: the same model, data, AdamW and LR; no clipping, no schedule.
+* **preset** -- ``StableTrainer.from_preset("tiny")``: ``GradientNormMonitor(max_norm=1.0)``,
+  ``WarmupConstantCosineLR`` (5% linear warmup, constant, cosine to 0 over the last 20%),
+  ``TrainingHealthMonitor(response="skip")``, fp32. Overrides only where the configuration needs them (fp16).
+
+The configurations:
+
+* ``postln`` -- a deep Post-LN transformer at a high LR: 6 ``nn.TransformerEncoderLayer(norm_first=False)``
+  blocks (width 32, 4 heads, feed-forward 128, no dropout, no final norm) as a causal LM on a synthetic task:
+  sequences of 17 tokens from a fixed random bigram table (vocab 32, logits x3), a fresh batch of 16 each step,
+  AdamW lr 2e-2 (weight decay 0.01), 100 steps. A bare run that fails does not go NaN: its loss stalls at the
+  unigram level (~3.23 nats, against ln 32 = 3.47 for a uniform guess and ~1.46 for the true table).
+* ``fp16`` -- fp16 mixed precision with a too-high initial loss scale: the same LM with 2 Pre-LN blocks and a
+  final norm (the demo's shape), AdamW lr 3e-3, fp16 with initial scale 2**32 (Megatron-LM's default initial
+  scale, 2**16 above torch's). Bare: ``plugins=[MixedPrecision("16-mixed", "cpu", scaler=GradScaler("cpu",
+  init_scale=2**32))]`` (on a CPU Lightning turns ``precision="16-mixed"`` alone into bf16). Preset: overrides
+  ``precision="16-mixed", init_scale=2**32`` -- the same too-high scale; on a CPU the preset runs fp16 through
+  an explicit scaler plugin whose scaler its ``LossScaleTuner`` (hysteresis 2, floor 1) replaces.
+  **This configuration does not make the bare Trainer fail.** torch's ``GradScaler`` skips every step whose
+  gradients overflow and halves the scale, so after ~15 skipped steps the run trains normally: scaling by a
+  power of two is exact until it overflows, and an overflow is detected and skipped, so a too-high initial
+  scale only costs steps. The preset cannot do better with the same scale (its hysteresis tolerates one
+  overflow before the first backoff: one more skipped step). Reported as measured. The opt-in configuration
+  ``fp16-auto`` (``--configs fp16,fp16-auto``) trains the same bare runs against the preset with
+  ``init_scale="auto"`` (the tuner measures the first gradients and picks the scale).
+* ``poison`` -- poisoned batches: benchmarks/spikes.py's setup unchanged (a 32-128-128-1 GELU MLP regresses a
+  fixed random teacher, batch 64, AdamW lr 3e-3, 300 steps; 3 batches at random steps in [30, 290), drawn per
+  seed, have inputs and targets multiplied by 1000).
+
+Scoring. A run's final loss is its loss on a fixed evaluation set after training (512 sequences / 4096
+samples, the same for every seed and arm, in fp32). Each configuration has a know-nothing loss L0 (uniform
+guess, ln 32, for the LM; the constant prediction, var(y), for the regression) and a floor L* (the evaluation
+set's irreducible loss: the cross-entropy of the true bigram table; the MSE of the label noise). A run has
+**diverged** when its final loss is NaN/inf, or closes less than half the gap from L0 to L*
+(final > L0 - 0.5 (L0 - L*): 2.46 nats for the LM, 0.20 for the regression; ``--diverged-below``), or when
+training was stopped by ``TrainingDivergedError``/``LossScaleFloorError``. The **target loss** closes 3/4 of
+that gap (L0 - 0.75 (L0 - L*): 1.96 nats, 0.10; ``--target``). **Steps to target**: the first step at which
+the mean training loss of the last 10 batches (``--window``; poisoned batches left out) is at or below the
+target; every batch counts, skipped updates included. It is taken over the converged runs that reached the
+target: ``bare``/``preset`` are the medians, ``ratio`` = median preset / median bare, ``paired`` = the median
+over seeds where both arms converged and reached it of preset steps / bare steps (``n`` such seeds). The
+``overall`` row pools all configurations: its diverged counts are sums; its median steps mix different tasks
+(and bare's converged runs come mostly from the easy ones), so ``paired`` is the like-for-like comparison.
+In ``poison`` the target usually falls before the first poisoned batch (step >= 30), so there steps-to-target
+mostly measures the warmup's cost on clean data. **Time**: medians over seeds of preset / bare of the same
+seed; ``fit`` = ``trainer.fit`` as the user waits (it includes the preset's end-of-fit stability report, JSON
+and PNG with matplotlib, about a second here, which is why tiny runs show a large ratio), ``loop`` = first to
+last training batch. A second table gives each arm's runs: diverged, converged runs that reached the target,
+the median and worst final loss, the median number of batches whose update was not applied (loss scaler,
+non-finite or spike skips: batches minus AdamW's step counter) and runs stopped by an error.
+
+Choice of the hyperparameters: once, while writing this, on seeds 0-3 (then every seed is reported).
+Post-LN LR, diverged runs bare / preset: lr 1e-2 0/4 / 0/4, 1.5e-2 1/4 / 0/4, 2e-2 4/4 / 0/4, 3e-2 4/4 / 2/4.
+2e-2 is the LR where the bare Trainer failed on every probe seed and the preset on none: chosen for that
+contrast, which is what "fragile" means here. The window is narrow: at 3e-2 the preset fails too, and at
+1.5e-2 the bare Trainer mostly trains (``--postln-lr`` reproduces either). The fp16 scale is Megatron-LM's
+default, not tuned; the fp16 LR is the demo's; the poisoned setup is spikes.py's defaults. The 0.5 / 0.75
+fractions and the window were fixed before the full run.
+
+Run: ``python -m benchmarks.stability [--seeds 20] [--configs postln,fp16,poison]`` (about 8 minutes on 2
+CPU cores shared with other work; ``--seeds 3`` for a quick look). ``--help`` lists every option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import math
+import os
+import platform
+import statistics
+import tempfile
+import time
+import warnings
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins import MixedPrecision
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+
+from benchmarks.spikes import FIRST_POISON, TAIL, Batches, Regressor, make_data, teacher
+from lightning_stability import LossScaleFloorError, StableTrainer, TrainingDivergedError
+
+VOCAB, SEQ, WIDTH, HEADS, LM_BATCH, LM_EVAL = 32, 16, 32, 4, 16, 512
+MLP_BATCH, MLP_EVAL = 64, 4096  # as benchmarks/spikes.py
+TABLE_SEED, EVAL_SEED = 4321, 10**6
+CONFIGS = ("postln", "fp16", "poison")
+EXTRA = ("fp16-auto",)  # opt-in: not in the default run
+
+
+# ---------------------------------------------------------------------------------------------- the data
+def bigram_table() -> Tensor:
+    """The fixed next-token distribution of the language-model task (the same in every seed)."""
+    g = torch.Generator().manual_seed(TABLE_SEED)
+    return torch.softmax(torch.randn(VOCAB, VOCAB, generator=g) * 3.0, dim=-1)
+
+
+def sequences(n: int, generator: torch.Generator) -> Tensor:
+    """``n`` token sequences of ``SEQ + 1`` tokens: a uniform first token, then the bigram chain."""
+    table = bigram_table()
+    x = torch.empty(n, SEQ + 1, dtype=torch.long)
+    x[:, 0] = torch.randint(VOCAB, (n,), generator=generator)
+    for t in range(1, SEQ + 1):
+        x[:, t] = torch.multinomial(table[x[:, t - 1]], 1, generator=generator).squeeze(1)
+    return x
+
+
+def bayes_loss(x: Tensor) -> float:
+    """Cross-entropy of the true bigram distribution on ``x``: the floor no model can beat on it."""
+    table = bigram_table()
+    return -table[x[:, :-1], x[:, 1:]].log().mean().item()
+
+
+class Sequences(Dataset[Tensor]):
+    """Pre-built batches of sequences, served in order (one per optimizer step)."""
+
+    def __init__(self, x: Tensor) -> None:
+        self.x = x
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+    def __getitem__(self, i: int) -> Tensor:
+        return self.x[i]
+
+
+# ---------------------------------------------------------------------------------------------- the models
+class Recorder(pl.Callback):
+    """Every training loss (device tensors, read after fit) and the training loop's wall time."""
+
+    def __init__(self) -> None:
+        self.losses: list[Tensor] = []
+        self.start = self.end = 0.0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start = self.end = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *_: Any) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(loss.detach().float())
+        self.end = time.perf_counter()
+
+
+class LM(pl.LightningModule):
+    """A decoder-only transformer LM: ``nn.TransformerEncoderLayer`` blocks with a causal mask.
+
+    ``norm_first=False`` is the original Post-LN block (LayerNorm after each residual sum, no final norm);
+    ``norm_first=True`` the Pre-LN block with a final LayerNorm.
+    """
+
+    def __init__(self, lr: float, layers: int, norm_first: bool) -> None:
+        super().__init__()
+        self.lr = lr
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.pos = nn.Parameter(torch.randn(1, SEQ, WIDTH) * 0.02)
+        block = nn.TransformerEncoderLayer(
+            WIDTH, HEADS, 4 * WIDTH, dropout=0.0, batch_first=True, norm_first=norm_first
+        )
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.norm: nn.Module = nn.LayerNorm(WIDTH) if norm_first else nn.Identity()
+        self.head = nn.Linear(WIDTH, VOCAB)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(SEQ), persistent=False)
+
+    def loss(self, batch: Tensor) -> Tensor:
+        h = self.blocks(self.embed(batch[:, :-1]) + self.pos, mask=self.mask, is_causal=True)
+        logits = self.head(self.norm(h)).float()
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        return self.loss(batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+
+
+class MLP(Regressor):
+    """benchmarks/spikes.py's regressor (32-128-128-1 GELU MLP, MSE, AdamW with weight decay 0.01)."""
+
+    def loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+
+# ---------------------------------------------------------------------------------------------- a configuration
+@dataclass(frozen=True)
+class Config:
+    key: str
+    label: str
+    steps: int
+    lr: float
+    layers: int = 0  # LM only
+    norm_first: bool = False
+    init_scale: float | None = None  # fp16 with this initial loss scale; None: fp32
+    preset_init_scale: float | str | None = None  # the preset's init_scale override (default: init_scale)
+    poison: int = 0  # MLP only: poisoned batches per run
+    factor: float = 1.0
+
+
+@dataclass
+class Task:
+    """One seed's data for one configuration and the numbers its runs are scored against."""
+
+    train: Dataset[Any]
+    poisoned: frozenset[int]  # 0-based steps whose batch was poisoned (left out of the steps-to-target window)
+    eval_batch: Any
+    know_nothing: float  # uniform guess (LM) / constant prediction (MLP) on the evaluation set
+    floor: float  # the evaluation set's irreducible loss (true bigram table / label noise)
+
+
+@dataclass
+class Run:
+    final: float  # evaluation loss after training; inf when stopped by an error
+    diverged: bool
+    steps_to_target: int | None
+    skipped: int  # batches whose update was not applied (loss scaler, non-finite or spike skips)
+    fit_s: float  # trainer.fit, as the user waits for it (the preset's end-of-fit report included)
+    loop_s: float  # first to last training batch
+    stopped: str = ""  # the error that stopped training, if any
+
+
+def lm_task(config: Config, seed: int, eval_set: Tensor) -> Task:
+    g = torch.Generator().manual_seed(seed)
+    x = sequences(config.steps * LM_BATCH, g).view(config.steps, LM_BATCH, SEQ + 1)
+    return Task(Sequences(x), frozenset(), eval_set, math.log(VOCAB), bayes_loss(eval_set))
+
+
+def mlp_task(config: Config, seed: int, eval_set: tuple[Tensor, Tensor]) -> Task:
+    # the same draws as benchmarks/spikes.py: data first, then the poisoned positions
+    g = torch.Generator().manual_seed(seed)
+    x, y = make_data(config.steps * MLP_BATCH, g)
+    x, y = x.view(config.steps, MLP_BATCH, -1).clone(), y.view(config.steps, MLP_BATCH, 1).clone()
+    positions = FIRST_POISON + torch.randperm(config.steps - TAIL - FIRST_POISON, generator=g)[: config.poison]
+    x[positions] *= config.factor
+    y[positions] *= config.factor
+    ex, ey = eval_set
+    noise = nn.functional.mse_loss(teacher(ex), ey).item()
+    return Task(Batches(x, y), frozenset(positions.tolist()), eval_set, ey.var().item(), noise)
+
+
+def bound_of(task: Task, progress: float) -> float:
+    """The loss that closes ``progress`` of the gap from the know-nothing loss to the floor."""
+    return task.know_nothing - progress * (task.know_nothing - task.floor)
+
+
+def steps_to_target(losses: Sequence[float], skip: frozenset[int], target: float, window: int) -> int | None:
+    """First step (1-based) at which the mean training loss of the last ``window`` clean batches is <= target."""
+    recent: deque[float] = deque(maxlen=window)
+    for i, loss in enumerate(losses):
+        if i in skip:
+            continue
+        recent.append(loss)
+        if len(recent) == window and sum(recent) / window <= target:
+            return i + 1
+    return None
+
+
+def applied_updates(optimizer: torch.optim.Optimizer) -> int:
+    """AdamW's own step counter: updates actually applied (skipped steps leave it unchanged)."""
+    steps = [int(s["step"]) for s in optimizer.state.values() if "step" in s]
+    return max(steps, default=0)
+
+
+def run_once(config: Config, preset: bool, seed: int, task: Task, args: argparse.Namespace, root: str) -> Run:
+    """Train one seed of one configuration, bare or with the preset, then score it."""
+    pl.seed_everything(seed, verbose=False)  # the same initial weights in both arms
+    model: LM | MLP = LM(config.lr, config.layers, config.norm_first) if config.key != "poison" else MLP(config.lr)
+    recorder = Recorder()
+    common: dict[str, Any] = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=config.steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=root,  # the preset's stability report goes here
+        callbacks=[recorder],
+    )
+    trainer: pl.Trainer
+    if preset:
+        fp16: dict[str, Any] = {}
+        if config.init_scale is not None:
+            scale = config.init_scale if config.preset_init_scale is None else config.preset_init_scale
+            fp16 = {"precision": "16-mixed", "init_scale": scale}
+        trainer = StableTrainer.from_preset("tiny", **common, **fp16)
+    elif config.init_scale is not None:  # on a CPU, precision="16-mixed" alone would become bf16
+        scaler = torch.amp.GradScaler("cpu", init_scale=config.init_scale)
+        trainer = pl.Trainer(**common, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    else:
+        trainer = pl.Trainer(**common)
+    stopped = ""
+    start = time.perf_counter()
+    try:
+        trainer.fit(model, DataLoader(task.train, batch_size=None))
+    except (TrainingDivergedError, LossScaleFloorError) as error:
+        stopped = type(error).__name__
+    fit_s = time.perf_counter() - start
+    with torch.no_grad():
+        model.eval()
+        final = math.inf if stopped else model.loss(task.eval_batch).item()
+    losses = torch.stack(recorder.losses).tolist() if recorder.losses else []
+    bound, target = bound_of(task, args.diverged_below), bound_of(task, args.target)
+    diverged = bool(stopped) or not math.isfinite(final) or final > bound
+    reached = steps_to_target(losses, task.poisoned, target, args.window)
+    skipped = len(losses) - applied_updates(trainer.optimizers[0])
+    return Run(final, diverged, reached, skipped, fit_s, recorder.end - recorder.start, stopped)
+
+
+def configurations(args: argparse.Namespace) -> list[Config]:
+    every = {
+        "postln": Config(
+            "postln",
+            f"post-LN x{args.layers} lr {args.postln_lr:g}",
+            args.lm_steps,
+            args.postln_lr,
+            layers=args.layers,
+        ),
+        "fp16": Config(
+            "fp16",
+            f"fp16 scale 2^{math.log2(args.init_scale):g}",
+            args.lm_steps,
+            args.fp16_lr,
+            layers=2,
+            norm_first=True,
+            init_scale=args.init_scale,
+        ),
+        "fp16-auto": Config(
+            "fp16-auto",
+            f"fp16 2^{math.log2(args.init_scale):g}, auto",
+            args.lm_steps,
+            args.fp16_lr,
+            layers=2,
+            norm_first=True,
+            init_scale=args.init_scale,
+            preset_init_scale="auto",
+        ),
+        "poison": Config(
+            "poison",
+            f"poisoned {args.poison}x{args.factor:g}",
+            args.poison_steps,
+            args.poison_lr,
+            poison=args.poison,
+            factor=args.factor,
+        ),
+    }
+    return [every[k] for k in args.configs]
+
+
+# ---------------------------------------------------------------------------------------------- the report
+def median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def fmt(value: float | None, spec: str = ".0f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+@dataclass
+class Summary:
+    n: int
+    diverged: tuple[int, int]  # bare, preset
+    steps: tuple[list[int], list[int]]  # steps to target of the converged runs that reached it
+    paired: list[float]  # preset / bare steps, seeds where both converged and reached the target
+    fit: list[float]  # preset / bare fit time, per seed
+    loop: list[float]
+
+    @staticmethod
+    def of(bare: list[Run], preset: list[Run]) -> Summary:
+        def reached(runs: list[Run]) -> list[int]:
+            return [r.steps_to_target for r in runs if not r.diverged and r.steps_to_target is not None]
+
+        pairs = list(zip(bare, preset, strict=True))
+        return Summary(
+            len(bare),
+            (sum(r.diverged for r in bare), sum(r.diverged for r in preset)),
+            (reached(bare), reached(preset)),
+            [
+                p.steps_to_target / b.steps_to_target
+                for b, p in pairs
+                if not b.diverged and not p.diverged and b.steps_to_target and p.steps_to_target
+            ],
+            [p.fit_s / b.fit_s for b, p in pairs],
+            [p.loop_s / b.loop_s for b, p in pairs if b.loop_s > 0],
+        )
+
+    @staticmethod
+    def pooled(parts: list[Summary]) -> Summary:
+        return Summary(
+            sum(s.n for s in parts),
+            (sum(s.diverged[0] for s in parts), sum(s.diverged[1] for s in parts)),
+            ([x for s in parts for x in s.steps[0]], [x for s in parts for x in s.steps[1]]),
+            [x for s in parts for x in s.paired],
+            [x for s in parts for x in s.fit],
+            [x for s in parts for x in s.loop],
+        )
+
+    def cells(self, label: str) -> list[str]:
+        n = self.n
+        bare, preset = median(self.steps[0]), median(self.steps[1])
+        ratio = None if bare is None or preset is None else preset / bare
+        return [
+            label,
+            f"{self.diverged[0]}/{n}",
+            f"{self.diverged[1]}/{n}",
+            f"{100 * (n - self.diverged[0]) / n:.0f}%",
+            f"{100 * (n - self.diverged[1]) / n:.0f}%",
+            fmt(bare),
+            fmt(preset),
+            fmt(ratio, ".2f"),
+            f"{fmt(median(self.paired), '.2f')} ({len(self.paired)})",
+            fmt(median(self.fit), ".2f"),
+            fmt(median(self.loop), ".2f"),
+        ]
+
+
+def table(rows: list[list[str]], widths: Sequence[int]) -> list[str]:
+    """Rows with the first cell left-aligned and the others right-aligned."""
+    return [
+        " ".join([f"{r[0]:<{widths[0]}}", *(f"{c:>{w}}" for c, w in zip(r[1:], widths[1:], strict=True))]) for r in rows
+    ]
+
+
+def group_header(groups: Sequence[tuple[str, int]], widths: Sequence[int]) -> str:
+    """A header line whose labels are centred over the columns they span (``(label, columns)`` pairs)."""
+    cells, i = [], 0
+    for label, span in groups:
+        width = sum(widths[i : i + span]) + span - 1
+        cells.append(f"{label:<{width}}" if i == 0 else f"{label:^{width}}")
+        i += span
+    return " ".join(cells).rstrip()
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main(argv: list[str] | None = None) -> dict[str, tuple[int, int]]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--seeds", type=int, default=20, help="seeds per configuration, each trained bare and with the preset (20)")
+    add(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"configurations to run, comma-separated (default {','.join(CONFIGS)}; opt-in: {','.join(EXTRA)})",
+    )
+    add("--layers", type=int, default=6, help="post-LN configuration: transformer blocks (default 6)")
+    add("--postln-lr", type=float, default=2e-2, help="post-LN configuration: AdamW learning rate (default 2e-2)")
+    add("--fp16-lr", type=float, default=3e-3, help="fp16 configuration: AdamW learning rate (default 3e-3)")
+    add("--init-scale", type=float, default=2.0**32, help="fp16 configuration: initial loss scale (default 2^32)")
+    add("--lm-steps", type=int, default=100, help="optimizer steps of the two transformer configurations (100)")
+    add("--poison-steps", type=int, default=300, help="poisoned configuration: optimizer steps (default 300)")
+    add("--poison", type=int, default=3, help="poisoned configuration: poisoned batches per run (default 3)")
+    add("--factor", type=float, default=1000.0, help="poisoned configuration: scale of a poisoned batch (1000)")
+    add("--poison-lr", type=float, default=3e-3, help="poisoned configuration: AdamW learning rate (default 3e-3)")
+    add(
+        "--diverged-below",
+        type=float,
+        default=0.5,
+        help="diverged: final eval loss closes less than this share of the gap know-nothing -> floor (0.5)",
+    )
+    add("--target", type=float, default=0.75, help="target loss: closes this share of that gap (default 0.75)")
+    add("--window", type=int, default=10, help="steps to target: mean training loss over this many batches (10)")
+    add("--threads", type=int, default=1, help="torch CPU threads (default 1: steadier timings on a shared machine)")
+    args = parser.parse_args(argv)
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = sorted(set(args.configs) - set(CONFIGS) - set(EXTRA))
+    if unknown:
+        parser.error(f"unknown configuration(s) {unknown}; known: {', '.join(CONFIGS + EXTRA)}")
+    if args.poison_steps < FIRST_POISON + TAIL + args.poison:
+        parser.error(f"--poison-steps must be at least {FIRST_POISON + TAIL + args.poison}")
+    if not 0 < args.diverged_below <= args.target < 1:
+        parser.error("need 0 < --diverged-below <= --target < 1")
+
+    started = datetime.datetime.now(datetime.timezone.utc)
+    wall = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")  # the monitor's spike warnings, Lightning's dataloader-worker hints
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_stability"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    lm_eval = sequences(LM_EVAL, torch.Generator().manual_seed(EVAL_SEED))
+    mlp_eval = make_data(MLP_EVAL, torch.Generator().manual_seed(EVAL_SEED))
+
+    configs = configurations(args)
+    runs: dict[tuple[str, bool], list[Run]] = {(c.key, p): [] for c in configs for p in (False, True)}
+    tasks: dict[str, Task] = {}
+    with tempfile.TemporaryDirectory() as root:
+        for seed in range(args.seeds):  # seeds outermost: drift on a shared machine hits every arm alike
+            for config in configs:
+                poison = config.key == "poison"
+                task = mlp_task(config, seed, mlp_eval) if poison else lm_task(config, seed, lm_eval)
+                tasks[config.key] = task
+                for preset in (False, True):
+                    runs[config.key, preset].append(run_once(config, preset, seed, task, args, root))
+    wall = time.perf_counter() - wall
+
+    print(
+        f"{started:%a %b %d %H:%M UTC %Y}; {os.cpu_count()} CPUs ({cpu_name()}), "
+        f"{platform.system()} {platform.release()}"
+    )
+    print(f"torch {torch.__version__}, lightning {pl.__version__}, {args.threads} torch thread(s); {args.seeds} seeds")
+    print("configurations (the same seeds, data and initial weights in both arms; AdamW, weight decay 0.01):")
+    for c in configs:
+        if c.key == "poison":
+            what = (
+                f"32-128-128-1 MLP regression (benchmarks/spikes.py), batch {MLP_BATCH}, {c.steps} steps, "
+                f"lr {c.lr:g}; {c.poison} batches at random steps in [{FIRST_POISON}, {c.steps - TAIL}) x{c.factor:g}"
+            )
+        else:
+            block = "pre-LN" if c.norm_first else "post-LN"
+            what = (
+                f"{c.layers}-layer {block} transformer LM (width {WIDTH}, {HEADS} heads), bigram task, vocab "
+                f"{VOCAB}, seq {SEQ}, batch {LM_BATCH}, {c.steps} steps, lr {c.lr:g}"
+            )
+            if c.init_scale is not None:
+                what += f"; fp16 mixed, initial loss scale {c.init_scale:g}"
+                what += " in both arms" if c.preset_init_scale is None else f" (preset: {c.preset_init_scale!r})"
+        print(f"  {c.label}: {what}")
+    print(
+        "preset: StableTrainer.from_preset('tiny'): clip 1.0, warmup 5% -> constant -> cosine over the last 20%, "
+        "TrainingHealthMonitor(response='skip'); the fp16 configuration adds precision='16-mixed', "
+        "init_scale=<the same scale> (LossScaleTuner: hysteresis 2, floor 1)"
+    )
+    print(
+        f"diverged: final eval loss NaN/inf, or closing < {args.diverged_below:g} of the gap from the know-nothing "
+        f"loss to the floor; target: closing {args.target:g} of it, as the mean training loss of "
+        f"{args.window} clean batches"
+    )
+    for c in configs:
+        t = tasks[c.key]
+        print(
+            f"  {c.label}: know-nothing {t.know_nothing:.4g}, floor {t.floor:.4g} -> diverged above "
+            f"{bound_of(t, args.diverged_below):.4g}, target {bound_of(t, args.target):.4g} (eval set of the last seed)"
+        )
+    print()
+    head = ["configuration", "bare", "preset", "bare", "preset", "bare", "preset", "ratio", "paired (n)", "fit", "loop"]
+    widths = (22, 8, 7, 6, 7, 6, 7, 6, 11, 6, 5)
+    groups = [("", 1), ("diverged", 2), ("stable", 2), ("steps to target (median)", 4), ("time x bare", 2)]
+    summaries = [Summary.of(runs[c.key, False], runs[c.key, True]) for c in configs]
+    body = [s.cells(c.label) for s, c in zip(summaries, configs, strict=True)]
+    lines = table([head, *body], widths)
+    print(group_header(groups, widths), *lines[:1], "-" * len(lines[0]), *lines[1:], sep="\n")
+    if len(configs) > 1:
+        print("-" * len(lines[1]))
+        print(table([Summary.pooled(summaries).cells("overall")], widths)[0])
+    print()
+    detail_head = ["configuration / arm", "diverged", "reached", "median loss", "worst loss", "skipped", "stopped"]
+    detail_widths = (30, 8, 8, 11, 11, 8, 8)
+    detail = [detail_head]
+    for c in configs:
+        for preset in (False, True):
+            rs = runs[c.key, preset]
+            converged = [r for r in rs if not r.diverged]
+            finals = [r.final for r in rs]
+            detail.append(
+                [
+                    f"{c.label} / {'preset' if preset else 'bare'}",
+                    f"{sum(r.diverged for r in rs)}/{len(rs)}",
+                    f"{sum(r.steps_to_target is not None for r in converged)}/{len(converged)}",
+                    f"{statistics.median(finals):.4g}",
+                    f"{max(finals):.4g}",
+                    f"{statistics.median(r.skipped for r in rs):g}",
+                    str(sum(bool(r.stopped) for r in rs)),
+                ]
+            )
+    dl = table(detail, detail_widths)
+    print(dl[0], "-" * len(dl[0]), *dl[1:], sep="\n")
+    print(
+        "reached: converged runs that reached the target; skipped: median batches whose update was not applied; "
+        "stopped: runs ended by TrainingDivergedError/LossScaleFloorError"
+    )
+    fixed = {p: [r.fit_s - r.loop_s for c in configs for r in runs[c.key, p]] for p in (False, True)}
+    print(
+        f"fit - loop (setup and end of fit; the preset's includes its stability report, JSON + PNG): median "
+        f"bare {statistics.median(fixed[False]):.2f} s, preset {statistics.median(fixed[True]):.2f} s per run"
+    )
+    print(f"wall time of the whole benchmark: {wall:.1f} s ({wall / 60:.1f} min)")
+    return {c.key: s.diverged for c, s in zip(configs, summaries, strict=True)}
+
+
+if __name__ == "__main__":
+    main()

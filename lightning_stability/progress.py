@@ -1,0 +1,55 @@
+"""Lightning's progress bars with the gradient norm, LR, loss scale and skipped steps beside the loss."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
+
+from lightning_stability.ledger import StepLedger
+
+#: ``stability/`` metric -> its label in the bar (shown once a callback has logged it)
+SHOWN = {
+    "stability/grad_norm": "grad_norm",
+    "stability/lr": "lr",
+    "stability/loss_scale": "loss_scale",
+    "stability/skipped_steps": "skipped",
+}
+
+
+class _StabilityMetrics(ProgressBar):
+    """Adds the ``stability/`` metrics of :data:`SHOWN` to a progress bar's items.
+
+    It shows the values last logged (on Lightning's logging steps, ``log_every_n_steps``), which the step
+    ledger already holds as host numbers: the bar adds no host-device synchronisation. With several optimizers
+    each one's metric has its own label (``grad_norm/<optimizer>``).
+    """
+
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        items = super().get_metrics(trainer, pl_module)
+        ledger = StepLedger.of(trainer)
+        several = ledger.several_optimizers
+        for key, label in SHOWN.items():
+            for name, value in ledger.published.items():
+                # `key/<optimizer>` with several optimizers; other suffixes are per-module metrics
+                suffix = name[len(key) + 1 :] if several and name.startswith(key + "/") else None
+                if name == key or (suffix and "/" not in suffix):
+                    items[label + name[len(key) :]] = int(value) if label == "skipped" else value
+        return items
+
+
+class StabilityProgressBar(_StabilityMetrics, TQDMProgressBar):
+    """Lightning's TQDM progress bar with the stability metrics."""
+
+
+class StabilityRichProgressBar(_StabilityMetrics, RichProgressBar):
+    """Lightning's Rich progress bar with the stability metrics (needs ``rich``)."""
+
+
+def stability_progress_bar() -> ProgressBar:
+    """The bar Lightning would pick by default (Rich when ``rich`` is installed, else TQDM), with the metrics."""
+    try:
+        return StabilityRichProgressBar()
+    except ModuleNotFoundError:
+        return StabilityProgressBar()
