@@ -64,7 +64,10 @@ def _demo(args: argparse.Namespace) -> int:
         verdict = f"OK: the plain Trainer {bare.status} ({bare.detail}); the preset trained"
         verdict += f" ({preset_run.verdict.detail})."
     elif ok and len(runs) == 2:
-        verdict = "OK, but the plain Trainer trained too with these settings: the preset made no difference here."
+        verdict = (
+            f"OK: both runs trained with these settings (final loss: bare {runs[0].verdict.final_loss:.3f}, "
+            f"preset {preset_run.verdict.final_loss:.3f})."
+        )
     elif ok:
         verdict = f"OK: the preset trained ({preset_run.verdict.detail})."
     else:

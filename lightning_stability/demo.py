@@ -157,6 +157,10 @@ def _bare_precision(precision: str | None) -> dict[str, Any]:
 
 
 def _describe(trainer: pl.Trainer, name: str) -> str:
+    if name == "bare" and str(trainer.precision) == "16-mixed":
+        return (
+            "lightning.Trainer with fp16's GradScaler (it skips steps whose gradients overflow): no clipping, no warmup"
+        )
     if name == "bare":
         return "lightning.Trainer with its defaults: no clipping, no warmup, no skip of bad steps"
     attached = trainer.callbacks  # type: ignore[attr-defined]
@@ -183,7 +187,7 @@ def _draw(runs: list[DemoRun], corpus: Corpus, fault: int, path: Path) -> Path |
             ax.axvline(run.verdict.step, color=colour, linestyle=":", linewidth=1)
             ax.annotate(
                 f" {run.name} diverged at step {run.verdict.step}",
-                (run.verdict.step, corpus.uniform_loss + 0.5),
+                (run.verdict.step, (corpus.uniform_loss + corpus.unigram_loss) / 2),
                 color=colour,
                 fontsize=9,
             )

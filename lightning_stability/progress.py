@@ -35,7 +35,8 @@ class _StabilityMetrics(ProgressBar):
                 # `key/<optimizer>` with several optimizers; other suffixes are per-module metrics
                 suffix = name[len(key) + 1 :] if several and name.startswith(key + "/") else None
                 if name == key or (suffix and "/" not in suffix):
-                    items[label + name[len(key) :]] = int(value) if label == "skipped" else value
+                    # as text: the bars' own number format (3 decimals in Rich) would show a small LR as 0.000
+                    items[label + name[len(key) :]] = f"{int(value)}" if label == "skipped" else f"{value:.3g}"
         return items
 
 
