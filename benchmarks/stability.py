@@ -426,6 +426,15 @@ class Summary:
         ]
 
 
+def restart_cost(length: int, n: int, diverged: int, steps: list[int]) -> float | None:
+    """Expected optimizer steps until a trained model when each diverged run is restarted (None: never)."""
+    stable = (n - diverged) / n
+    best = median(steps)
+    if stable == 0 or best is None:
+        return None
+    return length * (1 - stable) / stable + best
+
+
 def table(rows: list[list[str]], widths: Sequence[int]) -> list[str]:
     """Rows with the first cell left-aligned and the others right-aligned."""
     return [
@@ -562,6 +571,20 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[int, int]]:
     if len(configs) > 1:
         print("-" * len(lines[1]))
         print(table([Summary.pooled(summaries).cells("overall")], widths)[0])
+    print()
+    print(
+        "steps to a trained model, counting restarts: a diverged run is thrown away after its full length L and "
+        "restarted with a new seed;\nwith a share p of runs stable, that costs L (1 - p) / p + the median steps to "
+        "target of a stable run"
+    )
+    restart = [["configuration", "bare", "preset", "preset/bare"]]
+    for s_, c in zip(summaries, configs, strict=True):
+        costs = [restart_cost(c.steps, s_.n, s_.diverged[arm], s_.steps[arm]) for arm in (0, 1)]
+        ratio = None if costs[0] is None or costs[1] is None else costs[1] / costs[0]
+        restart.append([c.label, fmt(costs[0]), fmt(costs[1]), fmt(ratio, ".2f")])
+    rl = table(restart, (22, 8, 8, 12))
+    print(rl[0], "-" * len(rl[0]), *rl[1:], sep="\n")
+    print("(-: no run of that arm reached the target)")
     print()
     detail_head = ["configuration / arm", "diverged", "reached", "median loss", "worst loss", "skipped", "stopped"]
     detail_widths = (30, 8, 8, 11, 11, 8, 8)
