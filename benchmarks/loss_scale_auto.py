@@ -7,9 +7,14 @@ with three scalers and count the optimizer steps skipped before the first applie
 * ``LossScaleTuner(init_scale=65536)`` (hysteresis 2, the default),
 * ``LossScaleTuner(init_scale="auto")``.
 
-Then the time per step of the tuner against torch's scaler on the same model (warm-up first, median
-and best of interleaved repeats), as a ratio, and the cost of ``update()`` alone.
-Run: ``python benchmarks/loss_scale_auto.py [--steps 30] [--repeats 5] [--timed-steps 60]``.
+Then the cost of the tuner against torch's scaler, both starting at 65536 on the same model:
+
+* the time per training step (median of interleaved repeats), as a ratio to torch's scaler alone and to
+  torch's scaler plus an empty Lightning ``Callback`` (what Lightning's hook calls for any callback cost);
+* the tensor ops per training step (each one a kernel launch on a GPU), counted with a dispatch mode;
+* ``update()`` alone.
+
+Run: ``python -m benchmarks.loss_scale_auto [--steps 30] [--repeats 7] [--timed-steps 200]``.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_stability.callbacks.loss_scale import LossScaleTuner
@@ -103,8 +109,8 @@ def fit(grad_mult: float, scaler: str, steps: int, callbacks: list[pl.Callback])
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--timed-steps", type=int, default=60)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--timed-steps", type=int, default=200)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)  # one thread: its CPU time is the whole cost of a step
@@ -125,21 +131,28 @@ def main() -> None:
             cells.append(f"{first:>3} ({args.steps - sum(applied.applied):>2}) s={final:<8g}")
         print(f"{grad_mult:>8g} | " + " | ".join(f"{c:>18}" for c in cells))
 
-    # Per-step cost. The machine may be shared: runs are interleaved and the best and median reported.
-    timers: dict[str, list[StepTimer]] = {"torch-65536": [], "tuner-auto": []}
+    # Per-step cost. The machine may be shared: runs are interleaved and the median reported.
+    runs = {
+        "torch": ("torch-65536", False),
+        "torch + empty callback": ("torch-65536", True),
+        "tuner": ("tuner-65536", False),
+    }
+    timers: dict[str, list[StepTimer]] = {name: [] for name in runs}
     for _ in range(args.repeats):
-        for scaler in timers:
+        for name, (scaler, empty) in runs.items():
             timer = StepTimer(warmup=10)
-            fit(1.0, scaler, 10 + args.timed_steps, [timer])
-            timers[scaler].append(timer)
-    print(f"\nTime per training step, median of {args.repeats} interleaved runs of {args.timed_steps} steps:")
-    for clock in ("cpu", "wall"):
-        base = statistics.median(getattr(t, clock) for t in timers["torch-65536"])
-        tuned = statistics.median(getattr(t, clock) for t in timers["tuner-auto"])
-        print(
-            f"  {clock:>4} time: torch GradScaler {base * 1e3:.2f} ms, LossScaleTuner {tuned * 1e3:.2f} ms, "
-            f"ratio {tuned / base:.3f}"
-        )
+            fit(1.0, scaler, 10 + args.timed_steps, [timer, pl.Callback()] if empty else [timer])
+            timers[name].append(timer)
+    cpu = {name: statistics.median(t.cpu for t in ts) for name, ts in timers.items()}
+    print(f"\nCPU time per training step, median of {args.repeats} interleaved runs of {args.timed_steps} steps:")
+    for name, value in cpu.items():
+        print(f"  {name:<24} {value * 1e3:.3f} ms")
+    print(
+        f"  LossScaleTuner / torch GradScaler: {cpu['tuner'] / cpu['torch']:.3f}; "
+        f"/ torch GradScaler + an empty Callback: {cpu['tuner'] / cpu['torch + empty callback']:.3f}"
+    )
+    ops = {name: ops_per_step(scaler) for name, scaler in (("torch", "torch-65536"), ("tuner", "tuner-65536"))}
+    print(f"\nTensor ops per training step: torch GradScaler {ops['torch']:.0f}, LossScaleTuner {ops['tuner']:.0f}")
 
     # The update rule alone: torch's fused `_amp_update_scale_` against the rule as tensor ops.
     costs: dict[str, list[float]] = {"torch": [], "tuned": []}
@@ -149,6 +162,41 @@ def main() -> None:
     base, tuned = min(costs["torch"]), min(costs["tuned"])
     print(f"\nscaler.update() alone (CPU thread time, best of {args.repeats} x 2000 calls):")
     print(f"  torch GradScaler {base * 1e6:.1f} us, TunedGradScaler {tuned * 1e6:.1f} us, ratio {tuned / base:.2f}")
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+class OpsPerStep(pl.Callback):
+    """Tensor ops dispatched per training step (from batch start to batch end), after 10 warm-up steps."""
+
+    def __init__(self) -> None:
+        self.counted: list[int] = []
+        self._mode: _OpCounter | None = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step >= 10:
+            self._mode = _OpCounter()
+            self._mode.__enter__()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self.counted.append(self._mode.ops)
+            self._mode = None
+
+
+def ops_per_step(scaler: str) -> float:
+    counter = OpsPerStep()
+    fit(1.0, scaler, 30, [counter])
+    return statistics.mean(counter.counted)
 
 
 def update_cost(name: str, calls: int) -> float:

@@ -258,7 +258,12 @@ def scaler_is_ready(scaler: Any, optimizer: Optimizer) -> bool:
 
 def reset_scaler_optimizer_states(scaler: Any) -> None:
     """Forget every optimizer's scaler state for the next step, as ``GradScaler.update`` does at its end."""
-    scaler._per_optimizer_states = defaultdict(_private("torch.amp.grad_scaler", "_refresh_per_optimizer_state"))
+    scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state())
+
+
+@functools.cache
+def _refresh_per_optimizer_state() -> Any:
+    return _private("torch.amp.grad_scaler", "_refresh_per_optimizer_state")
 
 
 def scaler_scale(scaler: Any) -> Tensor | None:

@@ -23,7 +23,15 @@ from torch.optim import Optimizer
 
 from lightning_stability import _compat
 from lightning_stability.scaler_args import check_scaler_arguments
-from lightning_stability.scaling import ScaleRule, ScaleState, auto_initial_scale, update_scale, update_scale_
+from lightning_stability.scaling import (
+    FusedScaleState,
+    ScaleRule,
+    ScaleState,
+    auto_initial_scale,
+    fused_state,
+    update_scale,
+    update_scale_,
+)
 from lightning_stability.skips import restore_overflow_flags
 
 if TYPE_CHECKING:
@@ -66,15 +74,17 @@ class TunedGradScaler(torch.amp.GradScaler):
     Drop-in for torch's scaler: ``scale``, ``unscale_``, ``step`` and ``update`` keep their contract,
     so Lightning's precision plugins and :class:`~lightning_stability.ledger.StepLedger` use it as is.
 
-    * ``update()`` applies :func:`lightning_stability.scaling.update_scale_` on the device: no host
-      sync beyond the one ``step()`` already costs to skip a non-fused optimizer.
+    * ``update()`` applies :func:`lightning_stability.scaling.update_scale_` on the device (nine small
+      ops around torch's fused kernel): no host sync beyond the one ``step()`` already costs to skip a
+      non-fused optimizer.
     * Every ``unscale_`` reduces the overflow flag with ``MAX`` across ``process_group`` (one 0-dim
       collective per optimizer step) when ``torch.distributed`` runs with more than one rank.
     * ``init_scale="auto"``: the first step runs at scale 1 and measures the largest unscaled gradient;
       ``update()`` then sets the scale with :func:`~lightning_stability.scaling.auto_initial_scale`.
       That step is applied, unless its gradients overflowed (the rule then takes over from 1) or were
       all zero (fp16 underflow: the step is skipped and the scale becomes 2**24).
-    * Device counters: overflow steps, floor hits, and a ring of the last ``overflow_window`` flags.
+    * Device counts of overflow steps and floor hits after each of the last ``overflow_window`` steps (one
+      ring), from which the overflow rate is read.
 
     Like torch's scaler, ``load_state_dict`` restores the rule's settings along with its state.
 
@@ -147,15 +157,13 @@ class TunedGradScaler(torch.amp.GradScaler):
         self._updates = 0
         self._init_extra: dict[str, Any] = {
             "hysteresis_tracker": hysteresis,
-            "overflows": 0,
-            "floor_hits": 0,
-            "window": [0.0] * overflow_window,
+            "counts": [[0.0, 0.0]] * (overflow_window + 1),
         }
-        self._hysteresis_tracker: Tensor | None = None
-        self._overflows: Tensor | None = None
-        self._floor_hits: Tensor | None = None
-        self._window: Tensor | None = None
-        self._backoff_tracker: Tensor | None = None
+        self._fused: FusedScaleState | None = None
+        # [overflow steps, floor hits] after each of the last `overflow_window` updates, and before the first of
+        # them: after update u in row u % (overflow_window + 1) (float32, exact up to 2**24)
+        self._ring: Tensor | None = None
+        self._rows: tuple[Tensor, ...] = ()  # a view per row, made once
         self._after_update: Callable[[TunedGradScaler], None] | None = None
         self._rule: ScaleRule | None = None
         self._rule_settings: tuple[Any, ...] = ()
@@ -174,6 +182,9 @@ class TunedGradScaler(torch.amp.GradScaler):
         )
         if self._rule is None or self._rule_settings != settings:
             self._rule, self._rule_settings = ScaleRule(*settings), settings
+            if self._fused is not None:  # the refill's tracker only follows the growth tracker under some rules
+                self._fused.refill_tracker.copy_(self._fused.growth_tracker)
+                self._fused.floor_test[1].fill_(self._min_scale or 0.0)
         return self._rule
 
     @property
@@ -188,36 +199,28 @@ class TunedGradScaler(torch.amp.GradScaler):
     # ------------------------------------------------------------------ device state
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
-        extra = self._init_extra
-        self._hysteresis_tracker = torch.tensor(extra["hysteresis_tracker"], dtype=torch.int32, device=dev)
-        self._overflows = torch.tensor(extra["overflows"], dtype=torch.int64, device=dev)
-        self._floor_hits = torch.tensor(extra["floor_hits"], dtype=torch.int64, device=dev)
-        self._window = torch.tensor(extra["window"], dtype=torch.float32, device=dev)
+        self._init_device_state(dev)
 
-    def _backoff_tracker_for(self, device: torch.device) -> Tensor:
-        """Scratch state of the fused backoff pass (its value never changes the scale; not checkpointed)."""
-        if self._backoff_tracker is None or self._backoff_tracker.device != device:
-            self._backoff_tracker = torch.zeros((), dtype=torch.int32, device=device)
-        return self._backoff_tracker
+    def _init_device_state(self, dev: torch.device) -> None:
+        """The rule's device state around torch's scale and growth tracker, from ``_init_extra``."""
+        assert self._scale is not None and self._growth_tracker is not None
+        extra = self._init_extra
+        self._fused = fused_state(self._scale, self._growth_tracker, extra["hysteresis_tracker"], self._min_scale)
+        self._ring = torch.tensor(extra["counts"], dtype=torch.float32, device=dev)
+        self._rows = self._ring.unbind(0)
 
     def _extra_host(self) -> dict[str, Any]:
-        """The device counters as host values (a sync: checkpoints and pickling only)."""
-        if self._window is None:
+        """The device state as host values (a sync: checkpoints and pickling only)."""
+        if self._fused is None or self._ring is None:
             return dict(self._init_extra)
-        assert self._hysteresis_tracker is not None and self._overflows is not None and self._floor_hits is not None
-        return {
-            "hysteresis_tracker": int(self._hysteresis_tracker.item()),
-            "overflows": int(self._overflows.item()),
-            "floor_hits": int(self._floor_hits.item()),
-            "window": self._window.tolist(),
-        }
+        return {"hysteresis_tracker": int(self._fused.hysteresis_tracker.item()), "counts": self._ring.tolist()}
 
-    def _device_or_init(self, name: str) -> Tensor:
-        value = getattr(self, f"_{name}")
-        if value is not None:
-            return value
-        dtype = torch.float32 if name == "window" else torch.int64
-        return torch.tensor(self._init_extra[name], dtype=dtype)
+    def _row(self, updates: int) -> Tensor:
+        """``[overflow steps, floor hits]`` after update number ``updates`` (one of the last ``overflow_window``)."""
+        index = updates % (self._overflow_window + 1)
+        if self._ring is None:
+            return torch.tensor(self._init_extra["counts"][index], dtype=torch.float32)
+        return self._rows[index]
 
     @property
     def loss_scale(self) -> Tensor:
@@ -229,12 +232,16 @@ class TunedGradScaler(torch.amp.GradScaler):
     @property
     def overflow_steps(self) -> Tensor:
         """Optimizer steps whose gradients overflowed since the start (0-dim int64 tensor)."""
-        return self._device_or_init("overflows")
+        return self._row(self._updates)[0].to(torch.int64)
 
     @property
     def floor_hits(self) -> Tensor:
         """Overflows that ``min_scale`` stopped from lowering the scale (0-dim int64 tensor)."""
-        return self._device_or_init("floor_hits")
+        return self._row(self._updates)[1].to(torch.int64)
+
+    def snapshot(self) -> Tensor:
+        """``[loss scale, overflow steps, floor hits]`` as one new float32 tensor (one op, no sync)."""
+        return torch.cat([self.loss_scale.reshape(1), self._row(self._updates)])
 
     @property
     def updates(self) -> int:
@@ -243,8 +250,8 @@ class TunedGradScaler(torch.amp.GradScaler):
 
     def overflow_rate(self) -> Tensor:
         """Share of the last ``min(updates, overflow_window)`` steps that overflowed (0-dim tensor)."""
-        window = self._device_or_init("window")
-        return window.sum() / max(1, min(self._updates, self._overflow_window))
+        covered = min(self._updates, self._overflow_window)
+        return (self._row(self._updates)[0] - self._row(self._updates - covered)[0]) / max(1, covered)
 
     def call_after_next_update(self, hook: Callable[[TunedGradScaler], None]) -> None:
         """Run ``hook(scaler)`` right after the next :meth:`update` (replaces a pending hook)."""
@@ -297,40 +304,40 @@ class TunedGradScaler(torch.amp.GradScaler):
             self._probing = False
             self._fire_after_update()
             return
-        scale, growth = self._check_scale_growth_tracker("update")
-        assert self._hysteresis_tracker is not None and self._overflows is not None
-        assert self._floor_hits is not None and self._window is not None
-        flags = [
-            f if f.device == scale.device else f.to(scale.device, non_blocking=True)
-            for state in self._per_optimizer_states.values()
-            for f in state["found_inf_per_device"].values()
-        ]
+        scale, _ = self._check_scale_growth_tracker("update")
+        fused, rows = self._fused, self._rows
+        assert fused is not None and fused.scale is scale and rows
+        # one flag per optimizer, on the scale's device (see _unscale_grads_)
+        flags = [f for state in self._per_optimizer_states.values() for f in state["found_inf_per_device"].values()]
         if not flags:
             raise AssertionError("No inf checks were recorded prior to update.")
-        found = flags[0] if len(flags) == 1 else torch.stack(flags).sum()
+        found = flags[0] if len(flags) == 1 else torch.stack(flags).amax()  # 1.0 if any overflowed
         rule = self.rule
-        state = ScaleState(scale, growth, self._hysteresis_tracker)
+        before, after = rows[self._updates % len(rows)], rows[(self._updates + 1) % len(rows)]
         if self._probing and self._probe_found is not None and self._probe_peak is not None:
-            # the first step of init_scale="auto" (once per run): the rule's answer unless the probe overflowed
-            new, overflow, _, floor_hit = update_scale(state, found, rule)
-            overflow = self._probe_found != 0  # `found` also holds the skip of an all-zero probe
-            auto = auto_initial_scale(self._probe_peak, self._auto_headroom, rule.min_scale)
-            scale.copy_(torch.where(overflow, new.scale, auto))
-            growth.copy_(torch.where(overflow, new.growth_tracker, torch.zeros_like(new.growth_tracker)))
-            self._hysteresis_tracker.copy_(
-                torch.where(overflow, new.hysteresis_tracker, torch.full_like(new.hysteresis_tracker, rule.hysteresis))
-            )
-            floor_hit = floor_hit & overflow
+            self._probe_update(fused, found, rule, before, after)
         else:
-            # every other step: the rule in place, around torch's fused update (see scaling.update_scale_)
-            overflow, floor_hit = update_scale_(state, found, rule, self._backoff_tracker_for(scale.device))
+            update_scale_(fused, found, rule, before, after)
         self._probing = False
         self._probe_found = self._probe_peak = None
-        _compat.foreach_add_([self._overflows, self._floor_hits], [overflow, floor_hit])
-        self._window[self._updates % self._overflow_window] = overflow
         self._updates += 1
         _compat.reset_scaler_optimizer_states(self)
         self._fire_after_update()
+
+    def _probe_update(
+        self, state: FusedScaleState, found: Tensor, rule: ScaleRule, counts: Tensor, out: Tensor
+    ) -> None:
+        """The first step of ``init_scale="auto"`` (once per run): the rule's answer unless the probe overflowed."""
+        assert self._probe_found is not None and self._probe_peak is not None
+        scale, growth, hysteresis = state.scale, state.growth_tracker, state.hysteresis_tracker
+        new, _, _, floor_hit = update_scale(ScaleState(scale, growth, hysteresis), found, rule)
+        overflow = self._probe_found != 0  # `found` also holds the skip of an all-zero probe
+        torch.add(counts, torch.stack([overflow, floor_hit & overflow]), out=out)
+        auto = auto_initial_scale(self._probe_peak, self._auto_headroom, rule.min_scale)
+        scale.copy_(torch.where(overflow, new.scale, auto))
+        growth.copy_(torch.where(overflow, new.growth_tracker, torch.zeros_like(new.growth_tracker)))
+        hysteresis.copy_(torch.where(overflow, new.hysteresis_tracker.clamp(min=1), float(rule.hysteresis)))
+        state.refill_tracker.copy_(growth)
 
     def _fire_after_update(self) -> None:
         hook, self._after_update = self._after_update, None
@@ -344,22 +351,26 @@ class TunedGradScaler(torch.amp.GradScaler):
         if not state:
             return state
         extra = self._extra_host()
+        overflows, floor_hits = (int(v) for v in extra["counts"][self._updates % (self._overflow_window + 1)])
         state.update(
             hysteresis=self._hysteresis,
             min_scale=self._min_scale,
             consecutive_hysteresis=self._consecutive_hysteresis,
             overflow_window=self._overflow_window,
             _hysteresis_tracker=extra["hysteresis_tracker"],
-            overflow_steps=extra["overflows"],
-            floor_hits=extra["floor_hits"],
-            overflow_flags=extra["window"],
+            overflow_steps=overflows,
+            floor_hits=floor_hits,
+            overflow_counts=extra["counts"],
             updates=self._updates,
             probing=self._probing,
         )
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`; one saved by torch's ``GradScaler`` also loads (fresh counters)."""
+        """Restore a :meth:`state_dict`; one saved by torch's ``GradScaler`` also loads (fresh counters).
+
+        A saved scale below ``min_scale`` starts at ``min_scale``.
+        """
         super().load_state_dict(state_dict)
         if not self._enabled:
             return
@@ -369,26 +380,39 @@ class TunedGradScaler(torch.amp.GradScaler):
         self._overflow_window = int(state_dict.get("overflow_window", self._overflow_window))
         self._updates = int(state_dict.get("updates", 0))
         self._probing = bool(state_dict.get("probing", False))
+        if self._min_scale is not None and self._init_scale < self._min_scale:
+            self._init_scale = float(self._min_scale)
+            if self._scale is not None:
+                self._scale.fill_(self._init_scale)
         self._init_extra = {
-            "hysteresis_tracker": int(state_dict.get("_hysteresis_tracker", self._hysteresis)),
-            "overflows": int(state_dict.get("overflow_steps", 0)),
-            "floor_hits": int(state_dict.get("floor_hits", 0)),
-            "window": [float(v) for v in state_dict.get("overflow_flags", [0.0] * self._overflow_window)],
+            "hysteresis_tracker": max(int(state_dict.get("_hysteresis_tracker", self._hysteresis)), 1),
+            "counts": self._loaded_counts(state_dict),
         }
-        if self._window is not None:  # already running: overwrite the device state in place
-            assert self._hysteresis_tracker is not None and self._overflows is not None
-            assert self._floor_hits is not None
-            extra = self._init_extra
-            self._hysteresis_tracker.fill_(extra["hysteresis_tracker"])
-            self._overflows.fill_(extra["overflows"])
-            self._floor_hits.fill_(extra["floor_hits"])
-            self._window = torch.tensor(extra["window"], dtype=torch.float32, device=self._window.device)
+        if self._fused is not None:  # already running: overwrite the device state in place
+            self._init_device_state(self._fused.scale.device)
+
+    def _loaded_counts(self, state_dict: dict[str, Any]) -> list[list[float]]:
+        """The ring of counts of a state dict; rebuilt from the totals (and overflow flags) of older ones."""
+        rows = self._overflow_window + 1
+        counts = state_dict.get("overflow_counts")
+        if counts is not None and len(counts) == rows:
+            return [[float(v) for v in row] for row in counts]
+        overflows, floor_hits = float(state_dict.get("overflow_steps", 0)), float(state_dict.get("floor_hits", 0))
+        ring = [[0.0, 0.0] for _ in range(rows)]
+        # an earlier version kept one 0/1 flag per update, update u in slot u % overflow_window
+        flags = state_dict.get("overflow_flags") or [0.0] * self._overflow_window
+        updates = self._updates
+        for back in range(min(updates, self._overflow_window) + 1):
+            ring[(updates - back) % rows] = [overflows, floor_hits]
+            if back < min(updates, self._overflow_window) and len(flags) == self._overflow_window:
+                overflows -= float(flags[(updates - 1 - back) % self._overflow_window] != 0)
+        return ring
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         if self._enabled:
             state["_init_extra"] = self._extra_host()
-            state.update(_hysteresis_tracker=None, _overflows=None, _floor_hits=None, _window=None)
+            state.update(_fused=None, _ring=None, _rows=())
         state.pop("_stability_overflow_flags", None)
-        state.update(_after_update=None, _probe_found=None, _probe_peak=None, process_group=None, _backoff_tracker=None)
+        state.update(_after_update=None, _probe_found=None, _probe_peak=None, process_group=None)
         return state

@@ -184,45 +184,89 @@ def update_scale(state: ScaleState, found_inf: Tensor, rule: ScaleRule) -> Scale
     return ScaleUpdate(ScaleState(new_scale, new_growth, new_hyst), overflow, backed_off, floor_hit)
 
 
-_BACKOFF_INTERVAL = 2**30  # the backoff-only pass below never grows: its tracker just wraps harmlessly
+class FusedScaleState(NamedTuple):
+    """The state :func:`update_scale_` updates in place: tensors on one device.
 
-
-def update_scale_(
-    state: ScaleState, found_inf: Tensor, rule: ScaleRule, backoff_tracker: Tensor
-) -> tuple[Tensor, Tensor]:
-    """:func:`update_scale` in place, in a few fused ops: what :class:`TunedGradScaler` runs every step.
-
-    torch's own fused ``torch._amp_update_scale_`` does the growth half (growth tracker, growth, the
-    finite-result check, a restart on any overflow) with ``backoff_factor=1``; a second call on
-    ``backoff_tracker`` (a scratch int32 0-dim tensor) with ``growth_factor=1`` multiplies the scale by
-    ``backoff_factor`` only for the overflow that hysteresis no longer tolerates, exactly as torch's
-    kernel does. The floor and the hysteresis tracker take a few elementwise ops more: 11 ops without a
-    floor, 14 with one, where :func:`update_scale` takes about 25. The same rule, step for step (tested
-    against it).
-
-    Returns:
-        ``(overflow, floor_hit)``, 0-dim bool tensors (``floor_hit`` is all-false without a floor).
+    Attributes:
+        scale: the loss scale (0-dim float32; a scaler's own ``_scale``).
+        growth_tracker: finite steps since the last growth or overflow (0-dim int32; a scaler's own tracker).
+        hysteresis_tracker: overflows still tolerated, floored at 1 (0-dim float32): at 1 the next overflow
+            backs off, so the reference's 0 and 1 are one state here.
+        refill: scratch (0-dim float32): ``hysteresis`` on a step that refills the tracker, else 1.
+        refill_tracker: a copy of ``growth_tracker`` that the same kernel advances (0-dim int32); it tells
+            the refill when the scale grows. Keep it equal to ``growth_tracker`` when setting that by hand.
+        flag_tracker: scratch of the single-step kernel calls (0-dim int32, 0 between calls).
+        floor_test: ``[inf, min_scale]`` (float32; ``[inf, 0]`` without a floor): a scale below each entry
+            counts as ``[an overflow, a floor hit]``.
     """
-    scale, growth, hyst = state
-    found = found_inf
-    if found.dim() != 1 or found.dtype != torch.float32 or found.device != scale.device:  # usually it is already
-        found = found.reshape(1).to(device=scale.device, dtype=torch.float32, non_blocking=True)
-    overflow = (found != 0).reshape(())
-    backoff = found * (hyst <= 1)  # nonzero for the overflow that uses up the hysteresis
-    _compat.amp_update_scale_(scale, growth, found, rule.growth_factor, 1.0, rule.growth_interval)
-    _compat.amp_update_scale_(scale, backoff_tracker, backoff, 1.0, rule.backoff_factor, _BACKOFF_INTERVAL)
+
+    scale: Tensor
+    growth_tracker: Tensor
+    hysteresis_tracker: Tensor
+    refill: Tensor
+    refill_tracker: Tensor
+    flag_tracker: Tensor
+    floor_test: Tensor
+
+
+def fused_state(
+    scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: float, min_scale: float | None
+) -> FusedScaleState:
+    """A :class:`FusedScaleState` around existing ``scale`` and ``growth_tracker`` tensors."""
+    device = scale.device
+    return FusedScaleState(
+        scale,
+        growth_tracker,
+        torch.full((), max(float(hysteresis_tracker), 1.0), dtype=torch.float32, device=device),
+        torch.ones((), dtype=torch.float32, device=device),
+        growth_tracker.clone(),
+        torch.zeros((), dtype=torch.int32, device=device),
+        torch.tensor([math.inf, min_scale or 0.0], dtype=torch.float32, device=device),
+    )
+
+
+def update_scale_(state: FusedScaleState, found_inf: Tensor, rule: ScaleRule, counts: Tensor, out: Tensor) -> None:
+    """:func:`update_scale` in place, in nine ops built on torch's fused kernel: what the scaler runs.
+
+    torch's ``_amp_update_scale_(scale, tracker, flag, growth, backoff, interval)`` multiplies ``scale`` by
+    ``backoff`` when ``flag != 0``; otherwise it counts, and multiplies by ``growth`` when the count
+    reaches ``interval``. The rule uses it three times:
+
+    1. the growth half, as torch's scaler does, with no backoff;
+    2. the backoff, through the kernel's growth branch with ``interval=1``: that branch runs exactly
+       when its flag is 0, and the flag ``hysteresis_tracker - found_inf`` is 0 exactly for the overflow
+       that hysteresis no longer tolerates (the tracker is floored at 1);
+    3. the refill of the hysteresis tracker: ``refill`` becomes ``hysteresis`` on the step the scale grows
+       (its tracker mirrors the growth tracker), or on every finite step with ``consecutive_hysteresis``.
+
+    The new tracker is ``max(hysteresis_tracker - found_inf, refill)``: one less after an overflow (never
+    below 1), the full hysteresis after a refill. Before the floor's clamp, a scale below ``min_scale`` is
+    a floor hit. Step for step the same scales, growth trackers and counts as :func:`update_scale`
+    (tested against it), with no host sync.
+
+    Args:
+        state: the state, updated in place.
+        found_inf: 0-dim float32 tensor, 1.0 when this step's gradients overflowed, else 0.0 (what
+            torch's unscale writes).
+        rule: the settings (``state.floor_test`` must hold its ``min_scale``).
+        counts: ``[overflow steps, floor hits]`` before this step (float32).
+        out: receives ``counts`` plus this step's (float32, the shape of ``counts``; may be ``counts``).
+    """
+    scale, growth, hyst, refill, refill_tracker, flag_tracker, floor_test = state
+    armed = torch.sub(hyst, found_inf)  # 0 exactly for the overflow that backs off
+    _compat.amp_update_scale_(scale, growth, found_inf, rule.growth_factor, 1.0, rule.growth_interval)
+    _compat.amp_update_scale_(scale, flag_tracker, armed, rule.backoff_factor, 1.0, 1)
+    torch.addcmul(counts, found_inf, torch.lt(scale, floor_test), out=out)
     if rule.min_scale is not None:
-        floor_hit = torch.logical_and(scale < rule.min_scale, backoff).reshape(())
         scale.clamp_(min=rule.min_scale)
-    else:
-        floor_hit = torch.zeros_like(overflow)
-    # hysteresis: spend one on an overflow; refill after a growth (after a success, growth is 0 only then)
-    spent = torch.clamp(hyst - 1, min=0)
+    if rule.hysteresis == 1:  # every overflow backs off: the tracker stays at 1
+        return
+    refill.fill_(1.0)
     if rule.consecutive_hysteresis:
-        hyst.copy_(torch.where(overflow, spent, rule.hysteresis))
+        _compat.amp_update_scale_(refill, flag_tracker, found_inf, float(rule.hysteresis), 1.0, 1)
     else:
-        hyst.copy_(torch.where(overflow, spent, torch.where(growth == 0, rule.hysteresis, hyst)))
-    return overflow, floor_hit
+        _compat.amp_update_scale_(refill, refill_tracker, found_inf, float(rule.hysteresis), 1.0, rule.growth_interval)
+    torch.maximum(armed, refill, out=hyst)
 
 
 def auto_initial_scale(

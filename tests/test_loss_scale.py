@@ -408,6 +408,85 @@ def test_scaler_state_dict_round_trip_and_pickling() -> None:
     assert plain.get_scale() == state["scale"]
 
 
+class _Driver:
+    """Drives a scaler's update by hand with one overflow flag per step (what `unscale_` would record)."""
+
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self.scaler = scaler
+        self.param = torch.nn.Parameter(torch.ones(2))
+        self.opt = torch.optim.SGD([self.param], lr=0.0)
+        scaler.scale(self.param.sum())  # creates the scale and the trackers
+
+    def step(self, overflow: bool) -> None:
+        state = self.scaler._per_optimizer_states[id(self.opt)]
+        state["found_inf_per_device"] = {torch.device("cpu"): torch.tensor(float(overflow))}
+        self.scaler.update()
+
+
+def test_counts_and_rate_across_ring_laps_and_a_resume_mid_lap() -> None:
+    """Overflow and floor-hit totals and the rate come from the ring of records: exact across laps and a resume."""
+    from lightning_stability.scaling import ScaleRule, initial_state, update_scale
+
+    kwargs: dict[str, Any] = {"init_scale": 256.0, "growth_interval": 3, "hysteresis": 2, "min_scale": 64.0}
+    rule = ScaleRule(growth_interval=3, hysteresis=2, min_scale=64.0)
+    flags = [bool(b) for b in [1, 1, 1, 1, 0, 1, 1, 0, 0, 0, 1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 1, 1, 1]]
+    reference, overflows, floor_hits = initial_state(256.0, rule), 0, 0
+    driver = _Driver(TunedGradScaler("cpu", overflow_window=4, **kwargs))
+    resumed: _Driver | None = None
+    for step, flag in enumerate(flags):
+        update = update_scale(reference, torch.tensor(float(flag)), rule)
+        reference, overflows, floor_hits = update.state, overflows + flag, floor_hits + bool(update.floor_hit)
+        for d in (driver, resumed):
+            if d is None:
+                continue
+            d.step(flag)
+            scaler = d.scaler
+            assert isinstance(scaler, TunedGradScaler)
+            assert scaler.get_scale() == reference.scale.item(), step
+            assert (int(scaler.overflow_steps), int(scaler.floor_hits)) == (overflows, floor_hits), step
+            recent = flags[max(0, step - 3) : step + 1]
+            assert scaler.overflow_rate().item() == pytest.approx(sum(recent) / len(recent)), step
+        if step == 9:  # mid-lap (10 updates, window 4): a checkpoint, loaded into a fresh scaler
+            resumed = _Driver(TunedGradScaler("cpu", overflow_window=4, **kwargs))
+            resumed.scaler.load_state_dict(driver.scaler.state_dict())
+    assert floor_hits > 0 and resumed is not None
+    assert resumed.scaler.state_dict() == driver.scaler.state_dict()
+
+
+def test_a_checkpoint_with_overflow_flags_of_an_earlier_version_loads_with_exact_counts_and_rate() -> None:
+    flags = [1, 1, 1, 1, 1, 0]
+    driver = _Driver(TunedGradScaler("cpu", init_scale=256.0, growth_interval=3, min_scale=64.0, overflow_window=4))
+    for flag in flags:
+        driver.step(bool(flag))
+    old = {k: v for k, v in driver.scaler.state_dict().items() if k != "overflow_counts"}
+    old["overflow_flags"] = [0.0] * 4  # the earlier format: update u's 0/1 flag in slot u % overflow_window
+    for u, flag in enumerate(flags):
+        old["overflow_flags"][u % 4] = float(flag)
+    loaded = _Driver(TunedGradScaler("cpu"))
+    loaded.scaler.load_state_dict(old)
+    for more in ([], [1, 0, 0, 1, 1, 1, 1]):
+        for d in (driver, loaded):
+            for flag in more:
+                d.step(bool(flag))
+        for name in ("overflow_steps", "floor_hits", "overflow_rate"):
+            mine, theirs = getattr(loaded.scaler, name), getattr(driver.scaler, name)
+            mine, theirs = (mine(), theirs()) if callable(mine) else (mine, theirs)
+            assert mine.item() == theirs.item(), (name, more)
+        assert loaded.scaler.get_scale() == driver.scaler.get_scale()
+    assert int(driver.scaler.overflow_steps) == 10 and int(driver.scaler.floor_hits) > 0  # type: ignore[attr-defined]
+
+
+def test_a_saved_scale_below_the_floor_starts_at_the_floor() -> None:
+    plain = torch.amp.GradScaler("cpu", init_scale=0.25)
+    _Driver(plain)
+    tuned = TunedGradScaler("cpu", min_scale=1.0)
+    tuned.load_state_dict(plain.state_dict())
+    assert tuned.get_scale() == 1.0
+    driver = _Driver(tuned)
+    driver.step(False)
+    assert int(tuned.floor_hits) == 0 and tuned.get_scale() == 1.0
+
+
 def test_tuner_pickles_before_and_after_fit() -> None:
     tuner = LossScaleTuner(init_scale="auto")
     assert pickle.loads(pickle.dumps(tuner)).scaler_kwargs == tuner.scaler_kwargs

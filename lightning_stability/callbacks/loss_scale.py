@@ -11,7 +11,6 @@ from functools import partial
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
@@ -218,8 +217,7 @@ class LossScaleTuner(LedgerCallback):
     def _queue_logs(self, ledger: StepLedger, logging: bool, scaler: TunedGradScaler) -> None:
         # A snapshot: the scaler updates these tensors in place, and with several optimizers (or a monitor that
         # reads `callback_metrics` later) each step's metric must keep the value it had after its own update.
-        snapshot = torch.stack([scaler.loss_scale, scaler.overflow_steps.float(), scaler.floor_hits.float()])
-        scale, overflows, floor_hits = snapshot.unbind(0)
+        scale, overflows, floor_hits = scaler.snapshot().unbind(0)
         ledger.log(_K_SCALE, scale, logging)
         ledger.log(_K_OVERFLOWS, overflows, logging)
         ledger.log(_K_FLOOR, floor_hits, logging)
