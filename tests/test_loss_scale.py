@@ -476,6 +476,21 @@ def test_a_checkpoint_with_overflow_flags_of_an_earlier_version_loads_with_exact
     assert int(driver.scaler.overflow_steps) == 10 and int(driver.scaler.floor_hits) > 0  # type: ignore[attr-defined]
 
 
+def test_an_overflow_on_two_devices_is_one_overflow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gradients on two devices (e.g. CPU offload) that both overflow spend one unit of hysteresis, not two."""
+    scaler = TunedGradScaler("cpu", init_scale=256.0, hysteresis=2)
+    driver = _Driver(scaler)
+    both = {torch.device("cpu", 0): torch.ones(()), torch.device("cpu", 1): torch.ones(())}
+    monkeypatch.setattr(torch.amp.GradScaler, "_unscale_grads_", lambda *args: dict(both))
+    driver.param.grad = torch.ones(2)
+    scaler.unscale_(driver.opt)
+    scaler.update()
+    assert scaler.get_scale() == 256.0 and int(scaler.overflow_steps) == 1  # tolerated by hysteresis
+    scaler.unscale_(driver.opt)
+    scaler.update()
+    assert scaler.get_scale() == 128.0 and int(scaler.overflow_steps) == 2
+
+
 def test_a_saved_scale_below_the_floor_starts_at_the_floor() -> None:
     plain = torch.amp.GradScaler("cpu", init_scale=0.25)
     _Driver(plain)
