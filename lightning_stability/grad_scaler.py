@@ -22,7 +22,7 @@ from lightning_stability import _compat
 from lightning_stability.overflow_counts import OverflowCounts
 from lightning_stability.scale_probe import ScaleProbe
 from lightning_stability.scaler_args import check_scaler_arguments
-from lightning_stability.scaling import FusedScaleState, ScaleRule, fused_state, update_scale_
+from lightning_stability.scaling import FusedScaleState, ScaleRule, fused_state, set_floor_, update_scale_
 from lightning_stability.skips import restore_overflow_flags
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ class TunedGradScaler(torch.amp.GradScaler):
     Drop-in for torch's scaler: ``scale``, ``unscale_``, ``step`` and ``update`` keep their contract,
     so Lightning's precision plugins and :class:`~lightning_stability.ledger.StepLedger` use it as is.
 
-    * ``update()`` applies :func:`lightning_stability.scaling.update_scale_` on the device (nine small
+    * ``update()`` applies :func:`lightning_stability.scaling.update_scale_` on the device (eight small
       ops around torch's fused kernel): no host sync beyond the one ``step()`` already costs to skip a
       non-fused optimizer.
     * Every ``unscale_`` reduces the overflow flag with ``MAX`` across ``process_group`` (one 0-dim
@@ -137,8 +137,7 @@ class TunedGradScaler(torch.amp.GradScaler):
         if self._rule is None or self._rule_settings != settings:
             self._rule, self._rule_settings = ScaleRule(*settings), settings
             if self._fused is not None:  # the refill's tracker only follows the growth tracker under some rules
-                self._fused.refill_tracker.copy_(self._fused.growth_tracker)
-                self._fused.floor_test[1].fill_(self._min_scale or 0.0)
+                set_floor_(self._fused, self._min_scale)
         return self._rule
 
     @property
@@ -159,6 +158,7 @@ class TunedGradScaler(torch.amp.GradScaler):
         """The rule's device state around torch's scale and growth tracker."""
         assert self._scale is not None and self._growth_tracker is not None
         self._fused = fused_state(self._scale, self._growth_tracker, self._init_hysteresis, self._min_scale)
+        self._scale = self._fused.scale  # a view of the pair the rule's last op updates in one go
         self._counts.place(dev)
 
     def _hysteresis_host(self) -> int:
@@ -306,7 +306,10 @@ class TunedGradScaler(torch.amp.GradScaler):
             self._init_scale = float(self._min_scale)
             if self._scale is not None:
                 self._scale.fill_(self._init_scale)
-        self._init_hysteresis = max(int(state_dict.get("_hysteresis_tracker", self._hysteresis)), 1)
+        # the tracker never exceeds the rule's hysteresis (a checkpoint may lower it)
+        self._init_hysteresis = min(
+            max(int(state_dict.get("_hysteresis_tracker", self._hysteresis)), 1), self._hysteresis
+        )
         self._counts = OverflowCounts.from_state(state_dict, self._overflow_window, self._updates)
         if self._fused is not None:  # already running: overwrite the device state in place
             self._init_device_state(self._fused.scale.device)

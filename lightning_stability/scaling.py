@@ -188,11 +188,13 @@ class FusedScaleState(NamedTuple):
     """The state :func:`update_scale_` updates in place: tensors on one device.
 
     Attributes:
-        scale: the loss scale (0-dim float32; a scaler's own ``_scale``).
+        scale: the loss scale (0-dim float32, a view of ``pair``; a scaler adopts it as its ``_scale``).
         growth_tracker: finite steps since the last growth or overflow (0-dim int32; a scaler's own tracker).
-        hysteresis_tracker: overflows still tolerated, floored at 1 (0-dim float32): at 1 the next overflow
-            backs off, so the reference's 0 and 1 are one state here.
-        refill: scratch (0-dim float32): ``hysteresis`` on a step that refills the tracker, else 1.
+        hysteresis_tracker: overflows still tolerated, floored at 1 (0-dim float32, a view of ``pair``): at 1
+            the next overflow backs off, so the reference's 0 and 1 are one state here.
+        pair: ``[scale, hysteresis_tracker]``, so that one ``maximum`` with ``bounds`` applies both floors.
+        bounds: ``[min_scale, refill]`` (float32; ``min_scale`` is 0 without a floor).
+        refill: a view of ``bounds``: ``hysteresis`` on a step that refills the tracker, else 1.
         refill_tracker: a copy of ``growth_tracker`` that the same kernel advances (0-dim int32); it tells
             the refill when the scale grows. Keep it equal to ``growth_tracker`` when setting that by hand.
         flag_tracker: scratch of the single-step kernel calls (0-dim int32, 0 between calls).
@@ -203,6 +205,8 @@ class FusedScaleState(NamedTuple):
     scale: Tensor
     growth_tracker: Tensor
     hysteresis_tracker: Tensor
+    pair: Tensor
+    bounds: Tensor
     refill: Tensor
     refill_tracker: Tensor
     flag_tracker: Tensor
@@ -210,23 +214,39 @@ class FusedScaleState(NamedTuple):
 
 
 def fused_state(
-    scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: float, min_scale: float | None
+    scale: Tensor | float, growth_tracker: Tensor, hysteresis_tracker: float, min_scale: float | None
 ) -> FusedScaleState:
-    """A :class:`FusedScaleState` around existing ``scale`` and ``growth_tracker`` tensors."""
-    device = scale.device
+    """A :class:`FusedScaleState` starting at ``scale``, around an existing ``growth_tracker`` tensor."""
+    device = growth_tracker.device
+    floor = float(min_scale) if min_scale is not None else 0.0
+    pair = torch.empty(2, dtype=torch.float32, device=device)
+    pair[0].copy_(scale) if isinstance(scale, Tensor) else pair[0].fill_(scale)
+    pair[1].fill_(max(float(hysteresis_tracker), 1.0))
+    bounds = torch.tensor([floor, 1.0], dtype=torch.float32, device=device)
     return FusedScaleState(
-        scale,
+        pair[0],
         growth_tracker,
-        torch.full((), max(float(hysteresis_tracker), 1.0), dtype=torch.float32, device=device),
-        torch.ones((), dtype=torch.float32, device=device),
+        pair[1],
+        pair,
+        bounds,
+        bounds[1],
         growth_tracker.clone(),
         torch.zeros((), dtype=torch.int32, device=device),
-        torch.tensor([math.inf, min_scale or 0.0], dtype=torch.float32, device=device),
+        torch.tensor([math.inf, floor], dtype=torch.float32, device=device),
     )
 
 
+def set_floor_(state: FusedScaleState, min_scale: float | None) -> None:
+    """Give ``state`` a new ``min_scale`` (and start its refill afresh)."""
+    floor = float(min_scale) if min_scale is not None else 0.0
+    state.bounds[0].fill_(floor)
+    state.floor_test[1].fill_(floor)
+    state.refill.fill_(1.0)
+    state.refill_tracker.copy_(state.growth_tracker)
+
+
 def update_scale_(state: FusedScaleState, found_inf: Tensor, rule: ScaleRule, counts: Tensor, out: Tensor) -> None:
-    """:func:`update_scale` in place, in nine ops built on torch's fused kernel: what the scaler runs.
+    """:func:`update_scale` in place, in eight ops built on torch's fused kernel: what the scaler runs.
 
     torch's ``_amp_update_scale_(scale, tracker, flag, growth, backoff, interval)`` multiplies ``scale`` by
     ``backoff`` when ``flag != 0``; otherwise it counts, and multiplies by ``growth`` when the count
@@ -239,34 +259,33 @@ def update_scale_(state: FusedScaleState, found_inf: Tensor, rule: ScaleRule, co
     3. the refill of the hysteresis tracker: ``refill`` becomes ``hysteresis`` on the step the scale grows
        (its tracker mirrors the growth tracker), or on every finite step with ``consecutive_hysteresis``.
 
-    The new tracker is ``max(hysteresis_tracker - found_inf, refill)``: one less after an overflow (never
-    below 1), the full hysteresis after a refill. Before the floor's clamp, a scale below ``min_scale`` is
-    a floor hit. Step for step the same scales, growth trackers and counts as :func:`update_scale`
-    (tested against it), with no host sync.
+    Before the floors, a scale below ``min_scale`` is a floor hit. Then one ``maximum`` of
+    ``[scale, hysteresis_tracker - found_inf]`` with ``[min_scale, refill]`` applies the floor of the scale
+    and gives the new tracker: one less after an overflow (never below 1), the full hysteresis after a refill.
+    Step for step the same scales, growth trackers and counts as :func:`update_scale` (tested against it),
+    with no host sync. Without hysteresis (``hysteresis=1``) it is six ops.
 
     Args:
         state: the state, updated in place.
         found_inf: 0-dim float32 tensor, 1.0 when this step's gradients overflowed, else 0.0 (what
             torch's unscale writes).
-        rule: the settings (``state.floor_test`` must hold its ``min_scale``).
+        rule: the settings (``state`` must hold its ``min_scale``: see :func:`set_floor_`).
         counts: ``[overflow steps, floor hits]`` before this step (float32).
         out: receives ``counts`` plus this step's (float32, the shape of ``counts``; may be ``counts``).
     """
-    scale, growth, hyst, refill, refill_tracker, flag_tracker, floor_test = state
-    armed = torch.sub(hyst, found_inf)  # 0 exactly for the overflow that backs off
+    scale, growth, armed = state.scale, state.growth_tracker, state.hysteresis_tracker
+    armed.sub_(found_inf)  # 0 exactly for the overflow that backs off
     _compat.amp_update_scale_(scale, growth, found_inf, rule.growth_factor, 1.0, rule.growth_interval)
-    _compat.amp_update_scale_(scale, flag_tracker, armed, rule.backoff_factor, 1.0, 1)
-    torch.addcmul(counts, found_inf, torch.lt(scale, floor_test), out=out)
-    if rule.min_scale is not None:
-        scale.clamp_(min=rule.min_scale)
-    if rule.hysteresis == 1:  # every overflow backs off: the tracker stays at 1
-        return
-    refill.fill_(1.0)
-    if rule.consecutive_hysteresis:
-        _compat.amp_update_scale_(refill, flag_tracker, found_inf, float(rule.hysteresis), 1.0, 1)
-    else:
-        _compat.amp_update_scale_(refill, refill_tracker, found_inf, float(rule.hysteresis), 1.0, rule.growth_interval)
-    torch.maximum(armed, refill, out=hyst)
+    _compat.amp_update_scale_(scale, state.flag_tracker, armed, rule.backoff_factor, 1.0, 1)
+    torch.addcmul(counts, found_inf, torch.lt(scale, state.floor_test), out=out)
+    if rule.hysteresis > 1:  # else the refill stays 1: every overflow backs off
+        refill, hysteresis = state.refill, float(rule.hysteresis)
+        refill.fill_(1.0)
+        if rule.consecutive_hysteresis:
+            _compat.amp_update_scale_(refill, state.flag_tracker, found_inf, hysteresis, 1.0, 1)
+        else:
+            _compat.amp_update_scale_(refill, state.refill_tracker, found_inf, hysteresis, 1.0, rule.growth_interval)
+    torch.maximum(state.pair, state.bounds, out=state.pair)
 
 
 def auto_initial_scale(

@@ -491,6 +491,16 @@ def test_an_overflow_on_two_devices_is_one_overflow(monkeypatch: pytest.MonkeyPa
     assert scaler.get_scale() == 128.0 and int(scaler.overflow_steps) == 2
 
 
+def test_a_rule_loaded_mid_run_takes_effect_at_the_next_update() -> None:
+    scaler = TunedGradScaler("cpu", init_scale=256.0, growth_interval=1, hysteresis=2)
+    driver = _Driver(scaler)
+    driver.step(False)  # grows (interval 1) and refills the hysteresis
+    assert scaler.get_scale() == 512.0
+    scaler.load_state_dict({**scaler.state_dict(), "hysteresis": 1, "min_scale": 300.0})
+    driver.step(True)  # no hysteresis any more: backs off at once, to the new floor
+    assert scaler.get_scale() == 300.0 and int(scaler.floor_hits) == 1
+
+
 def test_a_saved_scale_below_the_floor_starts_at_the_floor() -> None:
     plain = torch.amp.GradScaler("cpu", init_scale=0.25)
     _Driver(plain)
