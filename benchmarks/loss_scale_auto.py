@@ -30,11 +30,11 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_stability.callbacks.loss_scale import LossScaleTuner
 from lightning_stability.grad_scaler import TunedGradScaler
+from tests.helpers import OpCounter, StepSyncCounter
 
 
 class MLP(pl.LightningModule):
@@ -156,7 +156,10 @@ def main() -> None:
             f"(per-repeat ratios {ratios[0]:.3f}-{ratios[-1]:.3f})"
         )
     ops = {name: ops_per_step(scaler) for name, scaler in (("torch", "torch-65536"), ("tuner", "tuner-65536"))}
-    print(f"\nTensor ops per training step: torch GradScaler {ops['torch']:.0f}, LossScaleTuner {ops['tuner']:.0f}")
+    print(
+        f"\nTensor ops per training step (mean over steps 10-29): torch GradScaler {ops['torch']:.1f}, "
+        f"LossScaleTuner {ops['tuner']:.1f}"
+    )
 
     # The update rule alone: torch's fused `_amp_update_scale_` against the rule as tensor ops.
     costs: dict[str, list[float]] = {"torch": [], "tuned": []}
@@ -168,39 +171,13 @@ def main() -> None:
     print(f"  torch GradScaler {base * 1e6:.1f} us, TunedGradScaler {tuned * 1e6:.1f} us, ratio {tuned / base:.2f}")
 
 
-class _OpCounter(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-
-class OpsPerStep(pl.Callback):
-    """Tensor ops dispatched per training step (from batch start to batch end), after 10 warm-up steps."""
-
-    def __init__(self) -> None:
-        self.counted: list[int] = []
-        self._mode: _OpCounter | None = None
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if trainer.global_step >= 10:
-            self._mode = _OpCounter()
-            self._mode.__enter__()
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if self._mode is not None:
-            self._mode.__exit__(None, None, None)
-            self.counted.append(self._mode.ops)
-            self._mode = None
-
-
 def ops_per_step(scaler: str) -> float:
-    counter = OpsPerStep()
-    fit(1.0, scaler, 30, [counter])
-    return statistics.mean(counter.counted)
+    """Mean tensor ops per training step (batch start to the next batch start), after 10 warm-up steps."""
+    ops = OpCounter()
+    steps = StepSyncCounter(ops)
+    with ops:
+        fit(1.0, scaler, 30, [steps])
+    return statistics.mean(steps.per_step[10:])
 
 
 def update_cost(name: str, calls: int) -> float:

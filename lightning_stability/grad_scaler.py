@@ -22,7 +22,7 @@ from lightning_stability import _compat
 from lightning_stability.overflow_counts import OverflowCounts
 from lightning_stability.scale_probe import ScaleProbe
 from lightning_stability.scaler_args import check_scaler_arguments
-from lightning_stability.scaling import FusedScaleState, ScaleRule, fused_state, set_floor_, update_scale_
+from lightning_stability.scaling import FusedScaleState, ScaleRule, adopt_rule_, fused_state, update_scale_
 from lightning_stability.skips import restore_overflow_flags
 
 if TYPE_CHECKING:
@@ -136,8 +136,8 @@ class TunedGradScaler(torch.amp.GradScaler):
         )
         if self._rule is None or self._rule_settings != settings:
             self._rule, self._rule_settings = ScaleRule(*settings), settings
-            if self._fused is not None:  # the refill's tracker only follows the growth tracker under some rules
-                set_floor_(self._fused, self._min_scale)
+            if self._fused is not None:
+                adopt_rule_(self._fused, self._rule)
         return self._rule
 
     @property

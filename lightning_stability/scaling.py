@@ -214,13 +214,13 @@ class FusedScaleState(NamedTuple):
 
 
 def fused_state(
-    scale: Tensor | float, growth_tracker: Tensor, hysteresis_tracker: float, min_scale: float | None
+    scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: float, min_scale: float | None
 ) -> FusedScaleState:
-    """A :class:`FusedScaleState` starting at ``scale``, around an existing ``growth_tracker`` tensor."""
+    """A :class:`FusedScaleState` starting at the value of ``scale``, around an existing ``growth_tracker``."""
     device = growth_tracker.device
     floor = float(min_scale) if min_scale is not None else 0.0
     pair = torch.empty(2, dtype=torch.float32, device=device)
-    pair[0].copy_(scale) if isinstance(scale, Tensor) else pair[0].fill_(scale)
+    pair[0].copy_(scale)
     pair[1].fill_(max(float(hysteresis_tracker), 1.0))
     bounds = torch.tensor([floor, 1.0], dtype=torch.float32, device=device)
     return FusedScaleState(
@@ -236,9 +236,10 @@ def fused_state(
     )
 
 
-def set_floor_(state: FusedScaleState, min_scale: float | None) -> None:
-    """Give ``state`` a new ``min_scale`` (and start its refill afresh)."""
-    floor = float(min_scale) if min_scale is not None else 0.0
+def adopt_rule_(state: FusedScaleState, rule: ScaleRule) -> None:
+    """Make ``state`` follow a changed ``rule``: its floor, and the refill started afresh (the refill's tracker
+    follows the growth tracker only under some rules)."""
+    floor = float(rule.min_scale) if rule.min_scale is not None else 0.0
     state.bounds[0].fill_(floor)
     state.floor_test[1].fill_(floor)
     state.refill.fill_(1.0)
@@ -269,7 +270,7 @@ def update_scale_(state: FusedScaleState, found_inf: Tensor, rule: ScaleRule, co
         state: the state, updated in place.
         found_inf: 0-dim float32 tensor, 1.0 when this step's gradients overflowed, else 0.0 (what
             torch's unscale writes).
-        rule: the settings (``state`` must hold its ``min_scale``: see :func:`set_floor_`).
+        rule: the settings (``state`` must follow them: see :func:`adopt_rule_`).
         counts: ``[overflow steps, floor hits]`` before this step (float32).
         out: receives ``counts`` plus this step's (float32, the shape of ``counts``; may be ``counts``).
     """

@@ -49,7 +49,7 @@ class StepSyncCounter(pl.Callback):
     batch-end work and Lightning's own logging.
     """
 
-    def __init__(self, counter: SyncCounter | HostDataCounter) -> None:
+    def __init__(self, counter: SyncCounter | HostDataCounter | OpCounter) -> None:
         self.counter = counter
         self.marks: list[int] = []
 
@@ -89,6 +89,18 @@ class HostDataCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if func is torch.ops.aten.lift_fresh.default:
             self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every tensor op dispatched (on a GPU each is a kernel launch, or a view with none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += 1
         return func(*args, **(kwargs or {}))
 
 
