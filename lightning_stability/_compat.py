@@ -289,7 +289,12 @@ _SCALER_ATTRS = (
     "_growth_interval",
     "_enabled",
 )
-_SCALER_METHODS = ("_unscale_grads_", "_lazy_init_scale_growth_tracker", "_check_scale_growth_tracker")
+_SCALER_METHODS = (
+    "_unscale_grads_",
+    "_lazy_init_scale_growth_tracker",
+    "_check_scale_growth_tracker",
+    "_maybe_opt_step",
+)
 
 
 def _check_torch_ops() -> None:

@@ -19,11 +19,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stability import _compat
+from lightning_stability.host_scale import HostScaleState, float32, update_scale_host
 from lightning_stability.overflow_counts import OverflowCounts
 from lightning_stability.scale_probe import ScaleProbe
 from lightning_stability.scaler_args import check_scaler_arguments
 from lightning_stability.scaling import FusedScaleState, ScaleRule, adopt_rule_, fused_state, update_scale_
-from lightning_stability.skips import restore_overflow_flags
+from lightning_stability.skips import has_votes_in_flags, restore_overflow_flags
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -117,6 +118,11 @@ class TunedGradScaler(torch.amp.GradScaler):
         self._updates = 0
         self._init_hysteresis = hysteresis  # the hysteresis tracker until the device state exists
         self._fused: FusedScaleState | None = None
+        # The rule's state on the host, while the host knows every overflow (see `_maybe_opt_step`); then the
+        # device copies of the trackers and totals are stale, and only the scale is kept current there.
+        self._host: HostScaleState | None = None
+        self._host_flags: dict[int, bool | None] = {}  # this step's overflow per optimizer, read by `step()`
+        self._host_possible = False  # the last device update had every flag read on the host (a vote hid one)
         self._counts = OverflowCounts(overflow_window)
         self._after_update: Callable[[TunedGradScaler], None] | None = None
         self._rule: ScaleRule | None = None
@@ -157,12 +163,57 @@ class TunedGradScaler(torch.amp.GradScaler):
     def _init_device_state(self, dev: torch.device) -> None:
         """The rule's device state around torch's scale and growth tracker."""
         assert self._scale is not None and self._growth_tracker is not None
-        self._fused = fused_state(self._scale, self._growth_tracker, self._init_hysteresis, self._min_scale)
+        self._fused = None  # a reload rebuilds it: no stale state adopts the rule below
+        self._fused = fused_state(self._scale, self._growth_tracker, self._init_hysteresis, self.rule)
         self._scale = self._fused.scale  # a view of the pair the rule's last op updates in one go
         self._counts.place(dev)
+        self._host = None
+        if self._probing:  # the probe measures on the device
+            self._counts.to_device()
+        else:
+            growth = int(self._init_growth_tracker)
+            self._host = HostScaleState(float32(self._init_scale), growth, self._init_hysteresis)
+            self._counts.on_host = True
+
+    # ------------------------------------------------------------------ host and device decisions
+    @property
+    def decides_on_host(self) -> bool:
+        """Whether the rule's state is on the host now (the overflows so far were read by ``step()``)."""
+        return self._host is not None
+
+    def _to_device(self) -> None:
+        """Hand the state over to the device (a few fills, no sync): a step's overflow is known there only."""
+        host, fused = self._host, self._fused
+        if host is None or fused is None:
+            return
+        self._host = None
+        fused.hysteresis_tracker.fill_(float(max(host.hysteresis_tracker, 1)))  # the scale is current already
+        fused.growth_tracker.fill_(host.growth_tracker)
+        fused.refill_tracker.fill_(host.growth_tracker)
+        self._counts.to_device()
+
+    def device_state(self) -> Tensor | None:
+        """``[scale, hysteresis tracker, growth tracker, ring...]`` for :meth:`to_host` (float32, one new tensor),
+        or ``None`` when the state is on the host or cannot return there."""
+        fused = self._fused
+        if self._host is not None or fused is None or self._probing or not self._host_possible:
+            return None
+        growth = fused.growth_tracker.to(torch.float32).reshape(1)
+        return torch.cat([fused.pair, growth, self._counts.ring().reshape(-1)])
+
+    def to_host(self, values: list[float], updates: int) -> None:
+        """Take the state back to the host from a :meth:`device_state` read after update ``updates`` (on a
+        logging step, in its one transfer). Ignored when an update has run since."""
+        if self._host is not None or self._fused is None or self._probing or updates != self._updates:
+            return
+        scale, hysteresis, growth = values[:3]
+        self._host = HostScaleState(scale, int(growth), int(hysteresis))
+        self._counts.to_host(values[3:])
 
     def _hysteresis_host(self) -> int:
         """The hysteresis tracker as a host value (a sync: checkpoints and pickling only)."""
+        if self._host is not None:
+            return max(self._host.hysteresis_tracker, 1)
         return self._init_hysteresis if self._fused is None else int(self._fused.hysteresis_tracker.item())
 
     @property
@@ -175,16 +226,28 @@ class TunedGradScaler(torch.amp.GradScaler):
     @property
     def overflow_steps(self) -> Tensor:
         """Optimizer steps whose gradients overflowed since the start (0-dim int64 tensor)."""
+        if self._counts.on_host:
+            return torch.tensor(int(self._counts.host_row(self._updates)[0]))
         return self._counts.row(self._updates)[0].to(torch.int64)
 
     @property
     def floor_hits(self) -> Tensor:
         """Overflows that ``min_scale`` stopped from lowering the scale (0-dim int64 tensor)."""
+        if self._counts.on_host:
+            return torch.tensor(int(self._counts.host_row(self._updates)[1]))
         return self._counts.row(self._updates)[1].to(torch.int64)
+
+    def host_snapshot(self) -> tuple[float, float, float] | None:
+        """``(loss scale, overflow steps, floor hits)`` as host numbers while the host decides, else ``None``."""
+        if self._host is None:
+            return None
+        overflows, floor_hits = self._counts.host_row(self._updates)
+        return self._host.scale, overflows, floor_hits
 
     def snapshot(self) -> Tensor:
         """``[loss scale, overflow steps, floor hits]`` as one new float32 tensor (one op, no sync)."""
-        return torch.cat([self.loss_scale.reshape(1), self._counts.row(self._updates)])
+        scale = self._fused.pair[:1] if self._fused is not None else self.loss_scale.reshape(1)
+        return torch.cat([scale, self._counts.row(self._updates)])
 
     @property
     def updates(self) -> int:
@@ -192,8 +255,10 @@ class TunedGradScaler(torch.amp.GradScaler):
         return self._updates
 
     def overflow_rate(self) -> Tensor:
-        """Share of the last ``min(updates, overflow_window)`` steps that overflowed (0-dim tensor)."""
-        return self._counts.rate(self._updates)
+        """Share of the last ``min(updates, overflow_window)`` steps that overflowed (0-dim tensor; a CPU one
+        while the host decides)."""
+        rate = self._counts.rate(self._updates)
+        return rate if isinstance(rate, Tensor) else torch.full((), rate, dtype=torch.float32)
 
     def call_after_next_update(self, hook: Callable[[TunedGradScaler], None]) -> None:
         """Run ``hook(scaler)`` right after the next :meth:`update` (replaces a pending hook)."""
@@ -226,9 +291,32 @@ class TunedGradScaler(torch.amp.GradScaler):
         # device-to-host transfer that `step()` could read (`.item()` on a CPU tensor) before it completes.
         return {device: found}
 
+    def _maybe_opt_step(self, optimizer: Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        """torch's step of a non-fused optimizer, which reads the overflow flag on the host: keep what it read."""
+        # HOST SYNC: torch's own, once per step of a non-fused optimizer (the same read as torch's).
+        found = sum(v.item() for v in optimizer_state["found_inf_per_device"].values())
+        # With a skip vote among the flags, a true read does not tell an overflow from the vote.
+        self._host_flags[id(optimizer)] = None if found and has_votes_in_flags(self, optimizer) else bool(found)
+        return None if found else optimizer.step(*args, **kwargs)
+
+    def _overflow_on_host(self, flags: dict[int, bool | None]) -> bool | None:
+        """This step's overflow from the host reads of every optimizer that unscaled, or ``None`` if one is
+        known on the device only (a fused optimizer, or a skip vote among the flags). Notes whether every
+        optimizer's flag was read on the host (the state may then return there)."""
+        keys = [key for key, state in self._per_optimizer_states.items() if state["found_inf_per_device"]]
+        self._host_possible = bool(keys) and all(key in flags for key in keys)
+        found = [flags.get(key) for key in keys]
+        if not found or None in found:
+            return None
+        return any(found)
+
     # ------------------------------------------------------------------ the update
     def update(self, new_scale: float | Tensor | None = None) -> None:
         """Apply the rule once for this optimizer step (every optimizer's flags combined). No host sync.
+
+        When ``step()`` read every overflow flag of the step on the host (non-fused optimizers, as torch does),
+        the rule runs on host numbers: no kernel, except a fill of the scale on a step that changes it.
+        Otherwise it runs on the device, in the few ops of :func:`~lightning_stability.scaling.update_scale_`.
 
         Args:
             new_scale: set the scale by hand instead, as in torch (the trackers are kept).
@@ -236,6 +324,16 @@ class TunedGradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         restore_overflow_flags(self)  # the scale follows the gradients' overflows, not the ledger's skip votes
+        read, self._host_flags = self._host_flags, {}
+        if read and new_scale is None:
+            overflow = self._overflow_on_host(read)
+            if overflow is not None and self._host is not None:
+                self._update_on_host(overflow)
+                return
+        else:  # nothing read on the host (a fused optimizer): the device decides
+            self._host_possible = False
+        if self._host is not None:
+            self._to_device()
         if new_scale is not None:
             super().update(new_scale)
             self._probing = False
@@ -261,6 +359,18 @@ class TunedGradScaler(torch.amp.GradScaler):
         _compat.reset_scaler_optimizer_states(self)
         self._fire_after_update()
 
+    def _update_on_host(self, overflow: bool) -> None:
+        host = self._host
+        assert host is not None and self._scale is not None
+        scale = host.scale
+        floor_hit = update_scale_host(host, overflow, self.rule)
+        if host.scale != scale:
+            self._scale.fill_(host.scale)  # the one kernel, on the rare step that changes the scale
+        self._counts.advance_host(self._updates, overflow, floor_hit)
+        self._updates += 1
+        _compat.reset_scaler_optimizer_states(self)
+        self._fire_after_update()
+
     def _fire_after_update(self) -> None:
         hook, self._after_update = self._after_update, None
         if hook is not None:
@@ -274,6 +384,8 @@ class TunedGradScaler(torch.amp.GradScaler):
             return state
         rows = self._counts.host_rows()
         overflows, floor_hits = (int(v) for v in rows[self._updates % len(rows)])
+        if self._host is not None:  # the device's growth tracker is stale while the host decides
+            state.update(scale=self._host.scale, _growth_tracker=self._host.growth_tracker)
         state.update(
             hysteresis=self._hysteresis,
             min_scale=self._min_scale,
@@ -317,7 +429,9 @@ class TunedGradScaler(torch.amp.GradScaler):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         if self._enabled:
-            state.update(_init_hysteresis=self._hysteresis_host(), _fused=None)
+            state.update(_init_hysteresis=self._hysteresis_host(), _fused=None, _host=None, _host_flags={})
+            if self._host is not None:
+                state.update(_init_scale=self._host.scale, _init_growth_tracker=self._host.growth_tracker)
         state.pop("_stability_overflow_flags", None)
         state.update(_after_update=None, _probe=ScaleProbe(), process_group=None)
         return state

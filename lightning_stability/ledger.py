@@ -14,7 +14,7 @@ a loss scaler. ``ARCHITECTURE.md`` walks through one step. The ledger is saved o
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -54,6 +54,7 @@ class StepLedger(CurrentTrackView):
     """
 
     _registry: ClassVar[weakref.WeakKeyDictionary[Any, StepLedger]] = weakref.WeakKeyDictionary()
+    _last: ClassVar[weakref.ref[StepLedger] | None] = None  # the ledger `of` found last: every hook asks again
 
     def __init__(self, trainer: pl.Trainer | None = None) -> None:
         self._trainer_ref = weakref.ref(trainer) if trainer is not None else None
@@ -71,6 +72,8 @@ class StepLedger(CurrentTrackView):
         self._queue = MetricQueue()
         self.events: list[dict[str, Any]] = []  # rollbacks and other events, with their step labels
         self.published: dict[str, float] = {}  # the last logged value of every metric (host numbers)
+        # host numbers logged as monitorable metrics: the last value and its tensor, reused while unchanged
+        self._host_metrics: dict[str, tuple[float, Tensor]] = {}
         # Set by the lightning_stability callbacks at setup: the last of them enforces the votes at the end of
         # its hook. Without any, a vote is enforced at once (one host read per vote for a non-fused optimizer).
         self.callbacks_enforce = False
@@ -82,9 +85,13 @@ class StepLedger(CurrentTrackView):
     @classmethod
     def of(cls, trainer: pl.Trainer) -> StepLedger:
         """The ledger of ``trainer``, created on first use."""
+        last = cls._last() if cls._last is not None else None
+        if last is not None and last._trainer_ref is not None and last._trainer_ref() is trainer:
+            return last
         ledger = cls._registry.get(trainer)
         if ledger is None:
             ledger = cls._registry[trainer] = cls(trainer)
+        StepLedger._last = weakref.ref(ledger)
         return ledger
 
     @property
@@ -164,8 +171,10 @@ class StepLedger(CurrentTrackView):
 
     def add_loss(self, loss: Tensor) -> None:
         """Record a micro-batch's loss as ``on_before_backward`` sees it (the template does this)."""
+        if not self._loss.enabled:
+            return
         trainer = self.trainer
-        if not self._loss.enabled or trainer is None:
+        if trainer is None:
             return
         scaler = loss_scaler(trainer)
         automatic = trainer.lightning_module.automatic_optimization
@@ -285,12 +294,25 @@ class StepLedger(CurrentTrackView):
         logging step) it is also queued for the loggers: :meth:`flush` moves the queue to the host in one
         transfer. Keys starting with ``_`` reach flush hooks only.
         """
+        self.log_many(((key, value),), to_loggers)
+
+    def log_many(self, metrics: Iterable[tuple[str, Tensor | float]], to_loggers: bool = True) -> None:
+        """:meth:`log` for several metrics of the current step at once."""
         track = self.track()
         trainer = self.trainer
-        if trainer is not None and not key.startswith("_"):
-            monitor(trainer, self.metric_name(key, track), value)
-        if to_loggers:
-            self._queue.put(track.index, key, value)
+        several = self.several_optimizers
+        for key, value in metrics:
+            if trainer is not None and not key.startswith("_"):
+                name = metric_name(key, track, several)
+                if isinstance(value, Tensor):
+                    monitor(trainer, name, value)
+                else:  # a new tensor only when the number changes (a tensor once made is never written to)
+                    cached = self._host_metrics.get(name)
+                    if cached is None or cached[0] != value:
+                        cached = self._host_metrics[name] = (value, torch.full((), float(value)))
+                    monitor(trainer, name, cached[1])
+            if to_loggers:
+                self._queue.put(track.index, key, value)
 
     def on_flush(self, hook: FlushHook) -> None:
         """Run ``hook(values)`` once at the next flush, with the current optimizer's queued values on the host.

@@ -34,6 +34,8 @@ from torch import Tensor
 from lightning_stability import _compat
 from lightning_stability.errors import config_error
 
+_amp_update_scale_ = _compat.amp_update_scale_
+
 FP16_MAX = 65504.0
 """The largest finite float16 value (seed row 10: "fp16 range ±65504")."""
 
@@ -190,64 +192,70 @@ class FusedScaleState(NamedTuple):
     Attributes:
         scale: the loss scale (0-dim float32, a view of ``pair``; a scaler adopts it as its ``_scale``).
         growth_tracker: finite steps since the last growth or overflow (0-dim int32; a scaler's own tracker).
-        hysteresis_tracker: overflows still tolerated, floored at 1 (0-dim float32, a view of ``pair``): at 1
-            the next overflow backs off, so the reference's 0 and 1 are one state here.
-        pair: ``[scale, hysteresis_tracker]``, so that one ``maximum`` with ``bounds`` applies both floors.
-        bounds: ``[min_scale, refill]`` (float32; ``min_scale`` is 0 without a floor).
-        refill: a view of ``bounds``: ``hysteresis`` on a step that refills the tracker, else 1.
+        hysteresis_tracker: overflows still tolerated, in ``[1, hysteresis]`` (0-dim float32, a view of ``pair``):
+            at 1 the next overflow backs off, so the reference's 0 and 1 are one state here.
+        pair: ``[scale, hysteresis_tracker]``, so that one ``clamp`` applies the bounds of both.
+        lower: ``[min_scale, 1]`` (float32; ``min_scale`` is 0 without a floor).
+        upper: ``[inf, hysteresis]`` (float32).
         refill_tracker: a copy of ``growth_tracker`` that the same kernel advances (0-dim int32); it tells
             the refill when the scale grows. Keep it equal to ``growth_tracker`` when setting that by hand.
         flag_tracker: scratch of the single-step kernel calls (0-dim int32, 0 between calls).
         floor_test: ``[inf, min_scale]`` (float32; ``[inf, 0]`` without a floor): a scale below each entry
             counts as ``[an overflow, a floor hit]``.
+        below: scratch for that test (float32, two entries).
     """
 
     scale: Tensor
     growth_tracker: Tensor
     hysteresis_tracker: Tensor
     pair: Tensor
-    bounds: Tensor
-    refill: Tensor
+    lower: Tensor
+    upper: Tensor
     refill_tracker: Tensor
     flag_tracker: Tensor
     floor_test: Tensor
+    below: Tensor
 
 
-def fused_state(
-    scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: float, min_scale: float | None
-) -> FusedScaleState:
-    """A :class:`FusedScaleState` starting at the value of ``scale``, around an existing ``growth_tracker``."""
+def fused_state(scale: Tensor, growth_tracker: Tensor, hysteresis_tracker: float, rule: ScaleRule) -> FusedScaleState:
+    """A :class:`FusedScaleState` following ``rule``, starting at the value of ``scale`` and
+    ``hysteresis_tracker`` (brought into ``[1, rule.hysteresis]``), around an existing ``growth_tracker``."""
     device = growth_tracker.device
-    floor = float(min_scale) if min_scale is not None else 0.0
     pair = torch.empty(2, dtype=torch.float32, device=device)
     pair[0].copy_(scale)
-    pair[1].fill_(max(float(hysteresis_tracker), 1.0))
-    bounds = torch.tensor([floor, 1.0], dtype=torch.float32, device=device)
-    return FusedScaleState(
+    pair[1].fill_(min(max(float(hysteresis_tracker), 1.0), float(rule.hysteresis)))
+
+    def vector() -> Tensor:
+        return torch.zeros(2, dtype=torch.float32, device=device)
+
+    state = FusedScaleState(
         pair[0],
         growth_tracker,
         pair[1],
         pair,
-        bounds,
-        bounds[1],
+        vector(),
+        vector(),
         growth_tracker.clone(),
         torch.zeros((), dtype=torch.int32, device=device),
-        torch.tensor([math.inf, floor], dtype=torch.float32, device=device),
+        vector(),
+        vector(),
     )
+    adopt_rule_(state, rule)
+    return state
 
 
 def adopt_rule_(state: FusedScaleState, rule: ScaleRule) -> None:
-    """Make ``state`` follow a changed ``rule``: its floor, and the refill started afresh (the refill's tracker
+    """Make ``state`` follow a changed ``rule``: its bounds, and the refill started afresh (the refill's tracker
     follows the growth tracker only under some rules)."""
     floor = float(rule.min_scale) if rule.min_scale is not None else 0.0
-    state.bounds[0].fill_(floor)
-    state.floor_test[1].fill_(floor)
-    state.refill.fill_(1.0)
+    state.lower.copy_(torch.tensor([floor, 1.0]))
+    state.upper.copy_(torch.tensor([math.inf, float(rule.hysteresis)]))
+    state.floor_test.copy_(torch.tensor([math.inf, floor]))
     state.refill_tracker.copy_(state.growth_tracker)
 
 
 def update_scale_(state: FusedScaleState, found_inf: Tensor, rule: ScaleRule, counts: Tensor, out: Tensor) -> None:
-    """:func:`update_scale` in place, in eight ops built on torch's fused kernel: what the scaler runs.
+    """:func:`update_scale` in place, in seven ops built on torch's fused kernel: what the scaler runs.
 
     torch's ``_amp_update_scale_(scale, tracker, flag, growth, backoff, interval)`` multiplies ``scale`` by
     ``backoff`` when ``flag != 0``; otherwise it counts, and multiplies by ``growth`` when the count
@@ -256,15 +264,16 @@ def update_scale_(state: FusedScaleState, found_inf: Tensor, rule: ScaleRule, co
     1. the growth half, as torch's scaler does, with no backoff;
     2. the backoff, through the kernel's growth branch with ``interval=1``: that branch runs exactly
        when its flag is 0, and the flag ``hysteresis_tracker - found_inf`` is 0 exactly for the overflow
-       that hysteresis no longer tolerates (the tracker is floored at 1);
-    3. the refill of the hysteresis tracker: ``refill`` becomes ``hysteresis`` on the step the scale grows
-       (its tracker mirrors the growth tracker), or on every finite step with ``consecutive_hysteresis``.
+       that hysteresis no longer tolerates (the tracker never drops below 1);
+    3. the refill of the hysteresis tracker: multiplied by ``hysteresis`` on the step the scale grows (its
+       tracker mirrors the growth tracker), or on every finite step with ``consecutive_hysteresis``.
 
-    Before the floors, a scale below ``min_scale`` is a floor hit. Then one ``maximum`` of
-    ``[scale, hysteresis_tracker - found_inf]`` with ``[min_scale, refill]`` applies the floor of the scale
-    and gives the new tracker: one less after an overflow (never below 1), the full hysteresis after a refill.
-    Step for step the same scales, growth trackers and counts as :func:`update_scale` (tested against it),
-    with no host sync. Without hysteresis (``hysteresis=1``) it is six ops.
+    Before the bounds, a scale below ``min_scale`` is a floor hit. Then one ``clamp`` of
+    ``[scale, hysteresis_tracker]`` between ``[min_scale, 1]`` and ``[inf, hysteresis]`` applies the floor of
+    the scale and brings the tracker back into range: one less after an overflow (never below 1), the full
+    hysteresis after a refill. Step for step the same scales, growth trackers and counts as
+    :func:`update_scale` (tested against it), with no host sync. Without hysteresis (``hysteresis=1``) it is
+    six ops.
 
     Args:
         state: the state, updated in place.
@@ -274,19 +283,18 @@ def update_scale_(state: FusedScaleState, found_inf: Tensor, rule: ScaleRule, co
         counts: ``[overflow steps, floor hits]`` before this step (float32).
         out: receives ``counts`` plus this step's (float32, the shape of ``counts``; may be ``counts``).
     """
-    scale, growth, armed = state.scale, state.growth_tracker, state.hysteresis_tracker
-    armed.sub_(found_inf)  # 0 exactly for the overflow that backs off
-    _compat.amp_update_scale_(scale, growth, found_inf, rule.growth_factor, 1.0, rule.growth_interval)
-    _compat.amp_update_scale_(scale, state.flag_tracker, armed, rule.backoff_factor, 1.0, 1)
-    torch.addcmul(counts, found_inf, torch.lt(scale, state.floor_test), out=out)
-    if rule.hysteresis > 1:  # else the refill stays 1: every overflow backs off
-        refill, hysteresis = state.refill, float(rule.hysteresis)
-        refill.fill_(1.0)
+    scale, tracker = state.scale, state.hysteresis_tracker
+    tracker.sub_(found_inf)  # 0 exactly for the overflow that backs off
+    _amp_update_scale_(scale, state.growth_tracker, found_inf, rule.growth_factor, 1.0, rule.growth_interval)
+    _amp_update_scale_(scale, state.flag_tracker, tracker, rule.backoff_factor, 1.0, 1)
+    torch.addcmul(counts, found_inf, torch.lt(scale, state.floor_test, out=state.below), out=out)
+    if rule.hysteresis > 1:  # else the tracker stays 1: every overflow backs off
+        hysteresis = float(rule.hysteresis)
         if rule.consecutive_hysteresis:
-            _compat.amp_update_scale_(refill, state.flag_tracker, found_inf, hysteresis, 1.0, 1)
+            _amp_update_scale_(tracker, state.flag_tracker, found_inf, hysteresis, 1.0, 1)
         else:
-            _compat.amp_update_scale_(refill, state.refill_tracker, found_inf, hysteresis, 1.0, rule.growth_interval)
-    torch.maximum(state.pair, state.bounds, out=state.pair)
+            _amp_update_scale_(tracker, state.refill_tracker, found_inf, hysteresis, 1.0, rule.growth_interval)
+    torch.clamp(state.pair, state.lower, state.upper, out=state.pair)
 
 
 def auto_initial_scale(

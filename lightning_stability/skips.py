@@ -87,6 +87,11 @@ def add_to_scaler_decision(scaler: Any, optimizer: Optimizer, flag: Tensor) -> b
 _OVERFLOW_FLAGS = "_stability_overflow_flags"
 
 
+def has_votes_in_flags(scaler: Any, optimizer: Optimizer) -> bool:
+    """Whether skip votes joined ``optimizer``'s overflow flags this step (see :func:`add_to_scaler_decision`)."""
+    return id(optimizer) in scaler.__dict__.get(_OVERFLOW_FLAGS, ())
+
+
 def restore_overflow_flags(scaler: Any) -> None:
     """Give ``update`` the overflow flags of the gradients alone, without the skip votes that ``step`` obeyed."""
     saved = scaler.__dict__.pop(_OVERFLOW_FLAGS, None)

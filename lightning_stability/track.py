@@ -49,6 +49,8 @@ class Track:
         self._per_outcome: tuple[Tensor, ...] = ()
         self._loaded_counts = [0] * len(Outcome)
         self._host_counts: list[int] | None = [0] * len(Outcome)
+        self._unsent = [0] * len(Outcome)  # host-decided steps not yet added to the device counts
+        self._any_unsent = False
         self._window: dict[str, Tensor] = {}
         if state is not None:
             self.load_state_dict(state)
@@ -69,7 +71,14 @@ class Track:
         if self._counts is None:
             # once per run: a resumed run's counts come from the checkpoint, before the first step
             self._counts = torch.tensor(self._loaded_counts, dtype=torch.int64, device=self.device)
-            self._per_outcome = self._counts.unbind(0)  # views: one in-place add counts a host-known step
+            self._per_outcome = self._counts.unbind(0)  # views: one in-place add per outcome brings them up to date
+        if self._any_unsent:
+            # Host-decided steps reach the device when read, not in the step: one add of a host number per
+            # outcome (a kernel argument, no copy), however many steps passed.
+            for outcome, n in enumerate(self._unsent):
+                if n:
+                    self._per_outcome[outcome].add_(n)
+            self._unsent, self._any_unsent = [0] * len(Outcome), False
         return self._counts
 
     @property
@@ -102,14 +111,17 @@ class Track:
         return host if host is not None else int(self.applied_steps)
 
     def count(self, outcome: Outcome | Tensor) -> None:
-        counts = self.counts
         if isinstance(outcome, Tensor):
+            counts = self.counts
             counts.index_add_(0, outcome.view(1), torch.ones(1, dtype=counts.dtype, device=counts.device))
             self._host_counts = None
         else:
-            self._per_outcome[int(outcome)].add_(1)
+            if self._counts is None:
+                self.counts  # noqa: B018 -- the device table is built from host data once, on the first step
+            self._unsent[outcome] += 1
+            self._any_unsent = True
             if self._host_counts is not None:
-                self._host_counts[int(outcome)] += 1
+                self._host_counts[outcome] += 1
 
     def accumulate(self, key: str, value: Tensor | float) -> None:
         current = self._window.get(key)
@@ -137,6 +149,7 @@ class Track:
         counts = [int(c) for c in state.get("counts", [0] * len(Outcome))]
         counts += [0] * (len(Outcome) - len(counts))
         self._loaded_counts, self._counts = counts, None
+        self._unsent, self._any_unsent = [0] * len(Outcome), False
         self._host_counts = list(counts) if state.get("host_counts_exact", True) else None
         self._window = {k: v.to(self.device) for k, v in state.get("window", {}).items()}
 

@@ -243,9 +243,7 @@ def test_in_place_fused_rule_equals_the_reference_step_for_step() -> None:
     for rule in rules:
         for _ in range(10):
             reference = initial_state(256.0, rule)
-            fused = fused_state(
-                torch.tensor(256.0), torch.zeros((), dtype=torch.int32), rule.hysteresis, rule.min_scale
-            )
+            fused = fused_state(torch.tensor(256.0), torch.zeros((), dtype=torch.int32), rule.hysteresis, rule)
             counts = torch.zeros(61, 2)
             overflows = floor_hits = 0
             for step in range(60):

@@ -30,6 +30,7 @@ _K_SCALE = "stability/loss_scale"
 _K_OVERFLOWS = "stability/overflow_steps"
 _K_RATE = "stability/overflow_rate"
 _K_FLOOR = "stability/loss_scale_floor_hits"
+_K_STATE = "_loss_scale_state"  # flush hooks only: the scaler's device state, taken back to the host
 
 
 class LossScaleFloorError(RuntimeError):
@@ -215,17 +216,27 @@ class LossScaleTuner(LedgerCallback):
             self._scaler.call_after_next_update(partial(self._queue_logs, ledger, logging))
 
     def _queue_logs(self, ledger: StepLedger, logging: bool, scaler: TunedGradScaler) -> None:
-        # A snapshot: the scaler updates these tensors in place, and with several optimizers (or a monitor that
-        # reads `callback_metrics` later) each step's metric must keep the value it had after its own update.
-        scale, overflows, floor_hits = scaler.snapshot().unbind(0)
-        ledger.log(_K_SCALE, scale, logging)
-        ledger.log(_K_OVERFLOWS, overflows, logging)
-        ledger.log(_K_FLOOR, floor_hits, logging)
+        # Host numbers while the scaler decides on the host; else a snapshot: the scaler updates these tensors in
+        # place, and with several optimizers (or a monitor that reads `callback_metrics` later) each step's
+        # metric must keep the value it had after its own update.
+        values = scaler.host_snapshot()
+        scale, overflows, floor_hits = values if values is not None else scaler.snapshot().unbind(0)
+        ledger.log_many(((_K_SCALE, scale), (_K_OVERFLOWS, overflows), (_K_FLOOR, floor_hits)), logging)
         if not logging:
             return
         ledger.log(_K_RATE, scaler.overflow_rate())
+        state = scaler.device_state()
+        if state is not None:  # back to the host with this step's one transfer (see TunedGradScaler.to_host)
+            ledger.log(_K_STATE, state)
+            ledger.on_flush(partial(self._to_host, scaler, scaler.updates))
         covered = min(scaler.updates, scaler.overflow_window)
         ledger.on_flush(partial(self._decide, scaler.rule, covered, scaler.overflow_window, ledger.steps))
+
+    @staticmethod
+    def _to_host(scaler: TunedGradScaler, updates: int, values: FlushValues) -> None:
+        state = values.get(_K_STATE)
+        if isinstance(state, list):
+            scaler.to_host(state, updates)
 
     def _decide(self, rule: ScaleRule, covered: int, window: int, step: int, values: FlushValues) -> None:
         """Floor and struggling decisions, from host values of the logging step's one transfer."""

@@ -21,7 +21,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from lightning_stability.callbacks.accumulation import GradientAccumulation
 from lightning_stability.errors import StabilityConfigError
-from tests.helpers import TinyModule
+from tests.helpers import TinyModule, exit_worker
 
 warnings.filterwarnings("ignore")
 
@@ -123,3 +123,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_worker()

@@ -40,7 +40,7 @@ from lightning_stability.callbacks.loss_scale import LossScaleTuner
 from lightning_stability.ledger import StepLedger
 from lightning_stability.strategies.fsdp import StableFSDPStrategy
 from tests.distributed.fsdp_common import TinyLM, full_weights
-from tests.helpers import StepSyncCounter, SyncCounter
+from tests.helpers import StepSyncCounter, SyncCounter, exit_worker
 
 INF_RANK = 1
 INF_STEP = 3
@@ -234,3 +234,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_worker()

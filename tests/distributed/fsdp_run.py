@@ -23,7 +23,7 @@ from lightning_stability.ledger import StepLedger
 from lightning_stability.strategies.fsdp import StableFSDPStrategy
 from tests.distributed import fsdp_common
 from tests.distributed.fsdp_common import ListLogger, full_weights
-from tests.helpers import StepSyncCounter, SyncCounter
+from tests.helpers import StepSyncCounter, SyncCounter, exit_worker
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -179,3 +179,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_worker()

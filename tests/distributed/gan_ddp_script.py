@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.plugins import MixedPrecision
 
 from lightning_stability import GradientNormMonitor, LossScaleTuner, StepLedger, WarmupConstantCosineLR
-from tests.helpers import quiet_trainer
+from tests.helpers import exit_worker, quiet_trainer
 from tests.test_several_optimizers import TwoOptimizerGAN
 
 warnings.simplefilter("ignore")
@@ -40,3 +40,4 @@ result = {
 }
 with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
     json.dump(result, f)
+exit_worker()

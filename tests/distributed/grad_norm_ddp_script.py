@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.plugins import MixedPrecision
 
 from lightning_stability import GradientNormMonitor, StepLedger
-from tests.helpers import TinyModule, quiet_trainer
+from tests.helpers import TinyModule, exit_worker, quiet_trainer
 
 out_dir, optimizer = sys.argv[1], sys.argv[2]
 fault = sys.argv[3] if len(sys.argv) > 3 else "loss"
@@ -105,3 +105,4 @@ result = {
 }
 with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
     json.dump(result, f)
+exit_worker()

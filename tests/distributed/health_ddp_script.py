@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_stability import StepLedger, TrainingHealthMonitor
-from tests.helpers import TinyModule, quiet_trainer
+from tests.helpers import TinyModule, exit_worker, quiet_trainer
 
 out_dir, response, fault = sys.argv[1], sys.argv[2], sys.argv[3]
 warnings.simplefilter("ignore")
@@ -58,3 +58,4 @@ result = {
 }
 with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
     json.dump(result, f)
+exit_worker()

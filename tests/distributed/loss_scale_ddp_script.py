@@ -28,7 +28,7 @@ from torch.distributed.fsdp import fully_shard
 
 from lightning_stability.callbacks.loss_scale import LossScaleTuner
 from lightning_stability.ledger import StepLedger
-from tests.helpers import TinyModule
+from tests.helpers import TinyModule, exit_worker
 
 INF_STEP = 3
 STEPS = 8
@@ -114,3 +114,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_worker()

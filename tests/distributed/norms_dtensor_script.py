@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from lightning_stability.norms import per_tensor_norms, total_norm
-from tests.helpers import HostDataCounter
+from tests.helpers import HostDataCounter, exit_worker
 
 out_dir = sys.argv[1]
 dist.init_process_group("gloo")
@@ -44,3 +44,4 @@ for p in (2.0, 1.0, math.inf):
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     json.dump(result, f)
 dist.destroy_process_group()
+exit_worker()

@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_stability import LossScaleTuner, StableTrainer
-from tests.helpers import TinyModule
+from tests.helpers import TinyModule, exit_worker
 
 warnings.simplefilter("ignore")
 out_dir = sys.argv[1]
@@ -42,3 +42,4 @@ result = {
 }
 with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
     json.dump(result, f)
+exit_worker()
