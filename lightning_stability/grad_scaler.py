@@ -2,9 +2,10 @@
 
 A ``torch.amp.GradScaler`` that keeps torch's contract (``unscale_`` once per step, ``step`` skips the update
 on overflow, ``update`` once per optimizer step) and replaces the update with the rule of
-:mod:`lightning_stability.scaling`, run on the device. It also reduces the overflow flag across ranks, so one
-rank's (or one shard's) inf makes every rank skip. Its parts: the rule (:mod:`~lightning_stability.scaling`),
-the ``init_scale="auto"`` probe (:mod:`~lightning_stability.scale_probe`) and the running totals
+:mod:`lightning_stability.scaling`. It also reduces the overflow flag across ranks, so one rank's (or one
+shard's) inf makes every rank skip. Its parts: the rule (:mod:`~lightning_stability.scaling`, on host numbers
+:mod:`~lightning_stability.host_scale`), where it runs (:mod:`~lightning_stability.rule_state`), the
+``init_scale="auto"`` probe (:mod:`~lightning_stability.scale_probe`) and the running totals
 (:mod:`~lightning_stability.overflow_counts`).
 """
 
@@ -19,11 +20,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stability import _compat
-from lightning_stability.host_scale import HostScaleState, float32, update_scale_host
+from lightning_stability.host_scale import HostScaleState
 from lightning_stability.overflow_counts import OverflowCounts
+from lightning_stability.rule_state import RuleState, overflow_read_on_host
 from lightning_stability.scale_probe import ScaleProbe
 from lightning_stability.scaler_args import check_scaler_arguments
-from lightning_stability.scaling import FusedScaleState, ScaleRule, adopt_rule_, fused_state, update_scale_
+from lightning_stability.scaling import ScaleRule
 from lightning_stability.skips import has_votes_in_flags, restore_overflow_flags
 
 if TYPE_CHECKING:
@@ -36,17 +38,17 @@ class TunedGradScaler(torch.amp.GradScaler):
     Drop-in for torch's scaler: ``scale``, ``unscale_``, ``step`` and ``update`` keep their contract,
     so Lightning's precision plugins and :class:`~lightning_stability.ledger.StepLedger` use it as is.
 
-    * ``update()`` applies :func:`lightning_stability.scaling.update_scale_` on the device (eight small
-      ops around torch's fused kernel): no host sync beyond the one ``step()`` already costs to skip a
-      non-fused optimizer.
+    * ``update()`` applies the rule with no host sync of its own: on host numbers when ``step()`` read every
+      overflow flag on the host (non-fused optimizers; no kernel unless the scale changes), else on the
+      device (:func:`lightning_stability.scaling.update_scale_`, seven small ops around torch's fused kernel).
     * Every ``unscale_`` reduces the overflow flag with ``MAX`` across ``process_group`` (one 0-dim
       collective per optimizer step) when ``torch.distributed`` runs with more than one rank.
     * ``init_scale="auto"``: the first step runs at scale 1 and measures the largest unscaled gradient;
       ``update()`` then sets the scale with :func:`~lightning_stability.scaling.auto_initial_scale`.
       That step is applied, unless its gradients overflowed (the rule then takes over from 1) or were
       all zero (fp16 underflow: the step is skipped and the scale becomes 2**24).
-    * Device counts of overflow steps and floor hits after each of the last ``overflow_window`` steps (one
-      ring), from which the overflow rate is read.
+    * Counts of overflow steps and floor hits after each of the last ``overflow_window`` steps (one ring,
+      where the rule runs), from which the overflow rate is read.
 
     Like torch's scaler, ``load_state_dict`` restores the rule's settings along with its state.
 
@@ -115,15 +117,11 @@ class TunedGradScaler(torch.amp.GradScaler):
         self.process_group = process_group
         self._probing = auto
         self._probe = ScaleProbe()
-        self._updates = 0
         self._init_hysteresis = hysteresis  # the hysteresis tracker until the device state exists
-        self._fused: FusedScaleState | None = None
-        # The rule's state on the host, while the host knows every overflow (see `_maybe_opt_step`); then the
-        # device copies of the trackers and totals are stale, and only the scale is kept current there.
-        self._host: HostScaleState | None = None
+        # the rule's state, on the host while the host knows every overflow (see `_maybe_opt_step`)
+        self._state = RuleState(OverflowCounts(overflow_window))
         self._host_flags: dict[int, bool | None] = {}  # this step's overflow per optimizer, read by `step()`
         self._host_possible = False  # the last device update had every flag read on the host (a vote hid one)
-        self._counts = OverflowCounts(overflow_window)
         self._after_update: Callable[[TunedGradScaler], None] | None = None
         self._rule: ScaleRule | None = None
         self._rule_settings: tuple[Any, ...] = ()
@@ -142,8 +140,7 @@ class TunedGradScaler(torch.amp.GradScaler):
         )
         if self._rule is None or self._rule_settings != settings:
             self._rule, self._rule_settings = ScaleRule(*settings), settings
-            if self._fused is not None:
-                adopt_rule_(self._fused, self._rule)
+            self._state.adopt_rule(self._rule)
         return self._rule
 
     @property
@@ -161,60 +158,35 @@ class TunedGradScaler(torch.amp.GradScaler):
         self._init_device_state(dev)
 
     def _init_device_state(self, dev: torch.device) -> None:
-        """The rule's device state around torch's scale and growth tracker."""
+        """The rule's state around torch's scale and growth tracker."""
         assert self._scale is not None and self._growth_tracker is not None
-        self._fused = None  # a reload rebuilds it: no stale state adopts the rule below
-        self._fused = fused_state(self._scale, self._growth_tracker, self._init_hysteresis, self.rule)
-        self._scale = self._fused.scale  # a view of the pair the rule's last op updates in one go
-        self._counts.place(dev)
-        self._host = None
-        if self._probing:  # the probe measures on the device
-            self._counts.to_device()
-        else:
-            growth = int(self._init_growth_tracker)
-            self._host = HostScaleState(float32(self._init_scale), growth, self._init_hysteresis)
-            self._counts.on_host = True
+        start = HostScaleState(self._init_scale, int(self._init_growth_tracker), self._init_hysteresis)
+        self._state.fused = None  # a reload rebuilds it: no stale state adopts the rule below
+        # the probe of init_scale="auto" measures on the device
+        self._scale = self._state.place(self._scale, self._growth_tracker, start, self.rule, not self._probing)
 
     # ------------------------------------------------------------------ host and device decisions
     @property
     def decides_on_host(self) -> bool:
         """Whether the rule's state is on the host now (the overflows so far were read by ``step()``)."""
-        return self._host is not None
-
-    def _to_device(self) -> None:
-        """Hand the state over to the device (a few fills, no sync): a step's overflow is known there only."""
-        host, fused = self._host, self._fused
-        if host is None or fused is None:
-            return
-        self._host = None
-        fused.hysteresis_tracker.fill_(float(max(host.hysteresis_tracker, 1)))  # the scale is current already
-        fused.growth_tracker.fill_(host.growth_tracker)
-        fused.refill_tracker.fill_(host.growth_tracker)
-        self._counts.to_device()
+        return self._state.host is not None
 
     def device_state(self) -> Tensor | None:
-        """``[scale, hysteresis tracker, growth tracker, ring...]`` for :meth:`to_host` (float32, one new tensor),
-        or ``None`` when the state is on the host or cannot return there."""
-        fused = self._fused
-        if self._host is not None or fused is None or self._probing or not self._host_possible:
+        """The state on the device, to read on a logging step and hand to :meth:`to_host` (one new tensor), or
+        ``None`` when it is on the host already or cannot go back there (a fused optimizer, the probe)."""
+        if self._probing or not self._host_possible:
             return None
-        growth = fused.growth_tracker.to(torch.float32).reshape(1)
-        return torch.cat([fused.pair, growth, self._counts.ring().reshape(-1)])
+        return self._state.device_state()
 
     def to_host(self, values: list[float], updates: int) -> None:
         """Take the state back to the host from a :meth:`device_state` read after update ``updates`` (on a
         logging step, in its one transfer). Ignored when an update has run since."""
-        if self._host is not None or self._fused is None or self._probing or updates != self._updates:
-            return
-        scale, hysteresis, growth = values[:3]
-        self._host = HostScaleState(scale, int(growth), int(hysteresis))
-        self._counts.to_host(values[3:])
+        if not self._probing:
+            self._state.to_host(values, updates)
 
     def _hysteresis_host(self) -> int:
-        """The hysteresis tracker as a host value (a sync: checkpoints and pickling only)."""
-        if self._host is not None:
-            return max(self._host.hysteresis_tracker, 1)
-        return self._init_hysteresis if self._fused is None else int(self._fused.hysteresis_tracker.item())
+        """The hysteresis tracker as a host value (a sync on the device: checkpoints and pickling only)."""
+        return self._state.hysteresis_tracker(self._init_hysteresis)
 
     @property
     def loss_scale(self) -> Tensor:
@@ -226,39 +198,30 @@ class TunedGradScaler(torch.amp.GradScaler):
     @property
     def overflow_steps(self) -> Tensor:
         """Optimizer steps whose gradients overflowed since the start (0-dim int64 tensor)."""
-        if self._counts.on_host:
-            return torch.tensor(int(self._counts.host_row(self._updates)[0]))
-        return self._counts.row(self._updates)[0].to(torch.int64)
+        return self._state.totals()[0]
 
     @property
     def floor_hits(self) -> Tensor:
         """Overflows that ``min_scale`` stopped from lowering the scale (0-dim int64 tensor)."""
-        if self._counts.on_host:
-            return torch.tensor(int(self._counts.host_row(self._updates)[1]))
-        return self._counts.row(self._updates)[1].to(torch.int64)
+        return self._state.totals()[1]
 
     def host_snapshot(self) -> tuple[float, float, float] | None:
         """``(loss scale, overflow steps, floor hits)`` as host numbers while the host decides, else ``None``."""
-        if self._host is None:
-            return None
-        overflows, floor_hits = self._counts.host_row(self._updates)
-        return self._host.scale, overflows, floor_hits
+        return self._state.host_snapshot()
 
     def snapshot(self) -> Tensor:
         """``[loss scale, overflow steps, floor hits]`` as one new float32 tensor (one op, no sync)."""
-        scale = self._fused.pair[:1] if self._fused is not None else self.loss_scale.reshape(1)
-        return torch.cat([scale, self._counts.row(self._updates)])
+        return self._state.snapshot(self.loss_scale)
 
     @property
     def updates(self) -> int:
         """How many times :meth:`update` applied the rule (host integer)."""
-        return self._updates
+        return self._state.updates
 
     def overflow_rate(self) -> Tensor:
         """Share of the last ``min(updates, overflow_window)`` steps that overflowed (0-dim tensor; a CPU one
         while the host decides)."""
-        rate = self._counts.rate(self._updates)
-        return rate if isinstance(rate, Tensor) else torch.full((), rate, dtype=torch.float32)
+        return self._state.overflow_rate()
 
     def call_after_next_update(self, hook: Callable[[TunedGradScaler], None]) -> None:
         """Run ``hook(scaler)`` right after the next :meth:`update` (replaces a pending hook)."""
@@ -299,17 +262,6 @@ class TunedGradScaler(torch.amp.GradScaler):
         self._host_flags[id(optimizer)] = None if found and has_votes_in_flags(self, optimizer) else bool(found)
         return None if found else optimizer.step(*args, **kwargs)
 
-    def _overflow_on_host(self, flags: dict[int, bool | None]) -> bool | None:
-        """This step's overflow from the host reads of every optimizer that unscaled, or ``None`` if one is
-        known on the device only (a fused optimizer, or a skip vote among the flags). Notes whether every
-        optimizer's flag was read on the host (the state may then return there)."""
-        keys = [key for key, state in self._per_optimizer_states.items() if state["found_inf_per_device"]]
-        self._host_possible = bool(keys) and all(key in flags for key in keys)
-        found = [flags.get(key) for key in keys]
-        if not found or None in found:
-            return None
-        return any(found)
-
     # ------------------------------------------------------------------ the update
     def update(self, new_scale: float | Tensor | None = None) -> None:
         """Apply the rule once for this optimizer step (every optimizer's flags combined). No host sync.
@@ -326,48 +278,31 @@ class TunedGradScaler(torch.amp.GradScaler):
         restore_overflow_flags(self)  # the scale follows the gradients' overflows, not the ledger's skip votes
         read, self._host_flags = self._host_flags, {}
         if read and new_scale is None:
-            overflow = self._overflow_on_host(read)
-            if overflow is not None and self._host is not None:
-                self._update_on_host(overflow)
+            overflow, self._host_possible = overflow_read_on_host(self._per_optimizer_states, read)
+            if overflow is not None and self._state.host is not None:
+                self._state.update_on_host(overflow, self.rule)
+                _compat.reset_scaler_optimizer_states(self)
+                self._fire_after_update()
                 return
         else:  # nothing read on the host (a fused optimizer): the device decides
             self._host_possible = False
-        if self._host is not None:
-            self._to_device()
+        self._state.to_device()
         if new_scale is not None:
             super().update(new_scale)
             self._probing = False
             self._fire_after_update()
             return
         scale, _ = self._check_scale_growth_tracker("update")
-        fused = self._fused
-        assert fused is not None and fused.scale is scale
+        assert self._state.fused is not None and self._state.fused.scale is scale
         # one flag per optimizer, on the scale's device (see _unscale_grads_)
         flags = [f for state in self._per_optimizer_states.values() for f in state["found_inf_per_device"].values()]
         if not flags:
             raise AssertionError("No inf checks were recorded prior to update.")
         found = flags[0] if len(flags) == 1 else torch.stack(flags).amax()  # 1.0 if any overflowed
-        rule = self.rule
-        before, after = self._counts.row(self._updates), self._counts.row(self._updates + 1)
-        if self._probing and self._probe.observed:
-            self._probe.apply(fused, found, rule, self._auto_headroom, before, after)
-        else:
-            update_scale_(fused, found, rule, before, after)
+        probe = self._probe if self._probing and self._probe.observed else None
+        self._state.update_on_device(found, self.rule, probe, self._auto_headroom)
         if self._probing:
             self._probing, self._probe = False, ScaleProbe()
-        self._updates += 1
-        _compat.reset_scaler_optimizer_states(self)
-        self._fire_after_update()
-
-    def _update_on_host(self, overflow: bool) -> None:
-        host = self._host
-        assert host is not None and self._scale is not None
-        scale = host.scale
-        floor_hit = update_scale_host(host, overflow, self.rule)
-        if host.scale != scale:
-            self._scale.fill_(host.scale)  # the one kernel, on the rare step that changes the scale
-        self._counts.advance_host(self._updates, overflow, floor_hit)
-        self._updates += 1
         _compat.reset_scaler_optimizer_states(self)
         self._fire_after_update()
 
@@ -382,20 +317,12 @@ class TunedGradScaler(torch.amp.GradScaler):
         state = super().state_dict()
         if not state:
             return state
-        rows = self._counts.host_rows()
-        overflows, floor_hits = (int(v) for v in rows[self._updates % len(rows)])
-        if self._host is not None:  # the device's growth tracker is stale while the host decides
-            state.update(scale=self._host.scale, _growth_tracker=self._host.growth_tracker)
+        state.update(self._state.checkpoint_entries(self._init_hysteresis))
         state.update(
             hysteresis=self._hysteresis,
             min_scale=self._min_scale,
             consecutive_hysteresis=self._consecutive_hysteresis,
             overflow_window=self._overflow_window,
-            _hysteresis_tracker=self._hysteresis_host(),
-            overflow_steps=overflows,
-            floor_hits=floor_hits,
-            overflow_counts=rows,
-            updates=self._updates,
             probing=self._probing,
         )
         return state
@@ -412,7 +339,6 @@ class TunedGradScaler(torch.amp.GradScaler):
         self._min_scale = state_dict.get("min_scale", self._min_scale)
         self._consecutive_hysteresis = bool(state_dict.get("consecutive_hysteresis", self._consecutive_hysteresis))
         self._overflow_window = int(state_dict.get("overflow_window", self._overflow_window))
-        self._updates = int(state_dict.get("updates", 0))
         self._probing = bool(state_dict.get("probing", False))
         if self._min_scale is not None and self._init_scale < self._min_scale:
             self._init_scale = float(self._min_scale)
@@ -422,16 +348,19 @@ class TunedGradScaler(torch.amp.GradScaler):
         self._init_hysteresis = min(
             max(int(state_dict.get("_hysteresis_tracker", self._hysteresis)), 1), self._hysteresis
         )
-        self._counts = OverflowCounts.from_state(state_dict, self._overflow_window, self._updates)
-        if self._fused is not None:  # already running: overwrite the device state in place
-            self._init_device_state(self._fused.scale.device)
+        updates = int(state_dict.get("updates", 0))
+        fused = self._state.fused
+        self._state = RuleState(OverflowCounts.from_state(state_dict, self._overflow_window, updates), updates)
+        if fused is not None:  # already running: rebuild the rule's state around torch's reloaded tensors
+            self._init_device_state(fused.scale.device)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         if self._enabled:
-            state.update(_init_hysteresis=self._hysteresis_host(), _fused=None, _host=None, _host_flags={})
-            if self._host is not None:
-                state.update(_init_scale=self._host.scale, _init_growth_tracker=self._host.growth_tracker)
+            host = self._state.host
+            if host is not None:  # the device's growth tracker is stale while the host decides
+                state.update(_init_scale=host.scale, _init_growth_tracker=host.growth_tracker)
+            state.update(_init_hysteresis=self._hysteresis_host(), _host_flags={})
         state.pop("_stability_overflow_flags", None)
         state.update(_after_update=None, _probe=ScaleProbe(), process_group=None)
         return state
