@@ -11,7 +11,8 @@ Then the cost of the tuner against torch's scaler, both starting at 65536 on the
 
 * the time per training step (interleaved repeats; the median of per-repeat ratios) against torch's scaler
   alone and against torch's scaler plus an empty Lightning ``Callback`` (what the hook calls of any
-  callback cost);
+  callback cost), with torch's default AdamW (the tuner decides on the host) and with ``fused=True`` (on
+  the device);
 * the tensor ops per training step (each one a kernel launch on a GPU), counted with a dispatch mode;
 * ``update()`` alone, after the ``step()`` of a plain optimizer (torch reads the overflow flag on the host;
   so does the tuner, which then decides there) and of a fused one (the flag stays on the device).
@@ -39,8 +40,9 @@ from tests.helpers import OpCounter, StepSyncCounter
 
 
 class MLP(pl.LightningModule):
-    def __init__(self, grad_mult: float, width: int = 128, n: int = 4096) -> None:
+    def __init__(self, grad_mult: float, width: int = 128, n: int = 4096, fused: bool = False) -> None:
         super().__init__()
+        self.fused = fused
         torch.manual_seed(0)
         self.net = nn.Sequential(
             nn.Linear(32, width), nn.GELU(), nn.Linear(width, width), nn.GELU(), nn.Linear(width, 1)
@@ -54,7 +56,7 @@ class MLP(pl.LightningModule):
         return nn.functional.mse_loss(self.net(x).float(), y) * self.grad_mult
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=self.fused)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.data, batch_size=64)
@@ -93,7 +95,7 @@ class StepTimer(pl.Callback):
         self.wall = (time.perf_counter() - self.wall) / self.steps
 
 
-def fit(grad_mult: float, scaler: str, steps: int, callbacks: list[pl.Callback]) -> pl.Trainer:
+def fit(grad_mult: float, scaler: str, steps: int, callbacks: list[pl.Callback], fused: bool = False) -> pl.Trainer:
     torch_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     if scaler == "tuner-65536":
         callbacks = [LossScaleTuner(init_scale=2.0**16, fit_start_checks=False), *callbacks]
@@ -104,7 +106,7 @@ def fit(grad_mult: float, scaler: str, steps: int, callbacks: list[pl.Callback])
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
         plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch_scaler)],
     )  # fmt: skip
-    trainer.fit(MLP(grad_mult))
+    trainer.fit(MLP(grad_mult, fused=fused))
     return trainer
 
 
@@ -134,26 +136,33 @@ def main() -> None:
         print(f"{grad_mult:>8g} | " + " | ".join(f"{c:>18}" for c in cells))
 
     # Per-step cost. The machine may be shared: runs are interleaved and the median reported.
-    runs = {
-        "torch": ("torch-65536", False),
-        "torch + empty callback": ("torch-65536", True),
-        "tuner": ("tuner-65536", False),
+    runs = {  # name: (scaler, an empty callback too, fused AdamW)
+        "torch": ("torch-65536", False, False),
+        "torch + empty callback": ("torch-65536", True, False),
+        "tuner": ("tuner-65536", False, False),
+        "torch, fused AdamW": ("torch-65536", False, True),
+        "tuner, fused AdamW": ("tuner-65536", False, True),
     }
     timers: dict[str, list[StepTimer]] = {name: [] for name in runs}
     for _ in range(args.repeats):
-        for name, (scaler, empty) in runs.items():
+        for name, (scaler, empty, fused) in runs.items():
             timer = StepTimer(warmup=10)
-            fit(1.0, scaler, 10 + args.timed_steps, [timer, pl.Callback()] if empty else [timer])
+            callbacks: list[pl.Callback] = [timer, pl.Callback()] if empty else [timer]
+            fit(1.0, scaler, 10 + args.timed_steps, callbacks, fused=fused)
             timers[name].append(timer)
     cpu = {name: statistics.median(t.cpu for t in ts) for name, ts in timers.items()}
     print(f"\nCPU time per training step, median of {args.repeats} interleaved runs of {args.timed_steps} steps:")
     for name, value in cpu.items():
         print(f"  {name:<24} {value * 1e3:.3f} ms")
-    for base in ("torch", "torch + empty callback"):
-        # one ratio per repeat (its runs ran back to back), so a slow spell of a shared machine cancels out
-        ratios = sorted(t.cpu / b.cpu for t, b in zip(timers["tuner"], timers[base], strict=True))
+    # one ratio per repeat (its runs ran back to back), so a slow spell of a shared machine cancels out
+    for tuned, base in (
+        ("tuner", "torch"),
+        ("tuner", "torch + empty callback"),
+        ("tuner, fused AdamW", "torch, fused AdamW"),
+    ):
+        ratios = sorted(t.cpu / b.cpu for t, b in zip(timers[tuned], timers[base], strict=True))
         print(
-            f"  LossScaleTuner / {base}: median {statistics.median(ratios):.3f} "
+            f"  {tuned} / {base}: median {statistics.median(ratios):.3f} "
             f"(per-repeat ratios {ratios[0]:.3f}-{ratios[-1]:.3f})"
         )
     ops = {name: ops_per_step(scaler) for name, scaler in (("torch", "torch-65536"), ("tuner", "tuner-65536"))}
