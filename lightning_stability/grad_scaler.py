@@ -15,13 +15,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stability import _compat
 from lightning_stability.host_scale import HostScaleState
 from lightning_stability.overflow_counts import OverflowCounts
+from lightning_stability.overflow_flags import combine_flags, max_across_ranks
 from lightning_stability.rule_state import RuleState, overflow_read_on_host
 from lightning_stability.scale_probe import ScaleProbe
 from lightning_stability.scaler_args import check_scaler_arguments
@@ -229,9 +229,7 @@ class TunedGradScaler(torch.amp.GradScaler):
 
     # ------------------------------------------------------------------ overflow detection
     def _reduce_max(self, flags: Tensor) -> Tensor:
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.process_group) > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
-        return flags
+        return max_across_ranks(flags, self.process_group)
 
     def _unscale_grads_(
         self, optimizer: Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool
@@ -240,11 +238,7 @@ class TunedGradScaler(torch.amp.GradScaler):
         # torch's contract lets `_unscale_grads_` run before any `scale()` (its own tests do): no scale yet,
         # so the flags gather on the device of the caller's `found_inf`.
         device = self._scale.device if self._scale is not None else found_inf.device
-        flags = [f if f.device == device else f.to(device, non_blocking=True) for f in per_device.values()]
-        if len(flags) == 1:
-            local = flags[0]
-        else:  # no gradients on this rank (it still joins the collective), or several devices
-            local = torch.stack(flags).amax() if flags else torch.zeros((), dtype=torch.float32, device=device)
+        local = combine_flags(per_device, device)
         if self._probing:
             found = self._probe.observe(local, optimizer, device, self._reduce_max)
         else:
