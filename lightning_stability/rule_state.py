@@ -61,12 +61,10 @@ class RuleState:
         adopts as its scale."""
         self.fused = fused_state(scale, growth_tracker, start.hysteresis_tracker, rule)
         self.counts.place(scale.device)
+        self.counts.on_host = on_host  # the ring was just filled from the host rows: no copy either way
         self.host = None
         if on_host:
             self.host = HostScaleState(float32(start.scale), start.growth_tracker, start.hysteresis_tracker)
-            self.counts.on_host = True
-        else:
-            self.counts.to_device()
         return self.fused.scale
 
     def adopt_rule(self, rule: ScaleRule) -> None:

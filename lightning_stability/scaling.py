@@ -34,8 +34,6 @@ from torch import Tensor
 from lightning_stability import _compat
 from lightning_stability.errors import config_error
 
-_amp_update_scale_ = _compat.amp_update_scale_
-
 FP16_MAX = 65504.0
 """The largest finite float16 value (seed row 10: "fp16 range ±65504")."""
 
@@ -248,9 +246,13 @@ def adopt_rule_(state: FusedScaleState, rule: ScaleRule) -> None:
     """Make ``state`` follow a changed ``rule``: its bounds, and the refill started afresh (the refill's tracker
     follows the growth tracker only under some rules)."""
     floor = float(rule.min_scale) if rule.min_scale is not None else 0.0
-    state.lower.copy_(torch.tensor([floor, 1.0]))
-    state.upper.copy_(torch.tensor([math.inf, float(rule.hysteresis)]))
-    state.floor_test.copy_(torch.tensor([math.inf, floor]))
+    # fills, not tensors made from host numbers: on a GPU those would be host-to-device copies
+    state.lower[0].fill_(floor)
+    state.lower[1].fill_(1.0)
+    state.upper[0].fill_(math.inf)
+    state.upper[1].fill_(float(rule.hysteresis))
+    state.floor_test[0].fill_(math.inf)
+    state.floor_test[1].fill_(floor)
     state.refill_tracker.copy_(state.growth_tracker)
 
 
@@ -285,15 +287,15 @@ def update_scale_(state: FusedScaleState, found_inf: Tensor, rule: ScaleRule, co
     """
     scale, tracker = state.scale, state.hysteresis_tracker
     tracker.sub_(found_inf)  # 0 exactly for the overflow that backs off
-    _amp_update_scale_(scale, state.growth_tracker, found_inf, rule.growth_factor, 1.0, rule.growth_interval)
-    _amp_update_scale_(scale, state.flag_tracker, tracker, rule.backoff_factor, 1.0, 1)
+    _compat.amp_update_scale_(scale, state.growth_tracker, found_inf, rule.growth_factor, 1.0, rule.growth_interval)
+    _compat.amp_update_scale_(scale, state.flag_tracker, tracker, rule.backoff_factor, 1.0, 1)
     torch.addcmul(counts, found_inf, torch.lt(scale, state.floor_test, out=state.below), out=out)
     if rule.hysteresis > 1:  # else the tracker stays 1: every overflow backs off
         hysteresis = float(rule.hysteresis)
         if rule.consecutive_hysteresis:
-            _amp_update_scale_(tracker, state.flag_tracker, found_inf, hysteresis, 1.0, 1)
+            _compat.amp_update_scale_(tracker, state.flag_tracker, found_inf, hysteresis, 1.0, 1)
         else:
-            _amp_update_scale_(tracker, state.refill_tracker, found_inf, hysteresis, 1.0, rule.growth_interval)
+            _compat.amp_update_scale_(tracker, state.refill_tracker, found_inf, hysteresis, 1.0, rule.growth_interval)
     torch.clamp(state.pair, state.lower, state.upper, out=state.pair)
 
 
