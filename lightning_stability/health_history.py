@@ -38,13 +38,16 @@ class HealthHistory:
             self._buf = new
         return self._buf
 
-    def add(self, label: int, values: Tensor, host: dict[str, float]) -> int:
-        """Write a row (the first ``len(values)`` columns); returns its index for :meth:`set_outcome`."""
-        buf = self._buffer(values.device)
+    def add(self, label: int, parts: list[Tensor], host: dict[str, float], device: torch.device) -> int:
+        """Write a row: ``parts`` fill every column but the outcome in order, in one kernel (or none: a row of
+        NaN); returns its index for :meth:`set_outcome`."""
+        buf = self._buffer(device)
         index = len(self._labels)
         row = buf[index]  # a host index: no sync
-        row.fill_(math.nan)
-        row[: values.numel()].copy_(values)
+        if parts:
+            torch.cat(parts, out=row[: len(COLUMNS) - 1])
+        else:
+            row.fill_(math.nan)
         self._labels.append(label)
         self._host.append(host)
         return index

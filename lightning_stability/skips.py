@@ -31,9 +31,9 @@ def either(a: Flag, b: Flag) -> Flag:
     if isinstance(a, Tensor) and isinstance(b, Tensor):
         return a.bool() | b.to(a.device, non_blocking=True).bool()
     if isinstance(a, Tensor):
-        return a.bool() | bool(b)
+        return True if b else a.bool()
     if isinstance(b, Tensor):
-        return b.bool() | bool(a)
+        return True if a else b.bool()
     return a or b
 
 

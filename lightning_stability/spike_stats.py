@@ -4,30 +4,52 @@ The estimator is ZClip's (Kumar et al., 2025): the mean and variance of the firs
 exponential moving averages with factor ``alpha``; a value's spike score is its z-score against them. Here it
 runs on a vector of signals at once, entirely on the device (no host branch, no sync), so it can be decided
 identically on every rank from the same reduced values.
+
+Both phases are one incremental update with a per-signal weight ``w``: ``1/n`` for the ``n``-th value of the
+warmup (Welford's running mean and population variance, equal to the plain moments when the warmup ends) and
+``1 - alpha`` after it (ZClip's EMA, its variance taken around the new mean). The state is a few float32 rows
+updated in place, among them ``1/(std + eps)`` (0 during the warmup), so that a z-score costs two ops: an
+optimizer step pays ~20 small kernels for the whole estimator.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+_MEAN, _VAR, _COUNT, _INV_STD = range(4)
+
+
+class Scored(NamedTuple):
+    """One step's scores (device tensors; see :meth:`SpikeStats.score`)."""
+
+    z: Tensor  # z-score per signal (0 for a finite value during the warmup)
+    spikes: Tensor  # finite values more than ``spike_z`` standard deviations above the mean
+    include: Tensor  # the finite values that are not spikes: what the statistics fold in
+    finite: Tensor  # the watched values that are finite
+    nonfinite: Tensor  # 0-dim: a watched value is NaN or infinite
+    deviation: Tensor  # value - mean, for :meth:`SpikeStats.update`
+
 
 class SpikeStats:
-    """EMA mean and variance of ``n`` signals, with a warmup that initialises them from plain moments.
+    """ZClip's mean and variance of ``n`` signals (warmup moments, then EMA), with their z-scores.
 
     Args:
         n: how many signals (e.g. 2: the update's loss and the gradient norm).
         alpha: EMA factor (ZClip's default 0.97: about the last 33 steps weigh most).
         warmup: how many values of a signal initialise its mean and variance (ZClip's default 25); before
-            that, no value of the signal counts as a spike.
+            that, no value of the signal counts as a spike (its z-score is 0).
         eps: added to the standard deviation in the z-score.
     """
 
     def __init__(self, n: int, alpha: float = 0.97, warmup: int = 25, eps: float = 1e-6) -> None:
         self.n, self.alpha, self.warmup, self.eps = n, float(alpha), int(warmup), float(eps)
-        self._state: Tensor | None = None  # rows: mean, var, count, warmup sum, warmup sum of squares
+        self._state: Tensor | None = None  # rows: mean, var, count, 1/(std + eps) once warm (else 0)
+        self._rows: tuple[Tensor, ...] = ()  # views of the rows, made once
+        self._after: Tensor | None = None  # 1 - alpha, the weight after the warmup (a constant)
+        self._zeros: Tensor | None = None
         self._loaded: list[list[float]] | None = None
 
     def _ensure(self, device: torch.device) -> Tensor:
@@ -35,45 +57,60 @@ class SpikeStats:
             if self._state is not None:
                 self._state = self._state.to(device)
             elif self._loaded is not None:
-                self._state = torch.tensor(self._loaded, dtype=torch.float64, device=device)
+                rows = _rows_of(self._loaded, self.warmup, self.eps)
+                self._state = torch.tensor(rows, dtype=torch.float32, device=device)
             else:
-                self._state = torch.zeros(5, self.n, dtype=torch.float64, device=device)
+                self._state = torch.zeros(4, self.n, dtype=torch.float32, device=device)
+            self._rows = self._state.unbind(0)
+            self._after = torch.full((self.n,), 1.0 - self.alpha, device=device)
+            self._zeros = torch.zeros(self.n, device=device)
         return self._state
 
     def ready(self, device: torch.device) -> Tensor:
         """Which signals have finished their warmup (bool vector)."""
-        return self._ensure(device)[2] >= self.warmup
+        return self._ensure(device)[_COUNT] >= self.warmup
 
     def mean_std(self, device: torch.device) -> tuple[Tensor, Tensor]:
         state = self._ensure(device)
-        return state[0].float(), state[1].clamp(min=0).sqrt().float()
+        return state[_MEAN], state[_VAR].sqrt()
 
-    def zscore(self, values: Tensor) -> Tensor:
-        """``(value - mean) / (std + eps)`` per signal; 0 for a signal still in its warmup."""
-        mean, std = self.mean_std(values.device)
-        z = (values.float() - mean) / (std + self.eps)
-        return torch.where(self.ready(values.device), z, torch.zeros_like(z))
+    def zscore(self, values: Tensor) -> tuple[Tensor, Tensor]:
+        """``(value - mean) / (std + eps)`` per signal (0 for a finite value still in its warmup), and
+        ``value - mean``, which :meth:`update` takes. Two ops."""
+        self._ensure(values.device)
+        deviation = values - self._rows[_MEAN]
+        return deviation * self._rows[_INV_STD], deviation
 
-    def update(self, values: Tensor, include: Tensor) -> None:
-        """Fold ``values`` (one per signal) into the statistics where ``include`` (and the value is finite)."""
-        state = self._ensure(values.device)
-        x = values.to(torch.float64)
-        inc = include & torch.isfinite(x)
-        x = torch.where(inc, x, torch.zeros_like(x))
-        mean, var, count, total, squares = state.unbind(0)
-        warming = count < self.warmup
-        total = total + torch.where(warming, x, 0.0)
-        squares = squares + torch.where(warming, x * x, 0.0)
-        new_count = count + inc.to(count.dtype)
-        starts = warming & (new_count >= self.warmup)  # the warmup ends with this value
-        init_mean = total / self.warmup
-        init_var = (squares / self.warmup - init_mean * init_mean).clamp(min=0)
-        ema_mean = self.alpha * mean + (1 - self.alpha) * x
-        ema_var = self.alpha * var + (1 - self.alpha) * (x - ema_mean) ** 2
-        moving = ~warming & inc
-        new_mean = torch.where(starts, init_mean, torch.where(moving, ema_mean, mean))
-        new_var = torch.where(starts, init_var, torch.where(moving, ema_var, var))
-        state.copy_(torch.stack([new_mean, new_var, new_count, total, squares]))
+    def score(self, values: Tensor, spike_z: float, watched: Tensor | None = None) -> Scored:
+        """Score ``values`` (one per signal): z-scores, spikes, and what :meth:`update` should fold in.
+
+        ``watched``: a bool mask of the signals that have a value this step (default: all); the others hold a
+        placeholder that is neither scored nor folded in.
+        """
+        z, deviation = self.zscore(values)
+        finite = (values - values) == 0  # torch.isfinite is four kernels on a CPU; inf - inf and NaN are NaN
+        nonfinite = finite.all().logical_not()  # a placeholder is finite: it never counts here
+        spikes = (z > spike_z) & finite
+        if watched is not None:
+            finite, spikes = finite & watched, spikes & watched
+        return Scored(z, spikes, finite ^ spikes, finite, nonfinite, deviation)
+
+    def update(self, deviation: Tensor, include: Tensor) -> None:
+        """Fold the values whose ``deviation`` (from :meth:`zscore`) is given into the statistics where
+        ``include``; an included value must be finite."""
+        self._ensure(deviation.device)
+        assert self._after is not None and self._zeros is not None
+        mean, var, count, inv_std = self._rows
+        count.add_(include)
+        warming = count <= self.warmup  # this value is part of the warmup
+        weight = torch.where(include, torch.where(warming, count.reciprocal(), self._after), self._zeros)
+        d = torch.where(include, deviation, self._zeros)
+        mean.addcmul_(weight, d)
+        keep = 1.0 - weight
+        e = d * keep  # the value's deviation from the new mean
+        # Welford during the warmup (w * d * e), ZClip's EMA after it (w * e * e): both scale the old variance
+        var.mul_(keep).addcmul_(weight * e, torch.where(warming, d, e))
+        torch.div(count >= self.warmup, var.sqrt().add_(self.eps), out=inv_std)
 
     def state_dict(self) -> dict[str, Any]:
         """Host values (a sync: checkpoints only)."""
@@ -83,6 +120,64 @@ class SpikeStats:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         rows = state.get("state")
         self._loaded, self._state = rows, None
+
+
+def _rows_of(rows: list[list[float]], warmup: int, eps: float) -> list[list[float]]:
+    """The state rows from a checkpoint: this version's four, or the five of earlier checkpoints (mean, var,
+    count, and the warmup's sum and sum of squares; float64), whose warmup moments become Welford's."""
+    if len(rows) == 4:
+        return rows
+    mean, var, count, total, squares = rows
+    out: list[list[float]] = [[], [], [], []]
+    for m, v, n, s, q in zip(mean, var, count, total, squares, strict=True):
+        if n < warmup and n > 0:
+            m = s / n
+            v = max(q / n - m * m, 0.0)
+        out[_MEAN].append(m)
+        out[_VAR].append(v)
+        out[_COUNT].append(n)
+        out[_INV_STD].append(1.0 / (max(v, 0.0) ** 0.5 + eps) if n >= warmup else 0.0)
+    return out
+
+
+class IntervalMean:
+    """The mean of each signal's finite values since the last :meth:`reset` (the logging interval), on the
+    device: three small kernels per step and a division, no sync."""
+
+    def __init__(self) -> None:
+        self._acc: Tensor | None = None  # rows: sum, count
+        self._zero: Tensor | None = None
+        self._loaded: list[list[float]] | None = None
+
+    def add(self, values: Tensor, finite: Tensor) -> Tensor:
+        """Add the ``finite`` ones of ``values``; returns the means so far (NaN for a signal with none)."""
+        if self._acc is None or self._acc.device != values.device:
+            rows = self._loaded if self._acc is None and self._loaded is not None else None
+            self._acc = (
+                self._acc.to(values.device)
+                if self._acc is not None
+                else torch.tensor(rows, device=values.device)
+                if rows is not None
+                else torch.zeros(2, values.numel(), device=values.device)
+            )
+            self._zero, self._loaded = torch.zeros((), device=values.device), None
+        assert self._zero is not None
+        total, count = self._acc.unbind(0)
+        total.add_(torch.where(finite, values, self._zero))
+        count.add_(finite)
+        return total / count
+
+    def reset(self) -> None:
+        if self._acc is not None:
+            self._acc.zero_()
+        self._loaded = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Host values (a sync: checkpoints only)."""
+        return {"acc": self._acc.tolist() if self._acc is not None else self._loaded}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._acc, self._loaded = None, state.get("acc")
 
 
 def zclip_threshold(mean: Tensor, std: Tensor, z: Tensor, z_thresh: float) -> Tensor:

@@ -78,7 +78,7 @@ def test_spike_stats_follow_zclips_estimator() -> None:
     stats = SpikeStats(1, alpha=0.9, warmup=4)
     alpha, buffer, mean, var = 0.9, [], None, None
     for v in values:
-        stats.update(torch.tensor([v]), torch.tensor([True]))
+        stats.update(stats.zscore(torch.tensor([v]))[1], torch.tensor([True]))
         if mean is None:
             buffer.append(v)
             if len(buffer) == 4:
@@ -91,7 +91,7 @@ def test_spike_stats_follow_zclips_estimator() -> None:
             got_mean, got_std = stats.mean_std(torch.device("cpu"))
             assert got_mean.item() == pytest.approx(mean, rel=1e-6)
             assert got_std.item() == pytest.approx(math.sqrt(var), rel=1e-6)
-    z = stats.zscore(torch.tensor([10.0]))
+    z = stats.zscore(torch.tensor([10.0]))[0]
     assert z.item() == pytest.approx((10.0 - mean) / (math.sqrt(var) + 1e-6), rel=1e-5)
     # ZClip's adaptive threshold: mean + z_thresh * std / (z / z_thresh)
     got = zclip_threshold(torch.tensor(1.0), torch.tensor(0.5), torch.tensor(5.0), 2.5)
@@ -254,6 +254,24 @@ def test_resume_mid_run_with_spikes_gives_the_straight_runs_outcome(tmp_path: Pa
     assert StepLedger.of(resumed).counts.tolist() == StepLedger.of(trainer).counts.tolist() == [22, 0, 0, 2, 0]
 
 
+def test_the_interval_loss_mean_continues_across_a_mid_interval_checkpoint(tmp_path: Path) -> None:
+    """Logging every 5 steps, saved at step 16 and stopped at 18: the mean over steps 15-17 is the straight run's."""
+    pl.seed_everything(0)
+    straight_monitor = monitor("skip", log_every_n_steps=5)
+    trainer = quiet_trainer(max_steps=18, callbacks=[straight_monitor])
+    trainer.fit(Spiky(spike_at=()))
+    pl.seed_everything(0)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=16, save_top_k=-1)
+    first_monitor = monitor("skip", log_every_n_steps=5)
+    first = quiet_trainer(max_steps=16, callbacks=[first_monitor, ckpt], enable_checkpointing=True)
+    first.fit(Spiky(spike_at=()))
+    resumed = quiet_trainer(max_steps=18, callbacks=[monitor("skip", log_every_n_steps=5)])
+    resumed.fit(Spiky(spike_at=()), ckpt_path=str(tmp_path / "epoch=1-step=16.ckpt"))
+    straight, got = trainer.callback_metrics["stability/loss_mean"], resumed.callback_metrics["stability/loss_mean"]
+    assert got == straight
+    assert got.item() == pytest.approx(sum(straight_monitor.history.series["loss"][15:18]) / 3, rel=1e-6)
+
+
 def test_works_beside_gradient_norm_monitor_in_any_order() -> None:
     for order in ("first", "last"):
         pl.seed_everything(0)
@@ -277,26 +295,6 @@ def test_works_beside_gradient_norm_monitor_in_any_order() -> None:
 def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(StabilityConfigError, match=match):
         TrainingHealthMonitor(**kwargs)
-
-
-def test_torchmetrics_mean_adds_no_sync_only_without_its_nan_check() -> None:
-    """Why the monitor builds its MeanMetric with nan_strategy="disable": the default checks every update for
-    NaN on the host."""
-    from torchmetrics.aggregation import MeanMetric
-
-    from tests.helpers import SyncCounter
-
-    def syncs(metric: MeanMetric) -> int:
-        metric.update(torch.tensor(1.0))
-        counter = SyncCounter()
-        with counter:
-            for _ in range(4):
-                metric.update(torch.tensor(2.0), torch.tensor(1.0))
-            metric.compute()
-        return counter.count
-
-    assert syncs(MeanMetric(nan_strategy="disable", sync_on_compute=False)) == 0
-    assert syncs(MeanMetric()) >= 4
 
 
 def test_a_resume_inside_the_skipped_window_does_not_replay_it(tmp_path: Path) -> None:

@@ -187,13 +187,12 @@ class GradientNormMonitor(LedgerCallback):
             if self.skip_nonfinite:  # every rank joins the flag's all-reduce, also one without gradients
                 ledger.any_rank(torch.zeros((), dtype=torch.bool, device=ledger.device))
             return
-        finite = torch.isfinite(total)
+        bad = (total - total) != 0  # NaN or inf (torch.isfinite is four kernels on a CPU, this two)
         if self.skip_nonfinite:
             # A gradient can go bad on one rank after the data-parallel all-reduce (a hook that edits it, a
             # faulty device): one 0-dim all-reduce makes every rank see, and skip, the same step.
-            finite = ~ledger.any_rank(~finite)
+            bad = ledger.any_rank(bad)
         ledger.put("grad_norm", total)
-        ledger.put("grad_finite", finite)
         ledger.accumulate(_K_STEPS, 1.0)
         ledger.log("stability/grad_norm", total, logging)
         if self.max_norm is not None:
@@ -201,16 +200,16 @@ class GradientNormMonitor(LedgerCallback):
             ledger.put("clip_coef", gradients.clip_(self.max_norm))
             ledger.on_close(partial(self._after_clips, gradients=gradients, logging=logging))
         layers = self._layers_of(ledger, params, norms.device)
-        layer_norms = group_norms(norms, layers.index, len(layers.names), self.norm_type)
-        layers.remember_first_bad(finite, layer_norms)
+        layers.remember_first_bad(bad, norms)
         if self.skip_nonfinite:
             # Under fp16 the vote joins the loss scaler's own overflow decision: no extra sync.
-            ledger.mark_skip(Outcome.SKIPPED_NONFINITE, ~finite)
+            ledger.mark_skip(Outcome.SKIPPED_NONFINITE, bad)
         # counted when the step closes, so the current step's outcome is included
         ledger.on_close(
             lambda closed: closed.log("stability/skipped_steps", closed.track().skipped_steps_now(), logging)
         )
         if logging:
+            layer_norms = group_norms(norms, layers.index, len(layers.names), self.norm_type)
             self._queue_logs(trainer, ledger, total, layer_norms, layers)
 
     def _after_clips(self, ledger: StepLedger, gradients: StepGradients, logging: bool) -> None:
@@ -241,7 +240,7 @@ class GradientNormMonitor(LedgerCallback):
     def _queue_bad_report(self, ledger: StepLedger, layers: _Layers) -> None:
         if layers.bad_seen is None or layers.bad_snapshot is None:
             return
-        snap = layers.bad_snapshot
+        snap = layers.bad_layer_norms(self.norm_type)
         finite = torch.isfinite(snap)
         ledger.log("_grad_norm_monitor/bad_seen", layers.bad_seen)
         ledger.log("_grad_norm_monitor/first_bad", torch.argmax((~finite).to(torch.int32)))
@@ -330,11 +329,15 @@ class _Layers:
         self.bad_seen: Tensor | None = None
         self.bad_snapshot: Tensor | None = None
 
-    def remember_first_bad(self, finite: Tensor, layer_norms: Tensor) -> None:
-        bad = ~finite
+    def remember_first_bad(self, bad: Tensor, norms: Tensor) -> None:
+        """Keep the per-tensor norms of the first step with ``bad`` set since the last report (two kernels)."""
         if self.bad_seen is None or self.bad_snapshot is None:
-            self.bad_seen = torch.zeros((), dtype=torch.bool, device=finite.device)
-            self.bad_snapshot = torch.zeros_like(layer_norms)
-        first = bad & ~self.bad_seen
-        self.bad_snapshot = torch.where(first, layer_norms, self.bad_snapshot)
+            self.bad_seen = torch.zeros((), dtype=torch.bool, device=bad.device)
+            self.bad_snapshot = norms
+        self.bad_snapshot = torch.where(self.bad_seen, self.bad_snapshot, norms)
         self.bad_seen = self.bad_seen | bad
+
+    def bad_layer_norms(self, norm_type: float) -> Tensor:
+        """The per-module norms of the remembered step."""
+        assert self.bad_snapshot is not None
+        return group_norms(self.bad_snapshot, self.index, len(self.names), norm_type)

@@ -10,27 +10,37 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
-from torchmetrics.aggregation import MeanMetric
 
 from lightning_stability.callbacks.base import LedgerCallback
 from lightning_stability.callbacks.grad_norm import GradientNormMonitor
 from lightning_stability.callbacks.health_args import check_health_arguments
 from lightning_stability.errors import StabilityConfigError
 from lightning_stability.health_history import HealthHistory
+from lightning_stability.health_log import HealthLog
 from lightning_stability.ledger import Outcome, StepLedger, loss_scaler
-from lightning_stability.memory import capacity, memory_warning, peak_memory_over_ranks
+from lightning_stability.memory import capacity, peak_memory_over_ranks
 from lightning_stability.norms import module_groups
 from lightning_stability.rollback import Rollback
 from lightning_stability.snapshots import Snapshot
-from lightning_stability.spike_stats import SpikeStats, zclip_threshold
+from lightning_stability.spike_stats import IntervalMean, SpikeStats, zclip_threshold
 from lightning_stability.step_metrics import FlushValues
 from lightning_stability.update_size import UpdateSize
 
 Response = Literal["warn", "clip", "skip", "rollback"]
 _LOSS, _GRAD = 0, 1
+
+
+class _Constants:
+    """Device tensors the step reads and never writes (made once: no fill or copy per step)."""
+
+    def __init__(self, device: torch.device, fixed_clip: float) -> None:
+        self.zero = torch.zeros((), device=device)
+        self.nan = torch.full((1,), math.nan, device=device)
+        self.fixed_clip = torch.full((1,), fixed_clip, device=device)
+        self.grad_only = torch.tensor([False, True], device=device)  # HOST DATA: once
 
 
 class TrainingHealthMonitor(LedgerCallback):
@@ -108,21 +118,28 @@ class TrainingHealthMonitor(LedgerCallback):
         )
         self.response, self.spike_z, self.clip_z = response, float(spike_z), float(clip_z)
         self.rollback = Rollback(snapshot_every, skip_batches, max_rollbacks)
-        self.memory_warn_fraction, self.top_modules = memory_warn_fraction, top_modules
         self.report, self.report_dir = report, report_dir
         self.stats = SpikeStats(2, alpha, warmup_steps)
-        self.history = HealthHistory()
-        self.events: list[dict[str, Any]] = []
+        self._log = HealthLog(response, self.spike_z, memory_warn_fraction, top_modules)
         self._pending: Tensor | None = None  # a spike since the last logging step (rollback), on the device
         self._pending_loaded = False  # the checkpoint held a spike not yet answered
-        self._names: list[str] = []
         self._module_of: dict[int, int] = {}  # id(param) -> its module's index in `_names`
         self._module_index: tuple[tuple[int, ...], Tensor] | None = None  # for the params that have gradients
-        self._capacity: float | None = None
-        self._memory_warned = False
         self._trainer: pl.Trainer | None = None
-        self._loss_mean: MeanMetric | None = None  # the loss over the logging interval
+        self._interval = IntervalMean()  # the loss (and norm) over the logging interval
+        self._const: _Constants | None = None
         self._fixed_clip = math.nan
+
+    @property
+    def history(self) -> HealthHistory:
+        """Every step's loss, gradient norm, clip threshold, spike flags, LR, loss scale and outcome (host
+        series up to the last logging step)."""
+        return self._log.history
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """The spikes and rollbacks so far, as ``{"step", "kind", "detail"}``."""
+        return self._log.events
 
     def state_fields(self) -> dict[str, Any]:
         return {"response": self.response}
@@ -139,14 +156,15 @@ class TrainingHealthMonitor(LedgerCallback):
             )
         names = {id(p): n for n, p in pl_module.named_parameters()}
         params = [p for g in trainer.optimizers[0].param_groups for p in g["params"]] if trainer.optimizers else []
-        index, self._names = module_groups(params, names)
+        index, self._log.names = module_groups(params, names)
         self._module_of = {id(p): i for p, i in zip(params, index, strict=True)}
         self._module_index = None
         device = pl_module.device
-        self._capacity = capacity(device)
+        self._log.capacity = capacity(device)
         # the report draws GradientNormMonitor's fixed clip line when this monitor does not clip adaptively
         fixed = [cb.max_norm for cb in trainer.callbacks if isinstance(cb, GradientNormMonitor)]  # type: ignore[attr-defined]
         self._fixed_clip = float(fixed[0]) if fixed and fixed[0] is not None else math.nan
+        self._const = None
         self._trainer = trainer
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -167,31 +185,33 @@ class TrainingHealthMonitor(LedgerCallback):
         host = {} if isinstance(lr, Tensor) else {"lr": float(lr)}
         if self.rollback.take_skip():  # the data window after a rollback: a host decision, no sync
             ledger.mark_skip(Outcome.SKIPPED_ROLLBACK, True)
-            row = self.history.add(ledger.label(), torch.zeros(0, device=ledger.device), host)
+            row = self.history.add(ledger.label(), [], host, ledger.device)
             self.history.set_outcome(row, int(Outcome.SKIPPED_ROLLBACK))
             if logging:
                 self._queue_logs(trainer, ledger, None)
             return
         grads = ledger.gradients()
         loss = ledger.record.get("loss")
-        nan = torch.full((), math.nan, device=grads.total.device)
-        values = self._reduced(torch.stack([(loss if loss is not None else nan).float().to(nan.device), grads.total]))
-        has = torch.isfinite(values)
-        if loss is None:
-            has[_LOSS] = True
-        z = self.stats.zscore(values)
-        spikes = (z > self.spike_z) & torch.isfinite(values)
-        ledger.mark_skip(Outcome.SKIPPED_NONFINITE, ~has.all())  # never applied, whatever the response
-        include = has & ~spikes
-        threshold = torch.full_like(nan, self._fixed_clip)  # a fill: no host-to-device copy
+        const = self._constants(grads.total.device)
+        if loss is None:  # a placeholder the statistics skip (the step's loss is not known)
+            values = self._reduced(torch.stack([const.zero, grads.total]))
+            scored = self.stats.score(values, self.spike_z, const.grad_only)
+        else:
+            values = self._reduced(torch.stack([loss.detach().float().to(const.zero.device), grads.total]))
+            scored = self.stats.score(values, self.spike_z)
+        z, spikes, include, deviation, raw = scored.z, scored.spikes, scored.include, scored.deviation, values
+        ledger.mark_skip(Outcome.SKIPPED_NONFINITE, scored.nonfinite)  # never applied, whatever the response
+        threshold = const.fixed_clip
         if self.response == "clip":
             mean, std = self.stats.mean_std(values.device)
             over = z[_GRAD] > self.clip_z
             threshold = torch.where(over, zclip_threshold(mean[_GRAD], std[_GRAD], z[_GRAD], self.clip_z), math.inf)
             grads.clip_(threshold)
             values = torch.stack([values[_LOSS], torch.minimum(values[_GRAD], threshold)])  # ZClip: the clipped norm
-            include = torch.stack([include[_LOSS], has[_GRAD]])
-            ledger.log("stability/clip_threshold", threshold, logging)
+            deviation = self.stats.zscore(values)[1]
+            include = torch.stack([include[_LOSS], scored.finite[_GRAD]])  # a clipped spike counts
+            threshold = threshold.reshape(1)
+            ledger.log("stability/clip_threshold", threshold[0], logging)
         elif self.response in ("skip", "rollback"):
             ledger.mark_skip(Outcome.SKIPPED_SPIKE, spikes.any())
         if self.response == "rollback":
@@ -200,34 +220,25 @@ class TrainingHealthMonitor(LedgerCallback):
                 self._pending_loaded = False
             else:
                 self._pending = self._pending | spikes.any()
-        self.stats.update(values, include)
-        loss_mean = self._mean_of(values.device)
-        loss_mean.update(torch.where(has[_LOSS], values[_LOSS], 0.0), has[_LOSS].float())
-        # every step, so that EarlyStopping/ModelCheckpoint find it at any epoch end (device ops, no sync)
-        ledger.log("stability/loss_mean", loss_mean.compute(), logging)
+        self.stats.update(deviation, include)
+        # the loss's mean over the logging interval, every step so that EarlyStopping/ModelCheckpoint find it at
+        # any epoch end (device ops, no sync)
+        ledger.log("stability/loss_mean", self._interval.add(values, scored.finite)[_LOSS], logging)
         ledger.log("stability/rollbacks", float(self.rollback.rollbacks), logging)
         ledger.log("stability/loss_z", z[_LOSS], logging)
         ledger.log("stability/grad_norm_z", z[_GRAD], logging)
         scaler = loss_scaler(trainer)
-        scale = scaler._scale if scaler is not None and scaler._scale is not None else nan
-        row_values = torch.stack(
-            [
-                values[_LOSS],
-                grads.total,
-                threshold,
-                spikes[_LOSS].float(),
-                spikes[_GRAD].float(),
-                (lr if isinstance(lr, Tensor) else nan).float(),
-                scale.float().to(nan.device),
-            ]
-        )
-        row = self.history.add(ledger.label(), row_values, host)
+        scale = scaler._scale if scaler is not None and scaler._scale is not None else const.nan
+        lr_value = lr.reshape(1).float() if isinstance(lr, Tensor) else const.nan
+        # the history's row: loss, grad norm, clip threshold, the two spike flags, LR, loss scale (one kernel)
+        parts = [raw, threshold, spikes, lr_value, scale.reshape(1).float().to(const.nan.device)]
+        row = self.history.add(ledger.label(), parts, host, values.device)
         ledger.on_close(lambda closed: self.history.set_outcome(row, closed.outcome))
         if logging:
             self._queue_logs(
                 trainer,
                 ledger,
-                UpdateSize(grads.params, self._index_of(grads.params), len(self._names)) if grads.params else None,
+                UpdateSize(grads.params, self._index_of(grads.params), len(self._log.names)) if grads.params else None,
             )
 
     def _index_of(self, params: list[Tensor]) -> Tensor:
@@ -240,68 +251,33 @@ class TrainingHealthMonitor(LedgerCallback):
             self._module_index = (key, torch.tensor(index, dtype=torch.int64, device=device))
         return self._module_index[1]
 
-    def _mean_of(self, device: torch.device) -> MeanMetric:
-        # torchmetrics' running mean: with nan_strategy="disable" its update adds no host sync (measured in
-        # tests/test_health.py); the EMA statistics above have no torchmetrics counterpart.
-        if self._loss_mean is None or self._loss_mean.device != device:
-            self._loss_mean = MeanMetric(nan_strategy="disable", sync_on_compute=False).to(device)
-        return self._loss_mean
+    def _constants(self, device: torch.device) -> _Constants:
+        if self._const is None or self._const.zero.device != device:
+            self._const = _Constants(device, self._fixed_clip)
+        return self._const
 
     # ------------------------------------------------------------------ logging steps
     def _queue_logs(self, trainer: pl.Trainer, ledger: StepLedger, size: UpdateSize | None) -> None:
         if size is not None:
-
-            def finish(closed: StepLedger) -> None:
-                total, per_module = size.finish()
-                closed.log("stability/update_ratio", total)
-                k = min(self.top_modules, per_module.numel())
-                if k:
-                    top = torch.topk(torch.nan_to_num(per_module, nan=math.inf), k)
-                    closed.log("_health/top_values", per_module[top.indices])
-                    closed.log("_health/top_indices", top.indices)
-
-            ledger.on_close(finish)
+            self._log.queue_update_size(ledger, size)
         memory = peak_memory_over_ranks(ledger.device)
         ledger.log("stability/memory_peak_gb", memory[0])
         if ledger.device.type == "cuda":
             ledger.log("stability/memory_reserved_gb", memory[1])
-        if self._loss_mean is not None:
-            self._loss_mean.reset()  # its value for this interval was logged in on_step
+        self._interval.reset()  # its value for this interval was logged in on_step
         if self._pending is not None:
             ledger.log("_health/rollback", self._pending)
             self._pending = None
         ledger.on_close(self._queue_rows)
 
     def _queue_rows(self, ledger: StepLedger) -> None:
-        rows = self.history.pending()
-        if rows is not None:
-            ledger.log("_health/rows", rows)
+        self._log.queue_rows(ledger)
         ledger.on_flush(self._on_flush)
 
     def _on_flush(self, values: FlushValues) -> dict[str, float]:
-        extra: dict[str, float] = {}
-        top_i, top_v = values.get("_health/top_indices"), values.get("_health/top_values")
-        if isinstance(top_i, list) and isinstance(top_v, list):
-            for i, v in zip(top_i, top_v, strict=True):
-                extra[f"stability/update_ratio/{self._names[int(i)]}"] = v
-        sparse = {
-            key: value
-            for key, name in (("update_ratio", "stability/update_ratio"), ("memory_gb", "stability/memory_peak_gb"))
-            if isinstance(value := values.get(name), float)
-        }
-        rows = values.get("_health/rows")
-        extra.update(self._take_rows(rows if isinstance(rows, list) else [], sparse))
+        extra = self._log.read(values)
         self._respond(values.get("_health/rollback", 0.0) == 1.0, end=False)
-        self._check_memory(sparse.get("memory_gb"))
         return extra
-
-    def _take_rows(self, rows: list[float], sparse: dict[str, float]) -> dict[str, float]:
-        """Append the transferred rows to the history and warn about their spikes; returns the skip rate."""
-        taken = self.history.take(rows, sparse)
-        spikes = [int(row["step"]) for row in taken if row["loss_spike"] > 0 or row["grad_spike"] > 0]
-        if spikes:
-            self._on_spikes(spikes)
-        return {"stability/skip_rate": sum(row["outcome"] != 0 for row in taken) / len(taken)} if taken else {}
 
     def _respond(self, spiked: bool, end: bool) -> None:
         """Roll back after a spike (at the end of training: restore only); else take a snapshot when due."""
@@ -311,44 +287,18 @@ class TrainingHealthMonitor(LedgerCallback):
         module, optimizers, step = trainer.lightning_module, trainer.optimizers, StepLedger.of(trainer).label()
         if spiked:
             event = self.rollback.roll_back(module, optimizers, step, skip=not end)
-            self.events.append(event)
+            self._log.events.append(event)
             StepLedger.of(trainer).note(event)
             r = self.rollback
             rank_zero_warn(f"TrainingHealthMonitor: rollback {r.rollbacks}/{r.max_rollbacks}: {event['detail']}.")
         elif not end:  # the steps since the last logging step were clean
             self.rollback.maybe_snapshot(module, optimizers, step)
 
-    # ------------------------------------------------------------------ responses (host, logging steps)
-    def _on_spikes(self, steps: list[int]) -> None:
-        action = {
-            "warn": "no action (response='warn')",
-            "clip": "gradients clipped to ZClip's adaptive threshold (loss spikes: no action)",
-            "skip": "those updates were skipped",
-            "rollback": "those updates were skipped; rolling back",
-        }[self.response]
-        for step in steps:
-            self.events.append({"step": step, "kind": "spike", "detail": action})
-        rank_zero_warn(
-            f"TrainingHealthMonitor: a loss or gradient-norm spike (more than {self.spike_z:g} standard deviations "
-            f"above its running mean) at step(s) {steps}: {action}.",
-            category=UserWarning,
-        )
-
-    def _check_memory(self, peak: float | None) -> None:
-        message = (
-            None
-            if peak is None or self._memory_warned
-            else memory_warning(peak, self._capacity, self.memory_warn_fraction)
-        )
-        if message:
-            self._memory_warned = True
-            rank_zero_warn(message, category=UserWarning)
-
     # ------------------------------------------------------------------ end of fit, checkpoints
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # HOST SYNC (once): the steps after the last logging step get the same scan, and a pending rollback
         # restores the last good snapshot (there is no data left to skip)
-        self._take_rows(self.history.pending_on_host(), {})
+        self._log.take_rows(self.history.pending_on_host(), {})
         spiked = self._pending is not None and bool(self._pending)
         self._pending = None
         self._respond(spiked, end=True)
@@ -359,24 +309,14 @@ class TrainingHealthMonitor(LedgerCallback):
         self, trainer: pl.Trainer | None = None, out_dir: str | Path | None = None
     ) -> tuple[Path, Path | None]:
         """Write ``stability_report.json`` (and ``.png`` with matplotlib); returns their paths."""
-        from lightning_stability.report import write_report
-
         trainer = trainer or self._trainer
         directory = out_dir or self.report_dir
         if directory is None and trainer is not None:
             directory = (
                 trainer.logger.log_dir if trainer.logger is not None and trainer.logger.log_dir else None
             ) or trainer.default_root_dir
-        meta = {
-            "response": self.response,
-            "spike_z": self.spike_z,
-            "clip_z": self.clip_z,
-            "rollbacks": self.rollback.rollbacks,
-            "module_names": self._names,
-        }
-        json_path, png_path = write_report(self.history.series, self.events, directory or ".", meta)
-        rank_zero_info(f"stability report: {json_path}" + (f", {png_path}" if png_path else ""))
-        return json_path, png_path
+        meta = {"response": self.response, "spike_z": self.spike_z, "clip_z": self.clip_z}
+        return self._log.write_report(directory or ".", {**meta, "rollbacks": self.rollback.rollbacks})
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -385,14 +325,16 @@ class TrainingHealthMonitor(LedgerCallback):
             "events": list(self.events),
             "rollback": self.rollback.state_dict(),
             "pending_rollback": self._pending is not None and bool(self._pending),  # a sync: checkpoints only
+            "interval": self._interval.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.stats.load_state_dict(state_dict.get("stats", {}))
         self.history.load_state_dict(state_dict.get("history", {}))
-        self.events = list(state_dict.get("events", []))
+        self._log.events = list(state_dict.get("events", []))
         self.rollback.load_state_dict(state_dict.get("rollback", {}))
         self._pending_loaded = bool(state_dict.get("pending_rollback", False))
+        self._interval.load_state_dict(state_dict.get("interval", {}))
 
     def transient_state(self) -> dict[str, Any]:
-        return {"_trainer": None, "_pending": None, "_module_index": None, "_loss_mean": None}
+        return {"_trainer": None, "_pending": None, "_module_index": None, "_const": None}

@@ -1,0 +1,132 @@
+"""The health monitor's device statistics: ZClip's estimator with values left out, the scores, the interval mean,
+checkpoints of the earlier layout, and what a step costs in kernels."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_stability import GradientNormMonitor, TrainingHealthMonitor
+from lightning_stability.spike_stats import IntervalMean, SpikeStats
+from tests.helpers import OpCounter, TinyModule, quiet_trainer
+
+
+def feed(stats: SpikeStats, values: list[float], include: list[bool] | None = None) -> None:
+    for i, v in enumerate(values):
+        keep = True if include is None else include[i]
+        stats.update(stats.zscore(torch.tensor([v]))[1], torch.tensor([keep]))
+
+
+def test_values_left_out_do_not_count_towards_the_warmup_or_the_ema() -> None:
+    """A left-out value (a spike, a NaN) changes nothing: the warmup's moments are those of the included values,
+    and the EMA after it follows ZClip's update on the included values only."""
+    values = [1.0, math.nan, 1.4, 50.0, 0.8, 1.2, math.inf, 1.1, 0.9, 30.0, 1.0]
+    include = [True, False, True, False, True, True, False, True, True, False, True]
+    stats = SpikeStats(1, alpha=0.8, warmup=4)
+    feed(stats, values, include)
+    kept = [v for v, k in zip(values, include, strict=True) if k]  # 1.0 1.4 0.8 1.2 | 1.1 0.9 1.0
+    mean = sum(kept[:4]) / 4
+    var = sum((x - mean) ** 2 for x in kept[:4]) / 4
+    for x in kept[4:]:
+        mean = 0.8 * mean + 0.2 * x
+        var = 0.8 * var + 0.2 * (x - mean) ** 2
+    got_mean, got_std = stats.mean_std(torch.device("cpu"))
+    assert got_mean.item() == pytest.approx(mean, rel=1e-6)
+    assert got_std.item() == pytest.approx(math.sqrt(var), rel=1e-5)
+
+
+def test_scores_flag_spikes_and_non_finite_values_apart() -> None:
+    stats = SpikeStats(2, alpha=0.9, warmup=3)
+    during = stats.score(torch.tensor([100.0, math.nan]), spike_z=3.0)
+    assert during.z[0].item() == 0.0 and not during.spikes.any()  # no spike is called during the warmup
+    assert during.nonfinite.item() and during.include.tolist() == [True, False]
+    feed_both = [[1.0, 2.0], [1.1, 2.2], [0.9, 1.8], [1.0, 2.0]]
+    for row in feed_both:
+        scored = stats.score(torch.tensor(row), spike_z=3.0)
+        stats.update(scored.deviation, scored.include)
+    scored = stats.score(torch.tensor([10.0, math.inf]), spike_z=3.0)
+    assert scored.spikes.tolist() == [True, False]  # inf is non-finite, not a spike
+    assert scored.include.tolist() == [False, False] and scored.finite.tolist() == [True, False]
+    assert scored.nonfinite.item()
+    calm = stats.score(torch.tensor([1.0, 2.0]), spike_z=3.0)
+    assert calm.include.tolist() == [True, True] and not calm.nonfinite.item() and not calm.spikes.any()
+    # a signal without a value this step (its placeholder): neither scored, nor folded in, nor non-finite
+    masked = stats.score(torch.tensor([0.0, 2.0]), spike_z=3.0, watched=torch.tensor([False, True]))
+    assert masked.include.tolist() == [False, True] and masked.finite.tolist() == [False, True]
+    assert not masked.spikes.any() and not masked.nonfinite.item()
+
+
+@pytest.mark.parametrize("seen", [2, 6])
+def test_a_checkpoint_of_the_earlier_five_row_layout_continues_the_same(seen: int) -> None:
+    """Earlier versions kept float64 rows (mean, var, count, warmup sum, warmup sum of squares); loading one,
+    mid-warmup or after it, continues as the statistics that saw the same values."""
+    values = [1.0, 1.3, 0.7, 1.1, 0.95, 1.2, 1.05, 0.85, 1.15, 1.0]
+    fresh = SpikeStats(1, alpha=0.9, warmup=4)
+    feed(fresh, values[:seen])
+    mean, std = fresh.mean_std(torch.device("cpu"))
+    head = values[: min(seen, 4)]
+    old_rows = [
+        [mean.item() if seen >= 4 else 0.0],
+        [std.item() ** 2 if seen >= 4 else 0.0],
+        [float(seen)],
+        [sum(head)],
+        [sum(x * x for x in head)],
+    ]
+    loaded = SpikeStats(1, alpha=0.9, warmup=4)
+    loaded.load_state_dict({"alpha": 0.9, "warmup": 4, "state": old_rows})
+    feed(fresh, values[seen:])
+    feed(loaded, values[seen:])
+    for a, b in zip(fresh.mean_std(torch.device("cpu")), loaded.mean_std(torch.device("cpu")), strict=True):
+        assert a.item() == pytest.approx(b.item(), rel=1e-5)
+    assert fresh.zscore(torch.tensor([2.0]))[0].item() == pytest.approx(
+        loaded.zscore(torch.tensor([2.0]))[0].item(), rel=1e-4
+    )
+
+
+def test_interval_mean_counts_finite_values_and_restarts_at_reset() -> None:
+    mean = IntervalMean()
+    mean.add(torch.tensor([1.0, math.nan]), torch.tensor([True, False]))
+    got = mean.add(torch.tensor([math.inf, 4.0]), torch.tensor([False, True]))
+    assert got[0].item() == 1.0 and got[1].item() == 4.0
+    saved = mean.state_dict()
+    mean.reset()
+    assert math.isnan(mean.add(torch.tensor([0.0, 0.0]), torch.tensor([False, False]))[0].item())
+    again = IntervalMean()
+    again.load_state_dict(saved)
+    assert again.add(torch.tensor([3.0, 0.0]), torch.tensor([True, False])).tolist() == [2.0, 4.0]
+
+
+class HookOps(pl.Callback):
+    """Counts the kernels each callback's ``on_before_optimizer_step`` dispatches, per step."""
+
+    def __init__(self, callbacks: list[pl.Callback]) -> None:
+        self.ops: dict[str, list[int]] = {type(cb).__name__: [] for cb in callbacks}
+        for cb in callbacks:
+            hook = cb.on_before_optimizer_step
+
+            def counted(*args: Any, _hook: Any = hook, _name: str = type(cb).__name__) -> None:
+                counter = OpCounter()
+                with counter:
+                    _hook(*args)
+                self.ops[_name].append(counter.count)
+
+            cb.on_before_optimizer_step = counted  # type: ignore[method-assign]
+
+
+def test_a_step_of_the_monitors_costs_a_few_dozen_small_kernels() -> None:
+    """The per-step device work of the preset's monitors, counted in a real fit: each op is a kernel launch on
+    a GPU and a few microseconds of dispatch on a CPU. Budgets with a little headroom over today's count
+    (GradientNormMonitor 13, TrainingHealthMonitor 46 with the ledger's vote enforcement): a change that
+    adds ops to every step fails here and has to say why."""
+    pl.seed_everything(0)
+    callbacks: list[pl.Callback] = [GradientNormMonitor(max_norm=1.0), TrainingHealthMonitor(response="skip")]
+    ops = HookOps(callbacks)
+    trainer = quiet_trainer(max_steps=12, callbacks=callbacks, log_every_n_steps=50)
+    trainer.fit(TinyModule())
+    later = {name: counts[2:] for name, counts in ops.ops.items()}  # the first steps build constants
+    assert max(later["GradientNormMonitor"]) <= 16, later
+    assert max(later["TrainingHealthMonitor"]) <= 52, later
