@@ -112,6 +112,7 @@ def run_demo(
     fault = int(0.6 * steps) if nan_at_step is None else nan_at_step
     common: dict[str, Any] = {
         "max_steps": steps,
+        "max_epochs": 1,  # the data is one epoch of `steps` batches; without it the bar reads "Epoch 0/-2"
         "devices": devices,
         "log_every_n_steps": 10,
         "enable_checkpointing": False,
