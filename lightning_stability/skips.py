@@ -10,9 +10,11 @@ step, after one host read of the vote.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -123,6 +125,26 @@ def unscale_if_deferred(scaler: Any, optimizer: Optimizer) -> None:
         scaler.unscale_(optimizer)
 
 
+_TOLD: weakref.WeakSet[Optimizer] = weakref.WeakSet()  # optimizers whose user heard about the host read
+
+
+def _tell_about_the_host_read(optimizer: Optimizer) -> None:
+    """Once per optimizer: why its skip votes cost a host read, and how to avoid it."""
+    if optimizer in _TOLD:
+        return
+    _TOLD.add(optimizer)
+    name = type(optimizer).__name__
+    fix = (
+        f"Construct it with {name}(..., fused=True) to keep the decision on the device."
+        if "fused" in optimizer.defaults and not optimizer.defaults.get("fused")
+        else "An optimizer with a fused implementation (e.g. AdamW(fused=True)) keeps it on the device."
+    )
+    rank_zero_info(
+        f"lightning_stability: the skip decision for {name} is read on the host once per optimizer step (one "
+        f"host-device sync), since torch lets only fused optimizers skip an update on the device. {fix}"
+    )
+
+
 def found_inf_is_safe(optimizer: Optimizer) -> bool:
     """Whether a ``found_inf`` skip leaves this fused optimizer exactly as it was.
 
@@ -165,6 +187,7 @@ def enforce_skip(
         return votes, True
     known: dict[Outcome, Flag] = dict(votes)
     if tensors:
+        _tell_about_the_host_read(optimizer)
         # HOST SYNC (one for all votes): any other optimizer can only be told on the host.
         reasons = [r for r, v in votes.items() if isinstance(v, Tensor)]
         stacked = torch.stack([votes[r].to(device).bool().reshape(()) for r in reasons])  # type: ignore[union-attr]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import lightning.pytorch as pl
@@ -70,6 +71,19 @@ def test_votes_from_several_callbacks_cost_one_host_read_together() -> None:
     )
     # (on the skipped step itself AdamW's own per-parameter syncs vanish: it leaves gradient-less params alone)
     assert [n for i, n in enumerate(one) if i != BAD] == [n for i, n in enumerate(three) if i != BAD]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])
+def test_a_host_read_of_the_votes_is_explained_once_with_its_fix(
+    optimizer: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO):
+        quiet_trainer(max_steps=4, callbacks=[Voter(), GradientNormMonitor()]).fit(TinyModule(optimizer=optimizer))
+    told = [r.getMessage() for r in caplog.records if "read on the host once per optimizer step" in r.getMessage()]
+    if optimizer == "adamw":
+        assert len(told) == 1 and "AdamW(..., fused=True)" in told[0]
+    else:  # the fused optimizer takes the votes as `found_inf`: nothing is read, nothing to say
+        assert told == []
 
 
 def test_the_template_gives_one_instance_check_and_cadence() -> None:
