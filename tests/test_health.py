@@ -290,6 +290,7 @@ def test_works_beside_gradient_norm_monitor_in_any_order() -> None:
         ({"alpha": 1.0}, r"`alpha=1.0` must be in \(0, 1\)"),
         ({"skip_batches": -1}, r"`skip_batches=-1` must be an int >= 0"),
         ({"warmup_steps": 0}, r"warmup_steps"),
+        ({"warmup_steps": 1}, r"`warmup_steps=1` must be >= 2"),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:

@@ -31,6 +31,11 @@ def check_health_arguments(
         raise config_error("alpha", alpha, "must be in (0, 1)", "pass e.g. 0.97 (ZClip's default)")
     for name, value in (("warmup_steps", warmup_steps), ("snapshot_every", snapshot_every)):
         check_positive_int(name, value, "25 or 100")
+    if warmup_steps < 2:
+        # one value has no spread: every later value would score as a spike, and "skip" would skip them all
+        raise config_error(
+            "warmup_steps", warmup_steps, "must be >= 2 (a standard deviation needs two values)", "pass e.g. 25"
+        )
     for name, value in (
         ("skip_batches", skip_batches),
         ("max_rollbacks", max_rollbacks),
