@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 _MEAN, _VAR, _COUNT, _INV_STD = range(4)
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 class Scored(NamedTuple):
@@ -53,6 +54,10 @@ class SpikeStats:
         self._loaded: list[list[float]] | None = None
 
     def _ensure(self, device: torch.device) -> Tensor:
+        if self._state is not None and not self._rows:  # unpickled: plain pickle does not keep views
+            self._rows = self._state.unbind(0)
+            self._after = torch.full((self.n,), 1.0 - self.alpha, device=self._state.device)
+            self._zeros = torch.zeros(self.n, device=self._state.device)
         if self._state is None or self._state.device != device:
             if self._state is not None:
                 self._state = self._state.to(device)
@@ -110,7 +115,12 @@ class SpikeStats:
         e = d * keep  # the value's deviation from the new mean
         # Welford during the warmup (w * d * e), ZClip's EMA after it (w * e * e): both scale the old variance
         var.mul_(keep).addcmul_(weight * e, torch.where(warming, d, e))
+        var.clamp_(max=_FLOAT32_MAX)  # a huge finite value would make it inf for good; this way the EMA decays it
         torch.div(count >= self.warmup, var.sqrt().add_(self.eps), out=inv_std)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the row views would come back as copies of their own: rebuilt from `_state` by `_ensure`
+        return {**self.__dict__, "_rows": (), "_after": None, "_zeros": None}
 
     def state_dict(self) -> dict[str, Any]:
         """Host values (a sync: checkpoints only)."""

@@ -473,3 +473,30 @@ def test_parameters_without_gradients_are_measured_without_them() -> None:
     quiet_trainer(max_steps=4, callbacks=[mon]).fit(Partial())
     ratios = [r for r in mon.history.series["update_ratio"] if math.isfinite(r)]
     assert len(ratios) == 2 and all(r > 0 for r in ratios)
+
+
+class ManualNoLoss(TinyModule):
+    """Manual optimization that calls ``loss.backward()`` itself: the ledger never sees the step's loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        opt = self.optimizers()
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def test_a_step_without_a_known_loss_records_nan_not_the_placeholder() -> None:
+    pl.seed_everything(0)
+    mon = monitor("warn")
+    trainer = quiet_trainer(max_steps=8, callbacks=[mon])
+    trainer.fit(ManualNoLoss())
+    assert len(mon.history.series["loss"]) == 8
+    assert all(math.isnan(v) for v in mon.history.series["loss"])
+    assert all(math.isfinite(v) for v in mon.history.series["grad_norm"])
+    assert math.isnan(trainer.callback_metrics["stability/loss_z"].item())

@@ -120,7 +120,7 @@ class HookOps(pl.Callback):
 def test_a_step_of_the_monitors_costs_a_few_dozen_small_kernels() -> None:
     """The per-step device work of the preset's monitors, counted in a real fit: each op is a kernel launch on
     a GPU and a few microseconds of dispatch on a CPU. Budgets with a little headroom over today's count
-    (GradientNormMonitor 13, TrainingHealthMonitor 46 with the ledger's vote enforcement): a change that
+    (GradientNormMonitor 13, TrainingHealthMonitor 47 with the ledger's vote enforcement): a change that
     adds ops to every step fails here and has to say why."""
     pl.seed_everything(0)
     callbacks: list[pl.Callback] = [GradientNormMonitor(max_norm=1.0), TrainingHealthMonitor(response="skip")]
@@ -130,3 +130,22 @@ def test_a_step_of_the_monitors_costs_a_few_dozen_small_kernels() -> None:
     later = {name: counts[2:] for name, counts in ops.ops.items()}  # the first steps build constants
     assert max(later["GradientNormMonitor"]) <= 16, later
     assert max(later["TrainingHealthMonitor"]) <= 52, later
+
+
+def test_a_huge_finite_value_in_the_warmup_does_not_switch_spike_detection_off() -> None:
+    stats = SpikeStats(1, alpha=0.97, warmup=25)
+    feed(stats, [1.0] * 10 + [1e20] + [1.0 + 0.01 * (i % 3) for i in range(4000)])
+    assert math.isfinite(stats.mean_std(torch.device("cpu"))[1].item())
+    assert stats.score(torch.tensor([10.0]), spike_z=6.0).spikes.item()  # the EMA has decayed the huge value
+
+
+def test_statistics_keep_working_after_a_plain_pickle_round_trip() -> None:
+    import pickle
+
+    stats = SpikeStats(1, alpha=0.9, warmup=3)
+    feed(stats, [1.0, 1.2, 0.9, 1.1])
+    copy = pickle.loads(pickle.dumps(stats))
+    feed(stats, [1.3])
+    feed(copy, [1.3])
+    assert copy.state_dict()["state"] == stats.state_dict()["state"]
+    assert copy.mean_std(torch.device("cpu"))[0].item() == stats.mean_std(torch.device("cpu"))[0].item()

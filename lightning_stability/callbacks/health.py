@@ -200,6 +200,9 @@ class TrainingHealthMonitor(LedgerCallback):
             values = self._reduced(torch.stack([loss.detach().float().to(const.zero.device), grads.total]))
             scored = self.stats.score(values, self.spike_z)
         z, spikes, include, deviation, raw = scored.z, scored.spikes, scored.include, scored.deviation, values
+        if loss is None:  # no loss this step: NaN in its history column and its z-score, not the placeholder's
+            raw = torch.cat([const.nan, values[_GRAD:]])
+            z = torch.where(const.grad_only, z, const.nan)
         ledger.mark_skip(Outcome.SKIPPED_NONFINITE, scored.nonfinite)  # never applied, whatever the response
         threshold = const.fixed_clip
         if self.response == "clip":
