@@ -55,9 +55,7 @@ class SpikeStats:
 
     def _ensure(self, device: torch.device) -> Tensor:
         if self._state is not None and not self._rows:  # unpickled: plain pickle does not keep views
-            self._rows = self._state.unbind(0)
-            self._after = torch.full((self.n,), 1.0 - self.alpha, device=self._state.device)
-            self._zeros = torch.zeros(self.n, device=self._state.device)
+            self._bind(self._state)
         if self._state is None or self._state.device != device:
             if self._state is not None:
                 self._state = self._state.to(device)
@@ -66,10 +64,14 @@ class SpikeStats:
                 self._state = torch.tensor(rows, dtype=torch.float32, device=device)
             else:
                 self._state = torch.zeros(4, self.n, dtype=torch.float32, device=device)
-            self._rows = self._state.unbind(0)
-            self._after = torch.full((self.n,), 1.0 - self.alpha, device=device)
-            self._zeros = torch.zeros(self.n, device=device)
+            self._bind(self._state)
         return self._state
+
+    def _bind(self, state: Tensor) -> None:
+        """The row views of ``state`` and the constants on its device, made once (no op per step)."""
+        self._rows = state.unbind(0)
+        self._after = torch.full((self.n,), 1.0 - self.alpha, device=state.device)
+        self._zeros = torch.zeros(self.n, device=state.device)
 
     def ready(self, device: torch.device) -> Tensor:
         """Which signals have finished their warmup (bool vector)."""

@@ -120,7 +120,7 @@ class HookOps(pl.Callback):
 def test_a_step_of_the_monitors_costs_a_few_dozen_small_kernels() -> None:
     """The per-step device work of the preset's monitors, counted in a real fit: each op is a kernel launch on
     a GPU and a few microseconds of dispatch on a CPU. Budgets with a little headroom over today's count
-    (GradientNormMonitor 13, TrainingHealthMonitor 47 with the ledger's vote enforcement): a change that
+    (GradientNormMonitor 13, TrainingHealthMonitor 46 with the ledger's vote enforcement): a change that
     adds ops to every step fails here and has to say why."""
     pl.seed_everything(0)
     callbacks: list[pl.Callback] = [GradientNormMonitor(max_norm=1.0), TrainingHealthMonitor(response="skip")]

@@ -193,16 +193,15 @@ class TrainingHealthMonitor(LedgerCallback):
         grads = ledger.gradients()
         loss = ledger.record.get("loss")
         const = self._constants(grads.total.device)
-        if loss is None:  # a placeholder the statistics skip (the step's loss is not known)
+        if loss is None:  # the step's loss is not known: a placeholder the statistics skip; NaN in the history
             values = self._reduced(torch.stack([const.zero, grads.total]))
             scored = self.stats.score(values, self.spike_z, const.grad_only)
+            z, raw = torch.where(const.grad_only, scored.z, const.nan), torch.cat([const.nan, values[_GRAD:]])
         else:
             values = self._reduced(torch.stack([loss.detach().float().to(const.zero.device), grads.total]))
             scored = self.stats.score(values, self.spike_z)
-        z, spikes, include, deviation, raw = scored.z, scored.spikes, scored.include, scored.deviation, values
-        if loss is None:  # no loss this step: NaN in its history column and its z-score, not the placeholder's
-            raw = torch.cat([const.nan, values[_GRAD:]])
-            z = torch.where(const.grad_only, z, const.nan)
+            z, raw = scored.z, values
+        spikes, include, deviation = scored.spikes, scored.include, scored.deviation
         ledger.mark_skip(Outcome.SKIPPED_NONFINITE, scored.nonfinite)  # never applied, whatever the response
         threshold = const.fixed_clip
         if self.response == "clip":
@@ -231,10 +230,14 @@ class TrainingHealthMonitor(LedgerCallback):
         ledger.log("stability/loss_z", z[_LOSS], logging)
         ledger.log("stability/grad_norm_z", z[_GRAD], logging)
         scaler = loss_scaler(trainer)
-        scale = scaler._scale if scaler is not None and scaler._scale is not None else const.nan
+        scale = (
+            scaler._scale.reshape(1).float().to(const.nan.device)
+            if scaler is not None and scaler._scale is not None
+            else const.nan
+        )
         lr_value = lr.reshape(1).float() if isinstance(lr, Tensor) else const.nan
         # the history's row: loss, grad norm, clip threshold, the two spike flags, LR, loss scale (one kernel)
-        parts = [raw, threshold, spikes, lr_value, scale.reshape(1).float().to(const.nan.device)]
+        parts = [raw, threshold, spikes, lr_value, scale]
         row = self.history.add(ledger.label(), parts, host, values.device)
         ledger.on_close(lambda closed: self.history.set_outcome(row, closed.outcome))
         if logging:
