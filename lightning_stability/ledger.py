@@ -66,6 +66,7 @@ class StepLedger(CurrentTrackView):
         self._open: Optimizer | None = None
         self._votes: StepVotes | None = None  # the open step's skip decision
         self._stepped = False  # the optimizer's step() ran for the open step
+        self._several: bool | None = None  # several_optimizers, as of the last step opened (read by every log)
         self._grads: dict[float, StepGradients] = {}  # the open step's gradient norms, by norm type
         self._clip = ClipScale()  # the clips applied to the open step's gradients, shared by all norm types
         self._close_hooks: list[Callable[[StepLedger], None]] = []
@@ -157,6 +158,7 @@ class StepLedger(CurrentTrackView):
         if loss is not None:
             self.record["loss"] = loss
         trainer = self.trainer
+        self._several = trainer is not None and len(trainer.optimizers) > 1
         self._votes = StepVotes(optimizer, loss_scaler(trainer) if trainer is not None else None, track.device)
         return True
 
@@ -300,7 +302,7 @@ class StepLedger(CurrentTrackView):
         """:meth:`log` for several metrics of the current step at once."""
         track = self.track()
         trainer = self.trainer
-        several = self.several_optimizers
+        several = self._several if self._several is not None else self.several_optimizers
         for key, value in metrics:
             if trainer is not None and not key.startswith("_"):
                 name = metric_name(key, track, several)

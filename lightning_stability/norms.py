@@ -32,9 +32,24 @@ def _is_dtensor(t: Tensor) -> bool:
 
 def _foreach_norm_fp32(tensors: list[Tensor], norm_type: float) -> tuple[Tensor, ...]:
     """One fused norm kernel per call; low-precision tensors accumulate in fp32."""
-    if tensors[0].dtype in (torch.float32, torch.float64):
+    dtype = tensors[0].dtype
+    if dtype is torch.float32:
+        return _compat.foreach_norm(tensors, norm_type)
+    if dtype is torch.float64:
         return tuple(n.float() for n in _compat.foreach_norm(tensors, norm_type))
-    return tuple(_compat.foreach_norm(tensors, norm_type, dtype=torch.float32))
+    return _compat.foreach_norm(tensors, norm_type, dtype=torch.float32)
+
+
+def is_uniform(tensors: Sequence[Tensor]) -> bool:
+    """Whether ``tensors`` are plain (not sharded), non-empty, and all of one device and dtype: then
+    :func:`per_tensor_norms` and :func:`scale_` take one fused kernel each, with ``uniform=True`` and no
+    per-tensor checks. The answer holds for the gradients of the same parameters on every step (torch keeps a
+    gradient's device, dtype and shape those of its parameter), so callers work it out once per parameter list."""
+    if not tensors:
+        return False
+    first = tensors[0]
+    device, dtype = first.device, first.dtype
+    return all(not _is_dtensor(t) and t.numel() > 0 and t.dtype is dtype and t.device == device for t in tensors)
 
 
 def _local_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor:
@@ -71,11 +86,14 @@ def _reduce_sharded(local: Tensor, norm_type: float, mesh: object, placements: t
     return full if math.isinf(norm_type) else full.pow(1.0 / norm_type)
 
 
-def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
+def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0, uniform: bool = False) -> Tensor:
     """The ``norm_type``-norm of every tensor, as one fp32 vector (no host sync).
 
-    Sharded ``DTensor`` inputs get the norm of the whole (unsharded) tensor.
+    Sharded ``DTensor`` inputs get the norm of the whole (unsharded) tensor. ``uniform``: the caller knows
+    :func:`is_uniform` holds for ``tensors`` (skips the per-tensor checks).
     """
+    if uniform:
+        return torch.stack(_foreach_norm_fp32(list(tensors), norm_type))
     if not tensors:
         return torch.zeros(0, dtype=torch.float32)
     plain_idx = [i for i, t in enumerate(tensors) if not _is_dtensor(t)]
@@ -129,8 +147,12 @@ def clip_coefficient(total_norm: Tensor, max_norm: float, eps: float = 1e-6) -> 
     return torch.clamp(max_norm / (total_norm + eps), max=1.0)
 
 
-def scale_(tensors: Sequence[Tensor], coef: Tensor) -> None:
-    """Multiply tensors in place by a scalar tensor; sharded tensors are scaled shard by shard."""
+def scale_(tensors: Sequence[Tensor], coef: Tensor, uniform: bool = False) -> None:
+    """Multiply tensors in place by a scalar tensor; sharded tensors are scaled shard by shard. ``uniform``: as
+    for :func:`per_tensor_norms`."""
+    if uniform:
+        _compat.foreach_mul_(list(tensors), coef.to(tensors[0].device, non_blocking=True))
+        return
     buckets: dict[torch.device, list[Tensor]] = defaultdict(list)
     for t in tensors:
         local = t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined]

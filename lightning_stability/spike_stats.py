@@ -9,7 +9,13 @@ Both phases are one incremental update with a per-signal weight ``w``: ``1/n`` f
 warmup (Welford's running mean and population variance, equal to the plain moments when the warmup ends) and
 ``1 - alpha`` after it (ZClip's EMA, its variance taken around the new mean). The state is a few float32 rows
 updated in place, among them ``1/(std + eps)`` (0 during the warmup), so that a z-score costs two ops: an
-optimizer step pays ~20 small kernels for the whole estimator.
+optimizer step pays ~25 small kernels for the whole estimator.
+
+A spike is folded in *at the threshold* (``mean + spike_z * std``), as ZClip folds in the clipped gradient norm:
+one outlier moves the statistics a bounded amount, and a lasting shift of the level (new data, layers unfrozen)
+is learnt within a few steps instead of scoring as a spike for ever. The standard deviation has a floor of
+``min_rel_std * |mean|``: a signal that barely moved through the warmup would otherwise make every later change a
+spike that, folded in at a threshold of ``mean + spike_z * 0``, could never be learnt.
 """
 
 from __future__ import annotations
@@ -28,10 +34,9 @@ class Scored(NamedTuple):
 
     z: Tensor  # z-score per signal (0 for a finite value during the warmup)
     spikes: Tensor  # finite values more than ``spike_z`` standard deviations above the mean
-    include: Tensor  # the finite values that are not spikes: what the statistics fold in
-    finite: Tensor  # the watched values that are finite
+    finite: Tensor  # the watched values that are finite: what the statistics fold in (a spike at the threshold)
     nonfinite: Tensor  # 0-dim: a watched value is NaN or infinite
-    deviation: Tensor  # value - mean, for :meth:`SpikeStats.update`
+    deviation: Tensor  # value - mean, at most spike_z standard deviations: what :meth:`SpikeStats.update` takes
 
 
 class SpikeStats:
@@ -43,10 +48,15 @@ class SpikeStats:
         warmup: how many values of a signal initialise its mean and variance (ZClip's default 25); before
             that, no value of the signal counts as a spike (its z-score is 0).
         eps: added to the standard deviation in the z-score.
+        min_rel_std: the floor of the standard deviation in the z-score, relative to ``|mean|`` (1e-3: a move of
+            0.6% of the mean is never a 6-sigma spike).
     """
 
-    def __init__(self, n: int, alpha: float = 0.97, warmup: int = 25, eps: float = 1e-6) -> None:
+    def __init__(
+        self, n: int, alpha: float = 0.97, warmup: int = 25, eps: float = 1e-6, min_rel_std: float = 1e-3
+    ) -> None:
         self.n, self.alpha, self.warmup, self.eps = n, float(alpha), int(warmup), float(eps)
+        self.min_rel_std = float(min_rel_std)
         self._state: Tensor | None = None  # rows: mean, var, count, 1/(std + eps) once warm (else 0)
         self._rows: tuple[Tensor, ...] = ()  # views of the rows, made once
         self._after: Tensor | None = None  # 1 - alpha, the weight after the warmup (a constant)
@@ -60,7 +70,7 @@ class SpikeStats:
             if self._state is not None:
                 self._state = self._state.to(device)
             elif self._loaded is not None:
-                rows = _rows_of(self._loaded, self.warmup, self.eps)
+                rows = _rows_of(self._loaded, self.warmup, self.eps, self.min_rel_std)
                 self._state = torch.tensor(rows, dtype=torch.float32, device=device)
             else:
                 self._state = torch.zeros(4, self.n, dtype=torch.float32, device=device)
@@ -78,8 +88,9 @@ class SpikeStats:
         return self._ensure(device)[_COUNT] >= self.warmup
 
     def mean_std(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """The means and the standard deviations (with their floor, as the z-scores use them)."""
         state = self._ensure(device)
-        return state[_MEAN], state[_VAR].sqrt()
+        return state[_MEAN], torch.maximum(state[_VAR].sqrt(), state[_MEAN].abs() * self.min_rel_std)
 
     def zscore(self, values: Tensor) -> tuple[Tensor, Tensor]:
         """``(value - mean) / (std + eps)`` per signal (0 for a finite value still in its warmup), and
@@ -98,9 +109,11 @@ class SpikeStats:
         finite = (values - values) == 0  # torch.isfinite is four kernels on a CPU; inf - inf and NaN are NaN
         nonfinite = finite.all().logical_not()  # a placeholder is finite: it never counts here
         spikes = (z > spike_z) & finite
+        # folded in at the threshold, mean + spike_z * std (1/inv_std is inf in the warmup: no cap)
+        capped = torch.minimum(deviation, self._rows[_INV_STD].reciprocal().mul_(spike_z))
         if watched is not None:
             finite, spikes = finite & watched, spikes & watched
-        return Scored(z, spikes, finite ^ spikes, finite, nonfinite, deviation)
+        return Scored(z, spikes, finite, nonfinite, capped)
 
     def update(self, deviation: Tensor, include: Tensor) -> None:
         """Fold the values whose ``deviation`` (from :meth:`zscore`) is given into the statistics where
@@ -118,7 +131,8 @@ class SpikeStats:
         # Welford during the warmup (w * d * e), ZClip's EMA after it (w * e * e): both scale the old variance
         var.mul_(keep).addcmul_(weight * e, torch.where(warming, d, e))
         var.clamp_(max=_FLOAT32_MAX)  # a huge finite value would make it inf for good; this way the EMA decays it
-        torch.div(count >= self.warmup, var.sqrt().add_(self.eps), out=inv_std)
+        std = torch.maximum(var.sqrt(), mean.abs().mul_(self.min_rel_std))
+        torch.div(count >= self.warmup, std.add_(self.eps), out=inv_std)
 
     def __getstate__(self) -> dict[str, Any]:
         # the row views would come back as copies of their own: rebuilt from `_state` by `_ensure`
@@ -134,7 +148,7 @@ class SpikeStats:
         self._loaded, self._state = rows, None
 
 
-def _rows_of(rows: list[list[float]], warmup: int, eps: float) -> list[list[float]]:
+def _rows_of(rows: list[list[float]], warmup: int, eps: float, min_rel_std: float) -> list[list[float]]:
     """The state rows from a checkpoint: this version's four, or the five of earlier checkpoints (mean, var,
     count, and the warmup's sum and sum of squares; float64), whose warmup moments become Welford's."""
     if len(rows) == 4:
@@ -148,7 +162,8 @@ def _rows_of(rows: list[list[float]], warmup: int, eps: float) -> list[list[floa
         out[_MEAN].append(m)
         out[_VAR].append(v)
         out[_COUNT].append(n)
-        out[_INV_STD].append(1.0 / (max(v, 0.0) ** 0.5 + eps) if n >= warmup else 0.0)
+        std = max(max(v, 0.0) ** 0.5, min_rel_std * abs(m))
+        out[_INV_STD].append(1.0 / (std + eps) if n >= warmup else 0.0)
     return out
 
 

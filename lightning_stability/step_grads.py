@@ -8,11 +8,25 @@ the gradients at the smallest one, as one clip to it would.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_stability.norms import clip_coefficient, combine_norms, per_tensor_norms, scale_
+from lightning_stability.norms import clip_coefficient, combine_norms, is_uniform, per_tensor_norms, scale_
+
+#: per optimizer: the ids of the parameters that had gradients on its last step, those parameters (held, so the
+#: ids stay theirs) and whether their gradients are uniform (``norms.is_uniform``): checked once per set, not
+#: per tensor on every step
+_UNIFORM: weakref.WeakKeyDictionary[Optimizer, tuple[tuple[int, ...], list[Tensor], bool]] = weakref.WeakKeyDictionary()
+
+
+def _uniform(optimizer: Optimizer, key: tuple[int, ...], params: list[Tensor], grads: list[Tensor]) -> bool:
+    known = _UNIFORM.get(optimizer)
+    if known is None or known[0] != key:
+        known = _UNIFORM[optimizer] = (key, list(params), is_uniform(grads))
+    return known[2]
 
 
 class ClipScale:
@@ -40,8 +54,11 @@ class StepGradients:
         self._clip = clip
         self.params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         self.grads: list[Tensor] = [p.grad for p in self.params]
+        #: the parameters' ids: identifies the set of parameters with gradients (callers cache per set)
+        self.key = tuple(map(id, self.params))
+        self._uniform = bool(self.grads) and _uniform(optimizer, self.key, self.params, self.grads)
         if self.grads:
-            self.norms = per_tensor_norms(self.grads, norm_type)
+            self.norms = per_tensor_norms(self.grads, norm_type, self._uniform)
             self.total = combine_norms(self.norms, norm_type)
             if clip.coef is not None:  # measured after a clip: back to the gradients' own norms
                 self.norms = self.norms / clip.coef
@@ -64,6 +81,6 @@ class StepGradients:
         """Scale the gradients so that their norm is at most ``threshold``; returns the coefficient applied."""
         coef = clip_coefficient(self.current, threshold)  # type: ignore[arg-type]
         if self.grads:
-            scale_(self.grads, coef)
+            scale_(self.grads, coef, self._uniform)
         self._clip.coef = coef if self._clip.coef is None else self._clip.coef * coef
         return coef

@@ -63,7 +63,7 @@ class Track:
         self._window = {k: v.to(device) for k, v in self._window.items()}
         if self._counts is not None:
             self._counts = self._counts.to(device)
-            self._per_outcome = self._counts.unbind(0)
+            self._bind_counts()
 
     @property
     def counts(self) -> Tensor:
@@ -71,7 +71,7 @@ class Track:
         if self._counts is None:
             # once per run: a resumed run's counts come from the checkpoint, before the first step
             self._counts = torch.tensor(self._loaded_counts, dtype=torch.int64, device=self.device)
-            self._per_outcome = self._counts.unbind(0)  # views: one in-place add per outcome brings them up to date
+            self._bind_counts()
         if self._any_unsent:
             # Host-decided steps reach the device when read, not in the step: one add of a host number per
             # outcome (a kernel argument, no copy), however many steps passed.
@@ -81,6 +81,13 @@ class Track:
             self._unsent, self._any_unsent = [0] * len(Outcome), False
         return self._counts
 
+    def _bind_counts(self) -> None:
+        """Views and a constant made once per counts table, not per step."""
+        assert self._counts is not None
+        self._per_outcome = self._counts.unbind(0)  # one in-place add per outcome brings them up to date
+        self._skipped_view = self._counts[Outcome.APPLIED + 1 :]  # every outcome but APPLIED (APPLIED is 0)
+        self._one = torch.ones(1, dtype=self._counts.dtype, device=self._counts.device)
+
     @property
     def applied_steps(self) -> Tensor:
         """Optimizer updates actually applied (0-dim int64 tensor on the device)."""
@@ -89,8 +96,8 @@ class Track:
     @property
     def skipped_steps(self) -> Tensor:
         """Optimizer steps skipped for any reason (0-dim int64 tensor on the device)."""
-        counts = self.counts
-        return counts.sum() - counts[Outcome.APPLIED]
+        self.counts  # noqa: B018 -- brings the table up to date
+        return self._skipped_view.sum()
 
     def skipped_steps_now(self) -> Tensor | float:
         """Skipped steps: a host number while every outcome so far was decided on the host (no device op),
@@ -112,8 +119,7 @@ class Track:
 
     def count(self, outcome: Outcome | Tensor) -> None:
         if isinstance(outcome, Tensor):
-            counts = self.counts
-            counts.index_add_(0, outcome.view(1), torch.ones(1, dtype=counts.dtype, device=counts.device))
+            self.counts.index_add_(0, outcome.view(1), self._one)
             self._host_counts = None
         else:
             if self._counts is None:

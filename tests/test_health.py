@@ -108,6 +108,32 @@ def test_warn_names_the_step_and_changes_nothing() -> None:
     assert [e["step"] for e in mon.events if e["kind"] == "spike"] == [SPIKE]
 
 
+class Shifted(TinyModule):
+    """The loss (and so the gradient) settles 30 times higher from step ``at`` on: a new level, not a spike."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__(lr=0.01)
+        self.at = at
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * 30 if self.global_step >= self.at else loss
+
+
+def test_skip_learns_a_lasting_shift_instead_of_skipping_every_later_step() -> None:
+    """A spike is folded into the statistics at the threshold: before, the new level scored as a spike on every
+    step, so response="skip" skipped every update after it and the run stopped learning, silently."""
+    pl.seed_everything(0)
+    mon = TrainingHealthMonitor(response="skip", warmup_steps=10, report=False)
+    trainer = quiet_trainer(max_steps=90, callbacks=[mon])
+    with pytest.warns(UserWarning, match="spike"):
+        trainer.fit(Shifted(at=40))
+    outcomes = [int(o) for o in mon.history.series["outcome"]]
+    skipped = [i for i, o in enumerate(outcomes) if o == Outcome.SKIPPED_SPIKE]
+    assert skipped and skipped[0] >= 40 and len(skipped) <= 10, skipped
+    assert outcomes[60:] == [Outcome.APPLIED] * 30
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])
 def test_skip_leaves_weights_and_optimizer_state_bit_identical(optimizer: str) -> None:
     pl.seed_everything(0)

@@ -12,6 +12,7 @@ from lightning_stability.norms import (
     clip_coefficient,
     combine_norms,
     group_norms,
+    is_uniform,
     per_tensor_norms,
     scale_,
     total_norm,
@@ -68,6 +69,47 @@ def test_mixed_dtypes_accumulate_in_fp32_in_input_order_without_host_data() -> N
     torch.testing.assert_close(norms, expected)
     # no index tensor built from host data: on a GPU that would be a blocking copy in every step
     assert counter.count == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_uniform_fast_path_gives_the_same_norms_and_scaling(dtype: torch.dtype) -> None:
+    grads = _grads(6, dtype)
+    assert is_uniform(grads)
+    for norm_type in (2.0, math.inf):
+        fast, checked = per_tensor_norms(grads, norm_type, uniform=True), per_tensor_norms(grads, norm_type)
+        assert fast.dtype == torch.float32
+        torch.testing.assert_close(fast, checked)
+    copy = [g.clone() for g in grads]
+    scale_(grads, torch.tensor(0.5), uniform=True)
+    scale_(copy, torch.tensor(0.5))
+    torch.testing.assert_close(grads, copy)
+
+
+def test_only_plain_non_empty_tensors_of_one_dtype_are_uniform() -> None:
+    grads = _grads(7)
+    assert not is_uniform([])
+    assert not is_uniform([*grads, grads[0].double()])
+    assert not is_uniform([*grads, torch.zeros(0)])  # an empty tensor takes the checked path (norm 0)
+
+
+def test_the_gradients_layout_is_rechecked_when_the_set_of_parameters_changes() -> None:
+    from lightning_stability.step_grads import ClipScale, StepGradients
+
+    fp32, fp64 = nn.Linear(3, 4), nn.Linear(3, 2).double()
+    optimizer = torch.optim.SGD([*fp32.parameters(), *fp64.parameters()], lr=0.1)
+    x = torch.randn(5, 3)
+    fp32(x).sum().backward()  # only the fp32 layer has gradients: one dtype, the fast path
+    first = StepGradients(optimizer, 2.0, torch.device("cpu"), ClipScale())
+    assert first._uniform and len(first.params) == 2
+    fp64(x.double()).sum().backward()  # now both: another set of parameters, checked again
+    second = StepGradients(optimizer, 2.0, torch.device("cpu"), ClipScale())
+    assert not second._uniform and len(second.params) == 4
+    expected = torch.linalg.vector_norm(torch.cat([p.grad.flatten().float() for p in second.params]))
+    torch.testing.assert_close(second.total, expected)
+    second.clip_(0.5 * expected.item())
+    torch.testing.assert_close(
+        torch.linalg.vector_norm(torch.cat([p.grad.flatten().float() for p in second.params])), 0.5 * expected
+    )
 
 
 def test_group_norms_combine_per_module() -> None:

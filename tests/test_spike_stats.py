@@ -1,5 +1,6 @@
-"""The health monitor's device statistics: ZClip's estimator with values left out, the scores, the interval mean,
-checkpoints of the earlier layout, and what a step costs in kernels."""
+"""The health monitor's device statistics: ZClip's estimator with values left out, the scores, spikes folded in at
+the threshold, the std's floor, the interval mean, checkpoints of the earlier layout, and what a step costs in
+kernels."""
 
 from __future__ import annotations
 
@@ -43,21 +44,68 @@ def test_scores_flag_spikes_and_non_finite_values_apart() -> None:
     stats = SpikeStats(2, alpha=0.9, warmup=3)
     during = stats.score(torch.tensor([100.0, math.nan]), spike_z=3.0)
     assert during.z[0].item() == 0.0 and not during.spikes.any()  # no spike is called during the warmup
-    assert during.nonfinite.item() and during.include.tolist() == [True, False]
+    assert during.deviation[0].item() == 100.0  # nor capped: the warmup takes values as they come
+    assert during.nonfinite.item() and during.finite.tolist() == [True, False]
     feed_both = [[1.0, 2.0], [1.1, 2.2], [0.9, 1.8], [1.0, 2.0]]
     for row in feed_both:
         scored = stats.score(torch.tensor(row), spike_z=3.0)
-        stats.update(scored.deviation, scored.include)
+        stats.update(scored.deviation, scored.finite)
+    mean, std = stats.mean_std(torch.device("cpu"))
     scored = stats.score(torch.tensor([10.0, math.inf]), spike_z=3.0)
     assert scored.spikes.tolist() == [True, False]  # inf is non-finite, not a spike
-    assert scored.include.tolist() == [False, False] and scored.finite.tolist() == [True, False]
-    assert scored.nonfinite.item()
+    assert scored.finite.tolist() == [True, False] and scored.nonfinite.item()
+    # the spike is folded in at the threshold, mean + 3 std (ZClip folds in the clipped value)
+    assert scored.deviation[0].item() == pytest.approx(3.0 * (std[0].item() + 1e-6), rel=1e-5)
     calm = stats.score(torch.tensor([1.0, 2.0]), spike_z=3.0)
-    assert calm.include.tolist() == [True, True] and not calm.nonfinite.item() and not calm.spikes.any()
+    assert calm.finite.tolist() == [True, True] and not calm.nonfinite.item() and not calm.spikes.any()
+    assert calm.deviation.tolist() == pytest.approx((torch.tensor([1.0, 2.0]) - mean).tolist())  # not capped
     # a signal without a value this step (its placeholder): neither scored, nor folded in, nor non-finite
     masked = stats.score(torch.tensor([0.0, 2.0]), spike_z=3.0, watched=torch.tensor([False, True]))
-    assert masked.include.tolist() == [False, True] and masked.finite.tolist() == [False, True]
+    assert masked.finite.tolist() == [False, True]
     assert not masked.spikes.any() and not masked.nonfinite.item()
+
+
+def run(stats: SpikeStats, values: list[float], spike_z: float = 6.0) -> list[bool]:
+    """Score and fold in each value as the health monitor does; returns which were spikes."""
+    spikes = []
+    for v in values:
+        scored = stats.score(torch.tensor([v]), spike_z)
+        stats.update(scored.deviation, scored.finite)
+        spikes.append(bool(scored.spikes.item()))
+    return spikes
+
+
+def test_a_lasting_shift_of_the_level_is_learnt_within_a_few_steps() -> None:
+    """A loss that settles 20% higher (new data, unfrozen layers) is a spike for a few steps, not for ever: with
+    response="skip" every later step would be skipped and the run would stop learning without an error."""
+    g = torch.Generator().manual_seed(0)
+    noise = (0.01 * torch.randn(300, generator=g)).tolist()
+    values = [1.0 + n + (0.2 if i >= 100 else 0.0) for i, n in enumerate(noise)]
+    spikes = run(SpikeStats(1, alpha=0.97, warmup=25), values)
+    assert not any(spikes[:100])
+    assert spikes[100]  # the jump itself is one
+    assert sum(spikes[100:]) <= 10 and not any(spikes[120:]), [i for i, s in enumerate(spikes) if s]
+
+
+def test_one_spike_moves_the_statistics_a_bounded_amount_and_the_next_is_still_found() -> None:
+    g = torch.Generator().manual_seed(1)
+    values = [1.0 + 0.01 * x for x in torch.randn(120, generator=g).tolist()]
+    values[60], values[90] = 1e6, 2.0  # a huge outlier, then a modest (100-sigma) one
+    stats = SpikeStats(1, alpha=0.97, warmup=25)
+    spikes = run(stats, values)
+    assert [i for i, s in enumerate(spikes) if s] == [60, 90]
+    mean, std = stats.mean_std(torch.device("cpu"))
+    assert mean.item() < 1.05 and std.item() < 0.1  # folded in at 6 sigma, not at 1e6
+
+
+def test_a_signal_flat_through_the_warmup_does_not_make_every_later_change_a_spike() -> None:
+    """Zero spread in the warmup: the std's floor (0.1% of the mean) keeps small moves from scoring as spikes,
+    and a real jump is a spike once, then learnt."""
+    flat = SpikeStats(1, alpha=0.97, warmup=25)
+    assert not any(run(flat, [2.0] * 25 + [2.0 + 0.001 * (i % 5) for i in range(50)]))
+    jump = SpikeStats(1, alpha=0.97, warmup=25)
+    spikes = run(jump, [2.0] * 25 + [2.5] * 50)
+    assert spikes[25] and not any(spikes[40:])
 
 
 @pytest.mark.parametrize("seen", [2, 6])
@@ -120,7 +168,7 @@ class HookOps(pl.Callback):
 def test_a_step_of_the_monitors_costs_a_few_dozen_small_kernels() -> None:
     """The per-step device work of the preset's monitors, counted in a real fit: each op is a kernel launch on
     a GPU and a few microseconds of dispatch on a CPU. Budgets with a little headroom over today's count
-    (GradientNormMonitor 13, TrainingHealthMonitor 46 with the ledger's vote enforcement): a change that
+    (GradientNormMonitor 13, TrainingHealthMonitor 50 with the ledger's vote enforcement): a change that
     adds ops to every step fails here and has to say why."""
     pl.seed_everything(0)
     callbacks: list[pl.Callback] = [GradientNormMonitor(max_norm=1.0), TrainingHealthMonitor(response="skip")]

@@ -170,12 +170,12 @@ class GradientNormMonitor(LedgerCallback):
         self._layers = {}
 
     # ------------------------------------------------------------------ the step
-    def _layers_of(self, ledger: StepLedger, params: list[Tensor], device: torch.device) -> _Layers:
+    def _layers_of(self, ledger: StepLedger, gradients: StepGradients, device: torch.device) -> _Layers:
         track = ledger.track().index
         layers = self._layers.get(track)
-        key = tuple(id(p) for p in params)
+        key = gradients.key
         if layers is None or layers.key != key:
-            index, names = module_groups(params, self._names)
+            index, names = module_groups(gradients.params, self._names)
             index_t = torch.tensor(index, dtype=torch.int64, device=device)
             layers = self._layers[track] = _Layers(key, index_t, names)
         return layers
@@ -199,7 +199,7 @@ class GradientNormMonitor(LedgerCallback):
             # relative to another callback's clip, if one came first; the metrics, once every clip is done
             ledger.put("clip_coef", gradients.clip_(self.max_norm))
             ledger.on_close(partial(self._after_clips, gradients=gradients, logging=logging))
-        layers = self._layers_of(ledger, params, norms.device)
+        layers = self._layers_of(ledger, gradients, norms.device)
         layers.remember_first_bad(bad, norms)
         if self.skip_nonfinite:
             # Under fp16 the vote joins the loss scaler's own overflow decision: no extra sync.

@@ -201,7 +201,7 @@ class TrainingHealthMonitor(LedgerCallback):
             values = self._reduced(torch.stack([loss.detach().float().to(const.zero.device), grads.total]))
             scored = self.stats.score(values, self.spike_z)
             z, raw = scored.z, values
-        spikes, include, deviation = scored.spikes, scored.include, scored.deviation
+        spikes, deviation = scored.spikes, scored.deviation
         ledger.mark_skip(Outcome.SKIPPED_NONFINITE, scored.nonfinite)  # never applied, whatever the response
         threshold = const.fixed_clip
         if self.response == "clip":
@@ -210,8 +210,7 @@ class TrainingHealthMonitor(LedgerCallback):
             threshold = torch.where(over, zclip_threshold(mean[_GRAD], std[_GRAD], z[_GRAD], self.clip_z), math.inf)
             grads.clip_(threshold)
             values = torch.stack([values[_LOSS], torch.minimum(values[_GRAD], threshold)])  # ZClip: the clipped norm
-            deviation = self.stats.zscore(values)[1]
-            include = torch.stack([include[_LOSS], scored.finite[_GRAD]])  # a clipped spike counts
+            deviation = torch.minimum(deviation, self.stats.zscore(values)[1])  # folded in clipped
             threshold = threshold.reshape(1)
             ledger.log("stability/clip_threshold", threshold[0], logging)
         elif self.response in ("skip", "rollback"):
@@ -222,13 +221,17 @@ class TrainingHealthMonitor(LedgerCallback):
                 self._pending_loaded = False
             else:
                 self._pending = self._pending | spikes.any()
-        self.stats.update(deviation, include)
+        self.stats.update(deviation, scored.finite)
         # the loss's mean over the logging interval, every step so that EarlyStopping/ModelCheckpoint find it at
         # any epoch end (device ops, no sync)
-        ledger.log("stability/loss_mean", self._interval.add(values, scored.finite)[_LOSS], logging)
-        ledger.log("stability/rollbacks", float(self.rollback.rollbacks), logging)
-        ledger.log("stability/loss_z", z[_LOSS], logging)
-        ledger.log("stability/grad_norm_z", z[_GRAD], logging)
+        loss_z, grad_norm_z = z.unbind()
+        metrics = (
+            ("stability/loss_mean", self._interval.add(values, scored.finite)[_LOSS]),
+            ("stability/rollbacks", float(self.rollback.rollbacks)),
+            ("stability/loss_z", loss_z),
+            ("stability/grad_norm_z", grad_norm_z),
+        )
+        ledger.log_many(metrics, logging)
         scaler = loss_scaler(trainer)
         scale = (
             scaler._scale.reshape(1).float().to(const.nan.device)
