@@ -22,8 +22,8 @@ def _demo(args: argparse.Namespace) -> int:
     corpus = load_corpus()
     fault = int(0.6 * args.steps) if args.nan_at_step is None else args.nan_at_step
     _say(
-        f"A Post-LN character-level GPT (4 layers) on {len(corpus.tokens):,} characters of this package's source, "
-        f"AdamW lr={args.lr:g} from step 0, {args.steps} steps"
+        f"A Post-LN character-level GPT (4 layers) on {len(corpus.tokens):,} characters of this package's source "
+        f"(a frozen copy), AdamW lr={args.lr:g} from step 0, {args.steps} steps"
         + (f", the loss of step {fault} made NaN (a corrupted batch)." if fault >= 0 else ".")
         + (" The same run bare, then with the preset." if args.compare else "")
     )

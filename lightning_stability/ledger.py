@@ -28,7 +28,7 @@ from lightning_stability.skips import (
     loss_scaler,
 )
 from lightning_stability.step_grads import ClipScale, StepGradients
-from lightning_stability.step_metrics import FlushHook, FlushValues, MetricQueue, metric_name, monitor, publish
+from lightning_stability.step_metrics import FlushHook, FlushValues, MetricQueue, metric_name
 from lightning_stability.track import CurrentTrackView, Outcome, Track, device_of, optimizer_names
 from lightning_stability.update_loss import UpdateLoss
 from lightning_stability.votes import StepVotes
@@ -73,8 +73,6 @@ class StepLedger(CurrentTrackView):
         self._queue = MetricQueue()
         self.events: list[dict[str, Any]] = []  # rollbacks and other events, with their step labels
         self.published: dict[str, float] = {}  # the last logged value of every metric (host numbers)
-        # host numbers logged as monitorable metrics: the last value and its tensor, reused while unchanged
-        self._host_metrics: dict[str, tuple[float, Tensor]] = {}
         # Set by the lightning_stability callbacks at setup: the last of them enforces the votes at the end of
         # its hook. Without any, a vote is enforced at once (one host read per vote for a non-fused optimizer).
         self.callbacks_enforce = False
@@ -130,7 +128,9 @@ class StepLedger(CurrentTrackView):
             # trainer does not know gets a track of its own.
             index = 0 if not optimizers else max(len(optimizers), max(self._tracks, default=-1) + 1)
         names = optimizer_names(optimizers)
-        track = self._track_at(index, names[index] if index < len(names) else type(optimizer).__name__)
+        track = self._track_at(index)
+        # named now, also when a metric logged before the first step made the track under a placeholder name
+        track.name = names[index] if index < len(names) else type(optimizer).__name__
         track.place(device_of(optimizer))
         handle = optimizer.register_step_post_hook(self._after_optimizer_step)
         self._hooked[id(optimizer)] = (weakref.ref(optimizer), index, handle)
@@ -281,6 +281,7 @@ class StepLedger(CurrentTrackView):
         hooks, self._close_hooks = self._close_hooks, []
         for hook in hooks:
             hook(self)
+        self._several = None  # read live between steps (another fit may have other optimizers)
 
     # ------------------------------------------------------------------ metrics
     def metric_name(self, key: str, track: Track | None = None) -> str:
@@ -300,21 +301,8 @@ class StepLedger(CurrentTrackView):
 
     def log_many(self, metrics: Iterable[tuple[str, Tensor | float]], to_loggers: bool = True) -> None:
         """:meth:`log` for several metrics of the current step at once."""
-        track = self.track()
-        trainer = self.trainer
         several = self._several if self._several is not None else self.several_optimizers
-        for key, value in metrics:
-            if trainer is not None and not key.startswith("_"):
-                name = metric_name(key, track, several)
-                if isinstance(value, Tensor):
-                    monitor(trainer, name, value)
-                else:  # a new tensor only when the number changes (a tensor once made is never written to)
-                    cached = self._host_metrics.get(name)
-                    if cached is None or cached[0] != value:
-                        cached = self._host_metrics[name] = (value, torch.full((), float(value)))
-                    monitor(trainer, name, cached[1])
-            if to_loggers:
-                self._queue.put(track.index, key, value)
+        self._queue.route(self.trainer, self.track(), several, metrics, to_loggers)
 
     def on_flush(self, hook: FlushHook) -> None:
         """Run ``hook(values)`` once at the next flush, with the current optimizer's queued values on the host.
@@ -333,8 +321,7 @@ class StepLedger(CurrentTrackView):
         """
         if not self._queue:
             return {}
-        several = self.several_optimizers
-        metrics = publish(self.trainer, self._queue.transfer(self.device), self._track_at, several, self.label())
+        metrics = self._queue.publish(self.trainer, self.device, self._track_at, self.several_optimizers, self.label())
         self.published.update(metrics)
         return metrics
 

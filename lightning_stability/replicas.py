@@ -1,5 +1,6 @@
-"""Data-parallel replicas must hold the same gradients: gather each rank's gradient norm and name a rank
-that disagrees (``GradientNormMonitor(check_replicas=True)``), a cheap detector of a faulty device."""
+"""Values across data-parallel ranks: their mean (every rank decides from the same numbers), and the replica
+check: gather each rank's gradient norm and name a rank that disagrees (``GradientNormMonitor(check_replicas=True)``),
+a cheap detector of a faulty device."""
 
 from __future__ import annotations
 
@@ -9,6 +10,15 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
+
+
+def mean_over_ranks(values: Tensor) -> Tensor:
+    """The mean over ranks (one all-reduce; ``values`` itself when not distributed): every rank then decides from
+    the same numbers."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+        values = values / dist.get_world_size()
+    return values
 
 
 def gather_from_ranks(value: Tensor) -> Tensor:

@@ -43,13 +43,15 @@ class Rollback:
         self.skip_left -= 1
         return True
 
-    def maybe_snapshot(self, module: nn.Module, optimizers: Sequence[Optimizer], step: int) -> None:
+    def maybe_snapshot(self, module: nn.Module, optimizers: Sequence[Optimizer], step: int) -> bool:
         """Take a snapshot at ``step`` if the last one is ``snapshot_every`` steps old (the caller knows the steps
-        since are clean)."""
+        since are clean); returns whether it took one."""
         if self.skip_left > 0:
-            return
+            return False
         if self.snapshot is None or step - self.snapshot.step >= self.snapshot_every:
             self.snapshot = Snapshot(module, optimizers, step)  # HOST SYNC: device-to-host copies
+            return True
+        return False
 
     def roll_back(
         self, module: nn.Module, optimizers: Sequence[Optimizer], step: int, skip: bool = True

@@ -11,11 +11,13 @@ warmup (Welford's running mean and population variance, equal to the plain momen
 updated in place, among them ``1/(std + eps)`` (0 during the warmup), so that a z-score costs two ops: an
 optimizer step pays ~25 small kernels for the whole estimator.
 
-A spike is folded in *at the threshold* (``mean + spike_z * std``), as ZClip folds in the clipped gradient norm:
-one outlier moves the statistics a bounded amount, and a lasting shift of the level (new data, layers unfrozen)
-is learnt within a few steps instead of scoring as a spike for ever. The standard deviation has a floor of
+A spike is left out of the statistics, so a burst of bad batches leaves them as they were. A signal that spikes
+on more than ``new_level_after`` consecutive steps has settled at a new level (new data, layers unfrozen): its
+spikes from then on enter at the threshold (``mean + spike_z * std``, as ZClip enters a clipped gradient norm),
+and the statistics catch up within a few steps, where they would otherwise score every later value as a spike
+for ever (with ``response="skip"``: skip every later update). The standard deviation has a floor of
 ``min_rel_std * |mean|``: a signal that barely moved through the warmup would otherwise make every later change a
-spike that, folded in at a threshold of ``mean + spike_z * 0``, could never be learnt.
+spike.
 """
 
 from __future__ import annotations
@@ -34,9 +36,11 @@ class Scored(NamedTuple):
 
     z: Tensor  # z-score per signal (0 for a finite value during the warmup)
     spikes: Tensor  # finite values more than ``spike_z`` standard deviations above the mean
-    finite: Tensor  # the watched values that are finite: what the statistics fold in (a spike at the threshold)
+    include: Tensor  # what the statistics fold in: the finite values but the spikes of a short run
+    finite: Tensor  # the watched values that are finite
     nonfinite: Tensor  # 0-dim: a watched value is NaN or infinite
     deviation: Tensor  # value - mean, at most spike_z standard deviations: what :meth:`SpikeStats.update` takes
+    run: Tensor  # consecutive spikes of each signal up to this one (0: not a spike)
 
 
 class SpikeStats:
@@ -50,13 +54,23 @@ class SpikeStats:
         eps: added to the standard deviation in the z-score.
         min_rel_std: the floor of the standard deviation in the z-score, relative to ``|mean|`` (1e-3: a move of
             0.6% of the mean is never a 6-sigma spike).
+        new_level_after: consecutive spikes of a signal after which its spikes enter the statistics (at the
+            threshold): a level it settled at.
     """
 
     def __init__(
-        self, n: int, alpha: float = 0.97, warmup: int = 25, eps: float = 1e-6, min_rel_std: float = 1e-3
+        self,
+        n: int,
+        alpha: float = 0.97,
+        warmup: int = 25,
+        eps: float = 1e-6,
+        min_rel_std: float = 1e-3,
+        new_level_after: int = 10,
     ) -> None:
         self.n, self.alpha, self.warmup, self.eps = n, float(alpha), int(warmup), float(eps)
-        self.min_rel_std = float(min_rel_std)
+        self.min_rel_std, self.new_level_after = float(min_rel_std), int(new_level_after)
+        self._run: Tensor | None = None  # consecutive spikes of each signal so far
+        self._loaded_run: list[float] | None = None
         self._state: Tensor | None = None  # rows: mean, var, count, 1/(std + eps) once warm (else 0)
         self._rows: tuple[Tensor, ...] = ()  # views of the rows, made once
         self._after: Tensor | None = None  # 1 - alpha, the weight after the warmup (a constant)
@@ -74,6 +88,11 @@ class SpikeStats:
                 self._state = torch.tensor(rows, dtype=torch.float32, device=device)
             else:
                 self._state = torch.zeros(4, self.n, dtype=torch.float32, device=device)
+            self._run = (
+                self._run.to(device)
+                if self._run is not None
+                else torch.tensor(self._loaded_run or [0.0] * self.n, dtype=torch.float32, device=device)
+            )
             self._bind(self._state)
         return self._state
 
@@ -109,16 +128,22 @@ class SpikeStats:
         finite = (values - values) == 0  # torch.isfinite is four kernels on a CPU; inf - inf and NaN are NaN
         nonfinite = finite.all().logical_not()  # a placeholder is finite: it never counts here
         spikes = (z > spike_z) & finite
-        # folded in at the threshold, mean + spike_z * std (1/inv_std is inf in the warmup: no cap)
-        capped = torch.minimum(deviation, self._rows[_INV_STD].reciprocal().mul_(spike_z))
         if watched is not None:
             finite, spikes = finite & watched, spikes & watched
-        return Scored(z, spikes, finite, nonfinite, capped)
+        assert self._run is not None
+        run = (self._run + 1.0) * spikes
+        left_out = spikes > (run > self.new_level_after)  # a spike of a run not yet taken as a new level
+        # a spike taken in enters at the threshold, mean + spike_z * std (1/inv_std is inf in the warmup: no cap)
+        capped = torch.minimum(deviation, self._rows[_INV_STD].reciprocal().mul_(spike_z))
+        return Scored(z, spikes, finite ^ left_out, finite, nonfinite, capped, run)
 
-    def update(self, deviation: Tensor, include: Tensor) -> None:
+    def update(self, deviation: Tensor, include: Tensor, run: Tensor | None = None) -> None:
         """Fold the values whose ``deviation`` (from :meth:`zscore`) is given into the statistics where
-        ``include``; an included value must be finite."""
+        ``include``; an included value must be finite. ``run``: :attr:`Scored.run`, kept for the next score."""
         self._ensure(deviation.device)
+        if run is not None:
+            assert self._run is not None
+            self._run.copy_(run)
         assert self._after is not None and self._zeros is not None
         mean, var, count, inv_std = self._rows
         count.add_(include)
@@ -134,6 +159,18 @@ class SpikeStats:
         std = torch.maximum(var.sqrt(), mean.abs().mul_(self.min_rel_std))
         torch.div(count >= self.warmup, std.add_(self.eps), out=inv_std)
 
+    def snapshot(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """A copy of the statistics (on the device), for :meth:`restore` after a rollback: the run of spikes that
+        led to it may have entered the statistics, and would dull them for the steps after it."""
+        state = self._ensure(device).clone()
+        assert self._run is not None
+        return state, self._run.clone()
+
+    def restore(self, snapshot: tuple[Tensor, Tensor]) -> None:
+        self._ensure(snapshot[0].device).copy_(snapshot[0])
+        assert self._run is not None
+        self._run.copy_(snapshot[1])
+
     def __getstate__(self) -> dict[str, Any]:
         # the row views would come back as copies of their own: rebuilt from `_state` by `_ensure`
         return {**self.__dict__, "_rows": (), "_after": None, "_zeros": None}
@@ -141,30 +178,33 @@ class SpikeStats:
     def state_dict(self) -> dict[str, Any]:
         """Host values (a sync: checkpoints only)."""
         rows = self._state.tolist() if self._state is not None else self._loaded
-        return {"alpha": self.alpha, "warmup": self.warmup, "state": rows}
+        run = self._run.tolist() if self._run is not None else self._loaded_run
+        return {"alpha": self.alpha, "warmup": self.warmup, "state": rows, "run": run}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         rows = state.get("state")
         self._loaded, self._state = rows, None
+        self._loaded_run, self._run = state.get("run"), None
 
 
 def _rows_of(rows: list[list[float]], warmup: int, eps: float, min_rel_std: float) -> list[list[float]]:
     """The state rows from a checkpoint: this version's four, or the five of earlier checkpoints (mean, var,
-    count, and the warmup's sum and sum of squares; float64), whose warmup moments become Welford's."""
+    count, and the warmup's sum and sum of squares; float64), whose warmup moments become Welford's. The
+    ``1/(std + eps)`` row is recomputed either way (a checkpoint from before the std's floor holds it without)."""
     if len(rows) == 4:
-        return rows
-    mean, var, count, total, squares = rows
-    out: list[list[float]] = [[], [], [], []]
-    for m, v, n, s, q in zip(mean, var, count, total, squares, strict=True):
-        if n < warmup and n > 0:
-            m = s / n
-            v = max(q / n - m * m, 0.0)
-        out[_MEAN].append(m)
-        out[_VAR].append(v)
-        out[_COUNT].append(n)
-        std = max(max(v, 0.0) ** 0.5, min_rel_std * abs(m))
-        out[_INV_STD].append(1.0 / (std + eps) if n >= warmup else 0.0)
-    return out
+        mean, var, count = rows[_MEAN], rows[_VAR], rows[_COUNT]
+    else:
+        mean, var, count, total, squares = rows
+        mean, var = list(mean), list(var)
+        for i, (n, s, q) in enumerate(zip(count, total, squares, strict=True)):
+            if 0 < n < warmup:
+                mean[i] = s / n
+                var[i] = max(q / n - mean[i] * mean[i], 0.0)
+    inv_std = [
+        1.0 / (max(max(v, 0.0) ** 0.5, min_rel_std * abs(m)) + eps) if n >= warmup else 0.0
+        for m, v, n in zip(mean, var, count, strict=True)
+    ]
+    return [list(mean), list(var), list(count), inv_std]
 
 
 class IntervalMean:

@@ -22,6 +22,12 @@ from lightning_stability.norms import clip_coefficient, combine_norms, is_unifor
 _UNIFORM: weakref.WeakKeyDictionary[Optimizer, tuple[tuple[int, ...], list[Tensor], bool]] = weakref.WeakKeyDictionary()
 
 
+def forget_layouts() -> None:
+    """Drop what :func:`_uniform` learnt (at each fit's setup): parameters converted to another dtype or moved
+    between fits keep their ids and their optimizer."""
+    _UNIFORM.clear()
+
+
 def _uniform(optimizer: Optimizer, key: tuple[int, ...], params: list[Tensor], grads: list[Tensor]) -> bool:
     known = _UNIFORM.get(optimizer)
     if known is None or known[0] != key:

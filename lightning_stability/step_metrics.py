@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,6 +32,42 @@ class MetricQueue:
     def __init__(self) -> None:
         self._pending: dict[int, dict[str, Tensor | float]] = defaultdict(dict)
         self._hooks: dict[int, list[FlushHook]] = defaultdict(list)
+        # host numbers logged as monitorable metrics: the last value and its tensor, reused while unchanged
+        self._host_metrics: dict[str, tuple[float, Tensor]] = {}
+
+    def route(
+        self,
+        trainer: pl.Trainer | None,
+        track: Track,
+        several_optimizers: bool,
+        metrics: Iterable[tuple[str, Tensor | float]],
+        to_loggers: bool,
+    ) -> None:
+        """Scalars into ``trainer.callback_metrics`` at once (keys not starting with ``_``); with ``to_loggers``,
+        every value also queued for the next :meth:`publish`."""
+        for key, value in metrics:
+            if trainer is not None and not key.startswith("_"):
+                name = metric_name(key, track, several_optimizers)
+                if isinstance(value, Tensor):
+                    monitor(trainer, name, value)
+                else:  # a new tensor only when the number changes (a tensor once made is never written to)
+                    cached = self._host_metrics.get(name)
+                    if cached is None or cached[0] != value:
+                        cached = self._host_metrics[name] = (value, torch.full((), float(value)))
+                    monitor(trainer, name, cached[1])
+            if to_loggers:
+                self.put(track.index, key, value)
+
+    def publish(
+        self,
+        trainer: pl.Trainer | None,
+        device: torch.device,
+        track_of: Callable[[int], Track],
+        several_optimizers: bool,
+        step: int,
+    ) -> dict[str, float]:
+        """Empty the queue in one transfer and log it at ``step`` (see :func:`publish`)."""
+        return publish(trainer, self.transfer(device), track_of, several_optimizers, step)
 
     def put(self, track: int, key: str, value: Tensor | float) -> None:
         self._pending[track][key] = value

@@ -47,6 +47,8 @@ class Track:
         self.steps = 0
         self._counts: Tensor | None = None
         self._per_outcome: tuple[Tensor, ...] = ()
+        self._skipped_view: Tensor | None = None  # counts[1:], every outcome but APPLIED
+        self._one: Tensor | None = None
         self._loaded_counts = [0] * len(Outcome)
         self._host_counts: list[int] | None = [0] * len(Outcome)
         self._unsent = [0] * len(Outcome)  # host-decided steps not yet added to the device counts
@@ -65,9 +67,15 @@ class Track:
             self._counts = self._counts.to(device)
             self._bind_counts()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # views would come back as copies of their own: rebuilt on the next read of `counts`
+        return {**self.__dict__, "_per_outcome": (), "_skipped_view": None, "_one": None}
+
     @property
     def counts(self) -> Tensor:
         """Steps per :class:`Outcome` since the start of training (int64 tensor on the device)."""
+        if self._counts is not None and self._skipped_view is None:
+            self._bind_counts()
         if self._counts is None:
             # once per run: a resumed run's counts come from the checkpoint, before the first step
             self._counts = torch.tensor(self._loaded_counts, dtype=torch.int64, device=self.device)
@@ -97,6 +105,7 @@ class Track:
     def skipped_steps(self) -> Tensor:
         """Optimizer steps skipped for any reason (0-dim int64 tensor on the device)."""
         self.counts  # noqa: B018 -- brings the table up to date
+        assert self._skipped_view is not None
         return self._skipped_view.sum()
 
     def skipped_steps_now(self) -> Tensor | float:
@@ -119,7 +128,9 @@ class Track:
 
     def count(self, outcome: Outcome | Tensor) -> None:
         if isinstance(outcome, Tensor):
-            self.counts.index_add_(0, outcome.view(1), self._one)
+            counts = self.counts
+            assert self._one is not None
+            counts.index_add_(0, outcome.view(1), self._one)
             self._host_counts = None
         else:
             if self._counts is None:

@@ -244,3 +244,55 @@ def test_a_vote_from_a_users_callback_alone_is_enforced() -> None:
     trainer.fit(TinyModule())
     assert all(torch.equal(a, b) for a, b in zip(snaps.before[BAD], snaps.after[BAD], strict=True))
     assert snaps.outcomes == [0, 0, int(Outcome.SKIPPED_SPIKE), 0, 0]
+
+
+class _TwoOptimizers(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        for opt, layer in zip(self.optimizers(), (self.a, self.b), strict=True):  # type: ignore[arg-type]
+            opt.zero_grad()
+            self.manual_backward(layer(batch[0]).pow(2).mean())
+            opt.step()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [torch.optim.SGD(self.a.parameters(), 0.1), torch.optim.Adam(self.b.parameters(), 0.1)]
+
+
+class _LogsAtTrainStart(pl.Callback):
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        StepLedger.of(trainer).log("stability/custom", 1.0)
+
+
+def test_metric_names_follow_the_optimizers_of_the_fit_under_way() -> None:
+    """A Trainer fitted with two optimizers, then with one: a metric logged between steps of the second fit has
+    no optimizer suffix (the per-step cache of `several optimizers` did not outlive its step)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4)
+    trainer = quiet_trainer(max_epochs=1, callbacks=[GradientNormMonitor(), _LogsAtTrainStart()])
+    trainer.fit(_TwoOptimizers(), data)
+    assert "stability/grad_norm/SGD" in trainer.callback_metrics
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(TinyModule(), TinyModule().train_dataloader())
+    assert "stability/custom" in trainer.callback_metrics
+    assert not any(k.startswith("stability/custom/") for k in trainer.callback_metrics)
+
+
+def test_a_pickled_track_keeps_its_counts_consistent() -> None:
+    import pickle
+
+    from lightning_stability.track import Track
+
+    track = Track(0, "SGD")
+    track.place(torch.device("cpu"))
+    track.count(Outcome.APPLIED)
+    track.count(torch.tensor(int(Outcome.SKIPPED_SPIKE)))
+    copy = pickle.loads(pickle.dumps(track))
+    copy.count(torch.tensor(int(Outcome.SKIPPED_SPIKE)))
+    copy.count(Outcome.SKIPPED_NONFINITE)
+    assert copy.counts.tolist() == [1, 0, 1, 2, 0]
+    assert int(copy.skipped_steps) == 3

@@ -12,6 +12,7 @@ from torch.optim import Optimizer
 from lightning_stability import _compat
 from lightning_stability.errors import StabilityConfigError, check_positive_int
 from lightning_stability.ledger import StepLedger
+from lightning_stability.step_grads import forget_layouts
 
 
 class LedgerCallback(Callback):
@@ -100,6 +101,7 @@ class LedgerCallback(Callback):
         ours = [cb for cb in trainer.callbacks if isinstance(cb, LedgerCallback)]  # type: ignore[attr-defined]
         self._last = ours[-1] is self
         StepLedger.of(trainer).callbacks_enforce = True
+        forget_layouts()
         self.on_setup(trainer, pl_module)
 
     def on_before_optimizer_step(

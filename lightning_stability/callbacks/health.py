@@ -9,7 +9,6 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
@@ -23,6 +22,7 @@ from lightning_stability.health_log import HealthLog
 from lightning_stability.ledger import Outcome, StepLedger, loss_scaler
 from lightning_stability.memory import capacity, peak_memory_over_ranks
 from lightning_stability.norms import module_groups
+from lightning_stability.replicas import mean_over_ranks
 from lightning_stability.rollback import Rollback
 from lightning_stability.snapshots import Snapshot
 from lightning_stability.spike_stats import IntervalMean, SpikeStats, zclip_threshold
@@ -123,6 +123,9 @@ class TrainingHealthMonitor(LedgerCallback):
         self._log = HealthLog(response, self.spike_z, memory_warn_fraction, top_modules)
         self._pending: Tensor | None = None  # a spike since the last logging step (rollback), on the device
         self._pending_loaded = False  # the checkpoint held a spike not yet answered
+        self._stats_snapshot: tuple[Tensor, Tensor] | None = (
+            None  # the spike statistics when the rollback snapshot was taken
+        )
         self._module_of: dict[int, int] = {}  # id(param) -> its module's index in `_names`
         self._module_index: tuple[tuple[int, ...], Tensor] | None = None  # for the params that have gradients
         self._trainer: pl.Trainer | None = None
@@ -171,15 +174,9 @@ class TrainingHealthMonitor(LedgerCallback):
         if self.response == "rollback":
             # the state before the next step: labelled with the last step taken (-1 at the very start)
             self.rollback.snapshot = Snapshot(pl_module, trainer.optimizers, StepLedger.of(trainer).label() - 1)
+            self._stats_snapshot = self.stats.snapshot(pl_module.device)
 
     # ------------------------------------------------------------------ the step
-    def _reduced(self, values: Tensor) -> Tensor:
-        """The mean over ranks: every rank then decides from the same numbers (one 2-element all-reduce)."""
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(values, op=dist.ReduceOp.SUM)
-            values = values / dist.get_world_size()
-        return values
-
     def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer, logging: bool) -> None:
         lr = optimizer.param_groups[0]["lr"]
         host = {} if isinstance(lr, Tensor) else {"lr": float(lr)}
@@ -194,14 +191,14 @@ class TrainingHealthMonitor(LedgerCallback):
         loss = ledger.record.get("loss")
         const = self._constants(grads.total.device)
         if loss is None:  # the step's loss is not known: a placeholder the statistics skip; NaN in the history
-            values = self._reduced(torch.stack([const.zero, grads.total]))
+            values = mean_over_ranks(torch.stack([const.zero, grads.total]))
             scored = self.stats.score(values, self.spike_z, const.grad_only)
             z, raw = torch.where(const.grad_only, scored.z, const.nan), torch.cat([const.nan, values[_GRAD:]])
         else:
-            values = self._reduced(torch.stack([loss.detach().float().to(const.zero.device), grads.total]))
+            values = mean_over_ranks(torch.stack([loss.detach().float().to(const.zero.device), grads.total]))
             scored = self.stats.score(values, self.spike_z)
             z, raw = scored.z, values
-        spikes, deviation = scored.spikes, scored.deviation
+        spikes, include, deviation = scored.spikes, scored.include, scored.deviation
         ledger.mark_skip(Outcome.SKIPPED_NONFINITE, scored.nonfinite)  # never applied, whatever the response
         threshold = const.fixed_clip
         if self.response == "clip":
@@ -210,7 +207,8 @@ class TrainingHealthMonitor(LedgerCallback):
             threshold = torch.where(over, zclip_threshold(mean[_GRAD], std[_GRAD], z[_GRAD], self.clip_z), math.inf)
             grads.clip_(threshold)
             values = torch.stack([values[_LOSS], torch.minimum(values[_GRAD], threshold)])  # ZClip: the clipped norm
-            deviation = torch.minimum(deviation, self.stats.zscore(values)[1])  # folded in clipped
+            deviation = torch.minimum(deviation, self.stats.zscore(values)[1])  # folded in clipped, always
+            include = include | (scored.finite & const.grad_only)
             threshold = threshold.reshape(1)
             ledger.log("stability/clip_threshold", threshold[0], logging)
         elif self.response in ("skip", "rollback"):
@@ -221,7 +219,7 @@ class TrainingHealthMonitor(LedgerCallback):
                 self._pending_loaded = False
             else:
                 self._pending = self._pending | spikes.any()
-        self.stats.update(deviation, scored.finite)
+        self.stats.update(deviation, include, scored.run)
         # the loss's mean over the logging interval, every step so that EarlyStopping/ModelCheckpoint find it at
         # any epoch end (device ops, no sync)
         loss_z, grad_norm_z = z.unbind()
@@ -296,12 +294,14 @@ class TrainingHealthMonitor(LedgerCallback):
         module, optimizers, step = trainer.lightning_module, trainer.optimizers, StepLedger.of(trainer).label()
         if spiked:
             event = self.rollback.roll_back(module, optimizers, step, skip=not end)
+            if self._stats_snapshot is not None:  # the spikes folded in since go too
+                self.stats.restore(self._stats_snapshot)
             self._log.events.append(event)
             StepLedger.of(trainer).note(event)
             r = self.rollback
             rank_zero_warn(f"TrainingHealthMonitor: rollback {r.rollbacks}/{r.max_rollbacks}: {event['detail']}.")
-        elif not end:  # the steps since the last logging step were clean
-            self.rollback.maybe_snapshot(module, optimizers, step)
+        elif not end and self.rollback.maybe_snapshot(module, optimizers, step):  # the steps since were clean
+            self._stats_snapshot = self.stats.snapshot(module.device)
 
     # ------------------------------------------------------------------ end of fit, checkpoints
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -346,4 +346,4 @@ class TrainingHealthMonitor(LedgerCallback):
         self._interval.load_state_dict(state_dict.get("interval", {}))
 
     def transient_state(self) -> dict[str, Any]:
-        return {"_trainer": None, "_pending": None, "_module_index": None, "_const": None}
+        return {"_trainer": None, "_pending": None, "_module_index": None, "_const": None, "_stats_snapshot": None}
