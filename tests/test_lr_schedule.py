@@ -17,7 +17,8 @@ from lightning.pytorch.plugins import MixedPrecision
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_stability.callbacks.grad_norm import GradientNormMonitor
-from lightning_stability.callbacks.lr_schedule import ScheduledLR, WarmupConstantCosineLR, supports_tensor_lr
+from lightning_stability.callbacks.lr_inputs import supports_tensor_lr
+from lightning_stability.callbacks.lr_schedule import ScheduledLR, WarmupConstantCosineLR
 from lightning_stability.errors import StabilityConfigError
 from lightning_stability.schedules import (
     CosineSchedule,

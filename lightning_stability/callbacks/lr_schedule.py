@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -12,6 +12,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stability.callbacks.base import LedgerCallback
+from lightning_stability.callbacks.lr_inputs import (
+    LRScaleSource,
+    ScheduleFn,
+    schedule_name,
+    supports_tensor_lr,
+)
 from lightning_stability.callbacks.lr_run_length import run_lengths
 from lightning_stability.errors import StabilityConfigError, config_error
 from lightning_stability.ledger import StepLedger
@@ -21,53 +27,7 @@ from lightning_stability.schedules import (
     check_multiplier,
     check_schedule_callable,
 )
-
-ScheduleFn = Callable[[int, "int | None"], float]
-
-
-@runtime_checkable
-class LRScaleSource(Protocol):
-    """A callback that contributes a factor to the learning rate (e.g. :class:`GradientAccumulation`).
-
-    :class:`ScheduledLR` looks for one among the Trainer's callbacks and folds it into the one formula
-    ``lr = base_lr * schedule(applied) * source.lr_scale_at(applied)``.
-    """
-
-    def lr_scale_at(self, applied_steps: int) -> float:
-        """The LR factor for the update that follows ``applied_steps`` applied updates."""
-        ...
-
-    def estimated_optimizer_steps(self, trainer: pl.Trainer) -> int | None:
-        """Optimizer steps in the whole run, when the source changes how batches map to steps."""
-        ...
-
-
-def supports_tensor_lr(optimizer: Optimizer) -> bool:
-    """Whether every param group of ``optimizer`` can take a device tensor ``lr`` without host syncs.
-
-    Fused Adam/AdamW/SGD and capturable Adam/AdamW read a tensor LR inside their kernels. The other
-    implementations turn it into a Python number once per parameter (a host sync each).
-    """
-    return all(bool(g.get("fused")) or bool(g.get("capturable")) for g in optimizer.param_groups)
-
-
-def _schedule_name(schedule: Schedule | ScheduleFn) -> str:
-    """The schedule's name in the callback's ``state_key``: the same in every process.
-
-    A function's ``repr`` holds its memory address, which changes from run to run: keyed by it, a resumed
-    run would not find its saved state (the base LRs) and would take the scheduled LR for the base.
-    """
-    if isinstance(schedule, Schedule):
-        return repr(schedule)
-    named = schedule if hasattr(schedule, "__qualname__") else type(schedule)
-    return f"{named.__module__}.{named.__qualname__}"
-
-
-def _device_of(optimizer: Optimizer) -> torch.device:
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            return (p.to_local() if hasattr(p, "to_local") else p).device
-    return torch.device("cpu")
+from lightning_stability.track import device_of
 
 
 class ScheduledLR(LedgerCallback):
@@ -175,7 +135,7 @@ class ScheduledLR(LedgerCallback):
         self._warned_past_end: set[int] = set()
 
     def state_fields(self) -> dict[str, Any]:
-        return {"schedule": _schedule_name(self.schedule)}
+        return {"schedule": schedule_name(self.schedule)}
 
     # ------------------------------------------------------------------ the formula
     def multiplier(self, applied_steps: int, optimizer_index: int = 0) -> float:
@@ -245,7 +205,7 @@ class ScheduledLR(LedgerCallback):
         mult = self.multiplier(applied, index)
         opt = self._optimizers[index]
         # the same float32 value the device table holds, so both paths give bit-identical LRs
-        factor: float | Tensor = torch.tensor(mult, dtype=torch.float32, device=_device_of(opt)) if as_tensor else mult
+        factor: float | Tensor = torch.tensor(mult, dtype=torch.float32, device=device_of(opt)) if as_tensor else mult
         for group, base in zip(opt.param_groups, self._base_lrs[index], strict=True):
             group["lr"] = factor * base
 
