@@ -43,15 +43,13 @@ class Rollback:
         self.skip_left -= 1
         return True
 
-    def maybe_snapshot(self, module: nn.Module, optimizers: Sequence[Optimizer], step: int) -> bool:
+    def maybe_snapshot(self, module: nn.Module, optimizers: Sequence[Optimizer], step: int) -> None:
         """Take a snapshot at ``step`` if the last one is ``snapshot_every`` steps old (the caller knows the steps
-        since are clean); returns whether it took one."""
+        since are clean)."""
         if self.skip_left > 0:
-            return False
+            return
         if self.snapshot is None or step - self.snapshot.step >= self.snapshot_every:
             self.snapshot = Snapshot(module, optimizers, step)  # HOST SYNC: device-to-host copies
-            return True
-        return False
 
     def roll_back(
         self, module: nn.Module, optimizers: Sequence[Optimizer], step: int, skip: bool = True
@@ -64,7 +62,8 @@ class Rollback:
                 f"TrainingHealthMonitor: training spiked again at step {step} after {self.rollbacks} rollback(s) "
                 f"(max_rollbacks={self.max_rollbacks}). Fix: lower the learning rate, clip harder "
                 "(GradientNormMonitor(max_norm=...)), or look at the data around these steps; raise max_rollbacks "
-                "to retry more."
+                "to retry more. If the loss settled at a new level for a reason (new data, layers unfrozen), "
+                'response="skip" learns a new level after 10 steps above the threshold.'
             )
         self.snapshot.restore(module, optimizers)
         self.rollbacks += 1

@@ -11,13 +11,15 @@ warmup (Welford's running mean and population variance, equal to the plain momen
 updated in place, among them ``1/(std + eps)`` (0 during the warmup), so that a z-score costs two ops: an
 optimizer step pays ~25 small kernels for the whole estimator.
 
-A spike is left out of the statistics, so a burst of bad batches leaves them as they were. A signal that spikes
-on more than ``new_level_after`` consecutive steps has settled at a new level (new data, layers unfrozen): its
-spikes from then on enter at the threshold (``mean + spike_z * std``, as ZClip enters a clipped gradient norm),
-and the statistics catch up within a few steps, where they would otherwise score every later value as a spike
-for ever (with ``response="skip"``: skip every later update). The standard deviation has a floor of
-``min_rel_std * |mean|``: a signal that barely moved through the warmup would otherwise make every later change a
-spike.
+A spike is left out of the statistics, so a burst of bad batches leaves them as they were. A signal that stays
+above the threshold has settled at a new level (new data, layers unfrozen): a count per signal goes up by one
+for each value above the threshold and down by one for each below it (never under 0), and past
+``new_level_after`` the values above the threshold are a new level, not spikes. They enter capped at the
+threshold (``mean + spike_z * std``, as ZClip enters a clipped gradient norm), and the statistics catch up within
+a few steps, where they would otherwise score every later value as a spike for ever (with ``response="skip"``:
+skip every later update). The count goes up and down rather than back to 0 so that a new level whose values
+straddle the old threshold is still recognised. The standard deviation has a floor of ``min_rel_std * |mean|``:
+a signal that barely moved through the warmup would otherwise make every later change a spike.
 """
 
 from __future__ import annotations
@@ -35,12 +37,12 @@ class Scored(NamedTuple):
     """One step's scores (device tensors; see :meth:`SpikeStats.score`)."""
 
     z: Tensor  # z-score per signal (0 for a finite value during the warmup)
-    spikes: Tensor  # finite values more than ``spike_z`` standard deviations above the mean
-    include: Tensor  # what the statistics fold in: the finite values but the spikes of a short run
+    spikes: Tensor  # finite values more than ``spike_z`` standard deviations above the mean (but a new level's)
+    include: Tensor  # what the statistics fold in: the finite values that are not spikes
     finite: Tensor  # the watched values that are finite
     nonfinite: Tensor  # 0-dim: a watched value is NaN or infinite
     deviation: Tensor  # value - mean, at most spike_z standard deviations: what :meth:`SpikeStats.update` takes
-    run: Tensor  # consecutive spikes of each signal up to this one (0: not a spike)
+    run: Tensor  # per signal: up by one for each value above the threshold, down by one below it, never under 0
 
 
 class SpikeStats:
@@ -54,8 +56,9 @@ class SpikeStats:
         eps: added to the standard deviation in the z-score.
         min_rel_std: the floor of the standard deviation in the z-score, relative to ``|mean|`` (1e-3: a move of
             0.6% of the mean is never a 6-sigma spike).
-        new_level_after: consecutive spikes of a signal after which its spikes enter the statistics (at the
-            threshold): a level it settled at.
+        new_level_after: the count of values above the threshold (up one above it, down one below) past which a
+            signal's values above the threshold are a new level: taken into the statistics (capped), not spikes.
+            ``None``: never (every value above the threshold is a spike, left out).
     """
 
     def __init__(
@@ -65,10 +68,11 @@ class SpikeStats:
         warmup: int = 25,
         eps: float = 1e-6,
         min_rel_std: float = 1e-3,
-        new_level_after: int = 10,
+        new_level_after: int | None = 10,
     ) -> None:
         self.n, self.alpha, self.warmup, self.eps = n, float(alpha), int(warmup), float(eps)
-        self.min_rel_std, self.new_level_after = float(min_rel_std), int(new_level_after)
+        self.min_rel_std = float(min_rel_std)
+        self.new_level_after = None if new_level_after is None else int(new_level_after)
         self._run: Tensor | None = None  # consecutive spikes of each signal so far
         self._loaded_run: list[float] | None = None
         self._state: Tensor | None = None  # rows: mean, var, count, 1/(std + eps) once warm (else 0)
@@ -84,8 +88,9 @@ class SpikeStats:
             if self._state is not None:
                 self._state = self._state.to(device)
             elif self._loaded is not None:
-                rows = _rows_of(self._loaded, self.warmup, self.eps, self.min_rel_std)
+                rows = _rows_of(self._loaded, self.warmup)
                 self._state = torch.tensor(rows, dtype=torch.float32, device=device)
+                self._inv_std(self._state[_MEAN], self._state[_VAR], self._state[_COUNT], self._state[_INV_STD])
             else:
                 self._state = torch.zeros(4, self.n, dtype=torch.float32, device=device)
             self._run = (
@@ -127,15 +132,19 @@ class SpikeStats:
         z, deviation = self.zscore(values)
         finite = (values - values) == 0  # torch.isfinite is four kernels on a CPU; inf - inf and NaN are NaN
         nonfinite = finite.all().logical_not()  # a placeholder is finite: it never counts here
-        spikes = (z > spike_z) & finite
-        if watched is not None:
-            finite, spikes = finite & watched, spikes & watched
+        over = (z > spike_z) & finite
         assert self._run is not None
-        run = (self._run + 1.0) * spikes
-        left_out = spikes > (run > self.new_level_after)  # a spike of a run not yet taken as a new level
-        # a spike taken in enters at the threshold, mean + spike_z * std (1/inv_std is inf in the warmup: no cap)
+        if watched is not None:
+            finite, over = finite & watched, over & watched
+        if self.new_level_after is None:  # every value above the threshold is a spike, and stays out
+            return Scored(z, over, finite ^ over, finite, nonfinite, deviation, self._run)
+        run = torch.add(self._run, over, alpha=2.0).sub_(1.0).clamp_(min=0.0)  # up 1 above, down 1 below
+        if watched is not None:  # a signal without a value keeps its count as it was
+            run = torch.where(watched, run, self._run)
+        spikes = over > (run > self.new_level_after)  # past the count's limit: a new level, not a spike
+        # a new level's values enter at the threshold, mean + spike_z * std (1/inv_std is inf in the warmup)
         capped = torch.minimum(deviation, self._rows[_INV_STD].reciprocal().mul_(spike_z))
-        return Scored(z, spikes, finite ^ left_out, finite, nonfinite, capped, run)
+        return Scored(z, spikes, finite ^ spikes, finite, nonfinite, capped, run)
 
     def update(self, deviation: Tensor, include: Tensor, run: Tensor | None = None) -> None:
         """Fold the values whose ``deviation`` (from :meth:`zscore`) is given into the statistics where
@@ -156,20 +165,13 @@ class SpikeStats:
         # Welford during the warmup (w * d * e), ZClip's EMA after it (w * e * e): both scale the old variance
         var.mul_(keep).addcmul_(weight * e, torch.where(warming, d, e))
         var.clamp_(max=_FLOAT32_MAX)  # a huge finite value would make it inf for good; this way the EMA decays it
+        self._inv_std(mean, var, count, out=inv_std)
+
+    def _inv_std(self, mean: Tensor, var: Tensor, count: Tensor, out: Tensor) -> None:
+        """``1/(std + eps)`` once warm, else 0, with the std's floor (also run on a checkpoint's rows, so that a
+        resumed run holds the same float32 numbers as the run that wrote it)."""
         std = torch.maximum(var.sqrt(), mean.abs().mul_(self.min_rel_std))
-        torch.div(count >= self.warmup, std.add_(self.eps), out=inv_std)
-
-    def snapshot(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        """A copy of the statistics (on the device), for :meth:`restore` after a rollback: the run of spikes that
-        led to it may have entered the statistics, and would dull them for the steps after it."""
-        state = self._ensure(device).clone()
-        assert self._run is not None
-        return state, self._run.clone()
-
-    def restore(self, snapshot: tuple[Tensor, Tensor]) -> None:
-        self._ensure(snapshot[0].device).copy_(snapshot[0])
-        assert self._run is not None
-        self._run.copy_(snapshot[1])
+        torch.div(count >= self.warmup, std.add_(self.eps), out=out)
 
     def __getstate__(self) -> dict[str, Any]:
         # the row views would come back as copies of their own: rebuilt from `_state` by `_ensure`
@@ -187,24 +189,19 @@ class SpikeStats:
         self._loaded_run, self._run = state.get("run"), None
 
 
-def _rows_of(rows: list[list[float]], warmup: int, eps: float, min_rel_std: float) -> list[list[float]]:
+def _rows_of(rows: list[list[float]], warmup: int) -> list[list[float]]:
     """The state rows from a checkpoint: this version's four, or the five of earlier checkpoints (mean, var,
-    count, and the warmup's sum and sum of squares; float64), whose warmup moments become Welford's. The
-    ``1/(std + eps)`` row is recomputed either way (a checkpoint from before the std's floor holds it without)."""
+    count, and the warmup's sum and sum of squares; float64), whose warmup moments become Welford's. The caller
+    recomputes the ``1/(std + eps)`` row (a checkpoint from before the std's floor holds it without)."""
     if len(rows) == 4:
-        mean, var, count = rows[_MEAN], rows[_VAR], rows[_COUNT]
-    else:
-        mean, var, count, total, squares = rows
-        mean, var = list(mean), list(var)
-        for i, (n, s, q) in enumerate(zip(count, total, squares, strict=True)):
-            if 0 < n < warmup:
-                mean[i] = s / n
-                var[i] = max(q / n - mean[i] * mean[i], 0.0)
-    inv_std = [
-        1.0 / (max(max(v, 0.0) ** 0.5, min_rel_std * abs(m)) + eps) if n >= warmup else 0.0
-        for m, v, n in zip(mean, var, count, strict=True)
-    ]
-    return [list(mean), list(var), list(count), inv_std]
+        return rows
+    mean, var, count, total, squares = rows
+    mean, var = list(mean), list(var)
+    for i, (n, s, q) in enumerate(zip(count, total, squares, strict=True)):
+        if 0 < n < warmup:
+            mean[i] = s / n
+            var[i] = max(q / n - mean[i] * mean[i], 0.0)
+    return [mean, var, list(count), [0.0] * len(count)]
 
 
 class IntervalMean:

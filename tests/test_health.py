@@ -121,9 +121,9 @@ class Shifted(TinyModule):
 
 
 def test_skip_learns_a_lasting_shift_instead_of_skipping_every_later_step() -> None:
-    """A run of more than 10 spikes is a new level: its values enter the statistics (at the threshold). Before,
-    it scored as a spike on every step, so response="skip" skipped every later update, and the run stopped
-    learning, silently."""
+    """Past a count of 10 values above the threshold (up one above it, down one below) a signal is at a new level:
+    its values enter the statistics (capped at the threshold). Before, the new level scored as a spike on every
+    step, so response="skip" skipped every later update, and the run stopped learning, silently."""
     pl.seed_everything(0)
     mon = TrainingHealthMonitor(response="skip", warmup_steps=10, report=False)
     trainer = quiet_trainer(max_steps=90, callbacks=[mon])
@@ -148,9 +148,9 @@ class BurstThenSpike(TinyModule):
         return loss * 10 if self.global_step == 95 else loss
 
 
-def test_a_rollback_also_restores_the_spike_statistics() -> None:
-    """Past 10 spikes in a row, a run of spikes enters the statistics; a rollback takes it back out with the
-    weights, so the spike at step 95 is still found (with the statistics left as they were, it was missed)."""
+def test_under_rollback_a_long_burst_never_enters_the_statistics() -> None:
+    """30 bad steps in a row are rolled back, not taken as a new level: the statistics stay as they were, so the
+    spike at step 95 is found (had the burst entered them, capped, it was missed)."""
     pl.seed_everything(0)
     mon = monitor("rollback", snapshot_every=10, skip_batches=3, log_every_n_steps=10, max_rollbacks=10)
     trainer = quiet_trainer(max_steps=120, callbacks=[mon])
@@ -158,6 +158,14 @@ def test_a_rollback_also_restores_the_spike_statistics() -> None:
         trainer.fit(BurstThenSpike())
     assert 95 in {e["step"] for e in mon.events if e["kind"] == "spike"}
     assert [e["to_step"] for e in mon.events if e["kind"] == "rollback"] == [29, 29, 29, 89]
+
+
+def test_under_rollback_a_lasting_new_level_stops_with_an_error_that_names_skip() -> None:
+    pl.seed_everything(0)
+    mon = monitor("rollback", snapshot_every=10, skip_batches=3, log_every_n_steps=10, max_rollbacks=2)
+    trainer = quiet_trainer(max_steps=120, callbacks=[mon])
+    with pytest.raises(TrainingDivergedError, match=r'after 2 rollback.*response="skip" learns a new level'):
+        trainer.fit(Shifted(at=40))
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])

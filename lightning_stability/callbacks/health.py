@@ -49,7 +49,9 @@ class TrainingHealthMonitor(LedgerCallback):
     Every optimizer step, on the device and identically on every rank (the loss and the norm are averaged
     over ranks with one 2-element all-reduce, then scored against running statistics, ZClip's EMA
     estimator): a value more than ``spike_z`` standard deviations above its running mean is a spike, and a
-    non-finite loss or norm always skips the update. The response to a spike:
+    non-finite loss or norm always skips the update. Spikes stay out of the statistics; a signal that stays above
+    the threshold (a count past 10, up one above it, down one below) is at a new level and enters them instead
+    (but under ``"rollback"``). The response to a spike:
 
     * ``"warn"``: a warning naming the steps, at the next logging step;
     * ``"clip"``: ZClip's adaptive clipping of the gradient when its norm's z-score exceeds ``clip_z``;
@@ -119,13 +121,12 @@ class TrainingHealthMonitor(LedgerCallback):
         self.response, self.spike_z, self.clip_z = response, float(spike_z), float(clip_z)
         self.rollback = Rollback(snapshot_every, skip_batches, max_rollbacks)
         self.report, self.report_dir = report, report_dir
-        self.stats = SpikeStats(2, alpha, warmup_steps)
+        # a lasting new level is learnt after 10 steps above the threshold; never under "rollback", which rolls
+        # back each time and, past max_rollbacks, stops with an error that says what to change
+        self.stats = SpikeStats(2, alpha, warmup_steps, new_level_after=None if response == "rollback" else 10)
         self._log = HealthLog(response, self.spike_z, memory_warn_fraction, top_modules)
         self._pending: Tensor | None = None  # a spike since the last logging step (rollback), on the device
         self._pending_loaded = False  # the checkpoint held a spike not yet answered
-        self._stats_snapshot: tuple[Tensor, Tensor] | None = (
-            None  # the spike statistics when the rollback snapshot was taken
-        )
         self._module_of: dict[int, int] = {}  # id(param) -> its module's index in `_names`
         self._module_index: tuple[tuple[int, ...], Tensor] | None = None  # for the params that have gradients
         self._trainer: pl.Trainer | None = None
@@ -174,7 +175,6 @@ class TrainingHealthMonitor(LedgerCallback):
         if self.response == "rollback":
             # the state before the next step: labelled with the last step taken (-1 at the very start)
             self.rollback.snapshot = Snapshot(pl_module, trainer.optimizers, StepLedger.of(trainer).label() - 1)
-            self._stats_snapshot = self.stats.snapshot(pl_module.device)
 
     # ------------------------------------------------------------------ the step
     def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer, logging: bool) -> None:
@@ -294,14 +294,12 @@ class TrainingHealthMonitor(LedgerCallback):
         module, optimizers, step = trainer.lightning_module, trainer.optimizers, StepLedger.of(trainer).label()
         if spiked:
             event = self.rollback.roll_back(module, optimizers, step, skip=not end)
-            if self._stats_snapshot is not None:  # the spikes folded in since go too
-                self.stats.restore(self._stats_snapshot)
             self._log.events.append(event)
             StepLedger.of(trainer).note(event)
             r = self.rollback
             rank_zero_warn(f"TrainingHealthMonitor: rollback {r.rollbacks}/{r.max_rollbacks}: {event['detail']}.")
-        elif not end and self.rollback.maybe_snapshot(module, optimizers, step):  # the steps since were clean
-            self._stats_snapshot = self.stats.snapshot(module.device)
+        elif not end:  # the steps since the last logging step were clean
+            self.rollback.maybe_snapshot(module, optimizers, step)
 
     # ------------------------------------------------------------------ end of fit, checkpoints
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -346,4 +344,4 @@ class TrainingHealthMonitor(LedgerCallback):
         self._interval.load_state_dict(state_dict.get("interval", {}))
 
     def transient_state(self) -> dict[str, Any]:
-        return {"_trainer": None, "_pending": None, "_module_index": None, "_const": None, "_stats_snapshot": None}
+        return {"_trainer": None, "_pending": None, "_module_index": None, "_const": None}
