@@ -91,7 +91,8 @@ class HealthLog:
     def take_rows(self, rows: list[float], sparse: dict[str, float]) -> dict[str, float]:
         """Append the transferred rows to the history and warn about their spikes; returns the skip rate."""
         taken = self.history.take(rows, sparse)
-        spikes = [int(row["step"]) for row in taken if row["loss_spike"] > 0 or row["grad_spike"] > 0]
+        self._note_new_levels(taken)
+        spikes = [int(row["step"]) for row in taken if row["loss_spike"] == 1 or row["grad_spike"] == 1]
         if spikes:
             action = _ACTIONS[self.response]
             self.events.extend({"step": step, "kind": "spike", "detail": action} for step in spikes)
@@ -101,6 +102,23 @@ class HealthLog:
                 category=UserWarning,
             )
         return {"stability/skip_rate": sum(row["outcome"] != 0 for row in taken) / len(taken)} if taken else {}
+
+    def _note_new_levels(self, taken: list[dict[str, float]]) -> None:
+        """An event and a warning where a signal's values start to count as a new level (flag 2 in the history)."""
+        for column, signal in (("loss_spike", "loss"), ("grad_spike", "gradient norm")):
+            series = self.history.series[column]  # the taken rows are its tail; the row before them, if any
+            before = series[-len(taken) - 1] == 2 if len(series) > len(taken) else False
+            for row in taken:
+                level = row[column] == 2
+                if level and not before:
+                    step = int(row["step"])
+                    detail = (
+                        f"the {signal} stayed above its spike threshold (more than 10 steps net): a new level, "
+                        "taken into the statistics, no longer treated as spikes"
+                    )
+                    self.events.append({"step": step, "kind": "new_level", "detail": detail})
+                    rank_zero_warn(f"TrainingHealthMonitor: at step {step}, {detail}.", category=UserWarning)
+                before = level
 
     def check_memory(self, peak: float | None) -> None:
         if peak is None or self._memory_warned:

@@ -43,6 +43,7 @@ class Scored(NamedTuple):
     nonfinite: Tensor  # 0-dim: a watched value is NaN or infinite
     deviation: Tensor  # value - mean, at most spike_z standard deviations: what :meth:`SpikeStats.update` takes
     run: Tensor  # per signal: up by one for each value above the threshold, down by one below it, never under 0
+    flags: Tensor  # per signal, for the history: 0 below the threshold, 1 a spike, 2 a new level's value
 
 
 class SpikeStats:
@@ -137,14 +138,15 @@ class SpikeStats:
         if watched is not None:
             finite, over = finite & watched, over & watched
         if self.new_level_after is None:  # every value above the threshold is a spike, and stays out
-            return Scored(z, over, finite ^ over, finite, nonfinite, deviation, self._run)
+            return Scored(z, over, finite ^ over, finite, nonfinite, deviation, self._run, over)
         run = torch.add(self._run, over, alpha=2.0).sub_(1.0).clamp_(min=0.0)  # up 1 above, down 1 below
         if watched is not None:  # a signal without a value keeps its count as it was
             run = torch.where(watched, run, self._run)
         spikes = over > (run > self.new_level_after)  # past the count's limit: a new level, not a spike
         # a new level's values enter at the threshold, mean + spike_z * std (1/inv_std is inf in the warmup)
         capped = torch.minimum(deviation, self._rows[_INV_STD].reciprocal().mul_(spike_z))
-        return Scored(z, spikes, finite ^ spikes, finite, nonfinite, capped, run)
+        flags = over.to(torch.float32).add_(over ^ spikes)
+        return Scored(z, spikes, finite ^ spikes, finite, nonfinite, capped, run, flags)
 
     def update(self, deviation: Tensor, include: Tensor, run: Tensor | None = None) -> None:
         """Fold the values whose ``deviation`` (from :meth:`zscore`) is given into the statistics where

@@ -221,9 +221,9 @@ class HookOps(pl.Callback):
 def test_a_step_of_the_monitors_costs_a_few_dozen_small_kernels() -> None:
     """The per-step device work of the preset's monitors, counted in a real fit: each op is a kernel launch on
     a GPU and a few microseconds of dispatch on a CPU. Budgets with a little headroom over today's count
-    (GradientNormMonitor 13, TrainingHealthMonitor 57 with the ledger's vote enforcement, of which the count of
-    values above the threshold, the cap at the threshold and the std's floor are 13): a change that
-    adds ops to every step fails here and has to say why."""
+    (GradientNormMonitor 13, TrainingHealthMonitor 60 with the ledger's vote enforcement, of which the count of
+    values above the threshold, the cap at the threshold, the std's floor and the history's new-level flag are
+    16): a change that adds ops to every step fails here and has to say why."""
     pl.seed_everything(0)
     callbacks: list[pl.Callback] = [GradientNormMonitor(max_norm=1.0), TrainingHealthMonitor(response="skip")]
     ops = HookOps(callbacks)
@@ -231,7 +231,7 @@ def test_a_step_of_the_monitors_costs_a_few_dozen_small_kernels() -> None:
     trainer.fit(TinyModule())
     later = {name: counts[2:] for name, counts in ops.ops.items()}  # the first steps build constants
     assert max(later["GradientNormMonitor"]) <= 16, later
-    assert max(later["TrainingHealthMonitor"]) <= 60, later
+    assert max(later["TrainingHealthMonitor"]) <= 64, later
 
 
 def test_a_huge_finite_value_in_the_warmup_does_not_switch_spike_detection_off() -> None:

@@ -238,7 +238,7 @@ class TrainingHealthMonitor(LedgerCallback):
         )
         lr_value = lr.reshape(1).float() if isinstance(lr, Tensor) else const.nan
         # the history's row: loss, grad norm, clip threshold, the two spike flags, LR, loss scale (one kernel)
-        parts = [raw, threshold, spikes, lr_value, scale]
+        parts = [raw, threshold, scored.flags, lr_value, scale]
         row = self.history.add(ledger.label(), parts, host, values.device)
         ledger.on_close(lambda closed: self.history.set_outcome(row, closed.outcome))
         if logging:
