@@ -24,6 +24,8 @@ a signal that barely moved through the warmup would otherwise make every later c
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -57,9 +59,10 @@ class SpikeStats:
         eps: added to the standard deviation in the z-score.
         min_rel_std: the floor of the standard deviation in the z-score, relative to ``|mean|`` (1e-3: a move of
             0.6% of the mean is never a 6-sigma spike).
-        new_level_after: the count of values above the threshold (up one above it, down one below) past which a
-            signal's values above the threshold are a new level: taken into the statistics (capped), not spikes.
-            ``None``: never (every value above the threshold is a spike, left out).
+        new_level_after: the count of values above the threshold (up one above it, down one below, at most 2
+            past this limit) past which a signal's values above the threshold are a new level: taken into the
+            statistics (capped), not spikes. ``None``: never (every value above the threshold is a spike, left
+            out). One for all signals, or one per signal.
     """
 
     def __init__(
@@ -69,12 +72,14 @@ class SpikeStats:
         warmup: int = 25,
         eps: float = 1e-6,
         min_rel_std: float = 1e-3,
-        new_level_after: int | None = 10,
+        new_level_after: int | Sequence[int | None] | None = 10,
     ) -> None:
         self.n, self.alpha, self.warmup, self.eps = n, float(alpha), int(warmup), float(eps)
         self.min_rel_std = float(min_rel_std)
-        self.new_level_after = None if new_level_after is None else int(new_level_after)
-        self._run: Tensor | None = None  # consecutive spikes of each signal so far
+        after = list(new_level_after) if isinstance(new_level_after, Sequence) else [new_level_after] * n
+        #: per signal: the count past which its values above the threshold are a new level (None: never)
+        self.new_level_after: list[int | None] = [None if k is None else int(k) for k in after]
+        self._run: Tensor | None = None  # per signal: the count of values above the threshold (see score)
         self._loaded_run: list[float] | None = None
         self._state: Tensor | None = None  # rows: mean, var, count, 1/(std + eps) once warm (else 0)
         self._rows: tuple[Tensor, ...] = ()  # views of the rows, made once
@@ -107,6 +112,9 @@ class SpikeStats:
         self._rows = state.unbind(0)
         self._after = torch.full((self.n,), 1.0 - self.alpha, device=state.device)
         self._zeros = torch.zeros(self.n, device=state.device)
+        limits = [math.inf if k is None else float(k) for k in self.new_level_after]
+        self._level_after = torch.tensor(limits, device=state.device)  # HOST DATA: once
+        self._count_cap = self._level_after + 2.0  # a count this high falls back under the limit in 2 steps
 
     def ready(self, device: torch.device) -> Tensor:
         """Which signals have finished their warmup (bool vector)."""
@@ -137,12 +145,13 @@ class SpikeStats:
         assert self._run is not None
         if watched is not None:
             finite, over = finite & watched, over & watched
-        if self.new_level_after is None:  # every value above the threshold is a spike, and stays out
-            return Scored(z, over, finite ^ over, finite, nonfinite, deviation, self._run, over)
-        run = torch.add(self._run, over, alpha=2.0).sub_(1.0).clamp_(min=0.0)  # up 1 above, down 1 below
-        if watched is not None:  # a signal without a value keeps its count as it was
-            run = torch.where(watched, run, self._run)
-        spikes = over > (run > self.new_level_after)  # past the count's limit: a new level, not a spike
+        if all(k is None for k in self.new_level_after):  # every value above the threshold is a spike, and stays out
+            return Scored(z, over, finite ^ over, finite, nonfinite, deviation, self._run.clone(), over)
+        # up one above the threshold, down one below, within [0, limit + 2]: after a new level is learnt, a real
+        # spike two steps later is a spike again; a NaN or a signal without a value leaves the count as it was
+        run = torch.add(self._run, over, alpha=2.0).sub_(1.0).clamp_(self._zeros, self._count_cap)
+        run = torch.where(finite, run, self._run)
+        spikes = over > (run > self._level_after)  # past the count's limit: a new level, not a spike
         # a new level's values enter at the threshold, mean + spike_z * std (1/inv_std is inf in the warmup)
         capped = torch.minimum(deviation, self._rows[_INV_STD].reciprocal().mul_(spike_z))
         flags = over.to(torch.float32).add_(over ^ spikes)

@@ -152,6 +152,23 @@ def test_a_checkpoint_restores_the_float32_state_exactly() -> None:
     assert torch.equal(resumed._ensure(cpu), stats._ensure(cpu))
 
 
+def test_the_count_ignores_non_finite_values_and_can_be_off_per_signal() -> None:
+    """A NaN is not below the threshold: the count stays. With ``new_level_after=(10, None)`` (the health monitor
+    under response="clip", where ZClip always folds the clipped norm in) the second signal never becomes a new
+    level: every value above its threshold stays a spike."""
+    stats = SpikeStats(2, alpha=0.97, warmup=5, new_level_after=(3, None))
+    for v in [1.0, 1.1, 0.9, 1.0, 1.05]:
+        scored = stats.score(torch.tensor([v, v]), 6.0)
+        stats.update(scored.deviation, scored.include, scored.run)
+    spikes = []
+    for v in [9.0, 9.0, math.nan, 9.0, 9.0, 9.0, 9.0]:
+        scored = stats.score(torch.tensor([v, v]), 6.0)
+        stats.update(scored.deviation, scored.include, scored.run)
+        spikes.append(scored.spikes.tolist())
+    assert [s[0] for s in spikes] == [True, True, False, True, False, False, False]  # NaN: no spike, count kept
+    assert [s[1] for s in spikes] == [True, True, False, True, True, True, True]
+
+
 def test_a_checkpoint_keeps_the_run_of_spikes() -> None:
     stats = SpikeStats(1, alpha=0.97, warmup=5, new_level_after=3)
     run(stats, [1.0, 1.1, 0.9, 1.0, 1.05, 9.0, 9.0])  # two spikes of a run so far
@@ -221,9 +238,9 @@ class HookOps(pl.Callback):
 def test_a_step_of_the_monitors_costs_a_few_dozen_small_kernels() -> None:
     """The per-step device work of the preset's monitors, counted in a real fit: each op is a kernel launch on
     a GPU and a few microseconds of dispatch on a CPU. Budgets with a little headroom over today's count
-    (GradientNormMonitor 13, TrainingHealthMonitor 60 with the ledger's vote enforcement, of which the count of
+    (GradientNormMonitor 13, TrainingHealthMonitor 61 with the ledger's vote enforcement, of which the count of
     values above the threshold, the cap at the threshold, the std's floor and the history's new-level flag are
-    16): a change that adds ops to every step fails here and has to say why."""
+    17): a change that adds ops to every step fails here and has to say why."""
     pl.seed_everything(0)
     callbacks: list[pl.Callback] = [GradientNormMonitor(max_norm=1.0), TrainingHealthMonitor(response="skip")]
     ops = HookOps(callbacks)

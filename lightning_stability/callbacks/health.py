@@ -51,7 +51,7 @@ class TrainingHealthMonitor(LedgerCallback):
     estimator): a value more than ``spike_z`` standard deviations above its running mean is a spike, and a
     non-finite loss or norm always skips the update. Spikes stay out of the statistics; a signal that stays above
     the threshold (a count past 10, up one above it, down one below) is at a new level and enters them instead
-    (but under ``"rollback"``). The response to a spike:
+    (not under ``"rollback"``, nor the gradient norm under ``"clip"``). The response to a spike:
 
     * ``"warn"``: a warning naming the steps, at the next logging step;
     * ``"clip"``: ZClip's adaptive clipping of the gradient when its norm's z-score exceeds ``clip_z``;
@@ -122,8 +122,10 @@ class TrainingHealthMonitor(LedgerCallback):
         self.rollback = Rollback(snapshot_every, skip_batches, max_rollbacks)
         self.report, self.report_dir = report, report_dir
         # a lasting new level is learnt after 10 steps above the threshold; never under "rollback", which rolls
-        # back each time and, past max_rollbacks, stops with an error that says what to change
-        self.stats = SpikeStats(2, alpha, warmup_steps, new_level_after=None if response == "rollback" else 10)
+        # back each time and, past max_rollbacks, stops with an error that says what to change; nor for the
+        # gradient norm under "clip", which ZClip always folds in (clipped)
+        levels = {"rollback": (None, None), "clip": (10, None)}.get(response, (10, 10))
+        self.stats = SpikeStats(2, alpha, warmup_steps, new_level_after=levels)
         self._log = HealthLog(response, self.spike_z, memory_warn_fraction, top_modules)
         self._pending: Tensor | None = None  # a spike since the last logging step (rollback), on the device
         self._pending_loaded = False  # the checkpoint held a spike not yet answered
