@@ -29,6 +29,10 @@ _ACTIONS = {
 }
 
 
+#: rows without a new-level value after which the next one starts a new level (and gets its own event)
+CALM_STEPS = 10
+
+
 class HealthLog:
     """The history of every step, the events (spikes, rollbacks), the warnings and the report.
 
@@ -104,13 +108,18 @@ class HealthLog:
         return {"stability/skip_rate": sum(row["outcome"] != 0 for row in taken) / len(taken)} if taken else {}
 
     def _note_new_levels(self, taken: list[dict[str, float]]) -> None:
-        """An event and a warning where a signal's values start to count as a new level (flag 2 in the history)."""
+        """An event and a warning where a signal's values start to count as a new level (flag 2 in the history):
+        at a 2 after at least :data:`CALM_STEPS` rows without one (a level's values may dip under the threshold
+        for a few steps: still the same level)."""
         for column, signal in (("loss_spike", "loss"), ("grad_spike", "gradient norm")):
-            series = self.history.series[column]  # the taken rows are its tail; the row before them, if any
-            before = series[-len(taken) - 1] == 2 if len(series) > len(taken) else False
+            series = self.history.series[column]  # the taken rows are its tail
+            before = series[: len(series) - len(taken)][-CALM_STEPS:]
+            calm = CALM_STEPS if 2.0 not in before else before[::-1].index(2.0)
             for row in taken:
-                level = row[column] == 2
-                if level and not before:
+                if row[column] != 2:
+                    calm += 1
+                    continue
+                if calm >= CALM_STEPS:
                     step = int(row["step"])
                     detail = (
                         f"the {signal} stayed above its spike threshold (more than 10 steps net): a new level, "
@@ -118,7 +127,7 @@ class HealthLog:
                     )
                     self.events.append({"step": step, "kind": "new_level", "detail": detail})
                     rank_zero_warn(f"TrainingHealthMonitor: at step {step}, {detail}.", category=UserWarning)
-                before = level
+                calm = 0
 
     def check_memory(self, peak: float | None) -> None:
         if peak is None or self._memory_warned:
