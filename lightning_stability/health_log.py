@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning_stability.health_history import HealthHistory
 from lightning_stability.ledger import StepLedger
 from lightning_stability.memory import memory_warning
+from lightning_stability.spike_stats import NEW_LEVEL_AFTER
 from lightning_stability.step_metrics import FlushValues
 from lightning_stability.update_size import UpdateSize
 
@@ -122,7 +123,8 @@ class HealthLog:
                 if calm >= CALM_STEPS:
                     step = int(row["step"])
                     detail = (
-                        f"the {signal} stayed above its spike threshold (more than 10 steps net): a new level, "
+                        f"the {signal} stayed above its spike threshold (more than {NEW_LEVEL_AFTER} steps net): a "
+                        "new level, "
                         "taken into the statistics, no longer treated as spikes"
                     )
                     self.events.append({"step": step, "kind": "new_level", "detail": detail})

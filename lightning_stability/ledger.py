@@ -66,7 +66,7 @@ class StepLedger(CurrentTrackView):
         self._open: Optimizer | None = None
         self._votes: StepVotes | None = None  # the open step's skip decision
         self._stepped = False  # the optimizer's step() ran for the open step
-        self._several: bool | None = None  # several_optimizers, as of the last step opened (read by every log)
+        self._several: bool | None = None  # several_optimizers, as of the step open now (None between steps)
         self._grads: dict[float, StepGradients] = {}  # the open step's gradient norms, by norm type
         self._clip = ClipScale()  # the clips applied to the open step's gradients, shared by all norm types
         self._close_hooks: list[Callable[[StepLedger], None]] = []
@@ -103,9 +103,9 @@ class StepLedger(CurrentTrackView):
 
     @property
     def several_optimizers(self) -> bool:
-        """Whether the trainer has more than one optimizer (metric keys then name the optimizer)."""
-        trainer = self.trainer
-        return trainer is not None and len(trainer.optimizers) > 1
+        """Whether the trainer has more than one optimizer (metric keys then name the optimizer); read once per
+        step while one is open (every metric asks), live between steps."""
+        return self._several if self._several is not None else len(self._optimizers()) > 1
 
     def _track_at(self, index: int, name: str | None = None) -> Track:
         track = self._tracks.get(index)
@@ -158,7 +158,7 @@ class StepLedger(CurrentTrackView):
         if loss is not None:
             self.record["loss"] = loss
         trainer = self.trainer
-        self._several = trainer is not None and len(trainer.optimizers) > 1
+        self._several = len(self._optimizers()) > 1
         self._votes = StepVotes(optimizer, loss_scaler(trainer) if trainer is not None else None, track.device)
         return True
 
@@ -301,8 +301,7 @@ class StepLedger(CurrentTrackView):
 
     def log_many(self, metrics: Iterable[tuple[str, Tensor | float]], to_loggers: bool = True) -> None:
         """:meth:`log` for several metrics of the current step at once."""
-        several = self._several if self._several is not None else self.several_optimizers
-        self._queue.route(self.trainer, self.track(), several, metrics, to_loggers)
+        self._queue.route(self.trainer, self.track(), self.several_optimizers, metrics, to_loggers)
 
     def on_flush(self, hook: FlushHook) -> None:
         """Run ``hook(values)`` once at the next flush, with the current optimizer's queued values on the host.

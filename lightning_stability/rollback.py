@@ -15,6 +15,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_stability.snapshots import Snapshot
+from lightning_stability.spike_stats import NEW_LEVEL_AFTER
 
 
 class TrainingDivergedError(RuntimeError):
@@ -63,7 +64,7 @@ class Rollback:
                 f"(max_rollbacks={self.max_rollbacks}). Fix: lower the learning rate, clip harder "
                 "(GradientNormMonitor(max_norm=...)), or look at the data around these steps; raise max_rollbacks "
                 "to retry more. If the loss settled at a new level for a reason (new data, layers unfrozen), "
-                'response="skip" learns a new level after 10 steps above the threshold.'
+                f'response="skip" learns a new level after {NEW_LEVEL_AFTER} steps above the threshold.'
             )
         self.snapshot.restore(module, optimizers)
         self.rollbacks += 1

@@ -33,6 +33,8 @@ from torch import Tensor
 
 _MEAN, _VAR, _COUNT, _INV_STD = range(4)
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+#: the default count past which a signal's values above the threshold are a new level (see the module doc)
+NEW_LEVEL_AFTER = 10
 
 
 class Scored(NamedTuple):
@@ -72,7 +74,7 @@ class SpikeStats:
         warmup: int = 25,
         eps: float = 1e-6,
         min_rel_std: float = 1e-3,
-        new_level_after: int | Sequence[int | None] | None = 10,
+        new_level_after: int | Sequence[int | None] | None = NEW_LEVEL_AFTER,
     ) -> None:
         self.n, self.alpha, self.warmup, self.eps = n, float(alpha), int(warmup), float(eps)
         self.min_rel_std = float(min_rel_std)
@@ -123,7 +125,7 @@ class SpikeStats:
     def mean_std(self, device: torch.device) -> tuple[Tensor, Tensor]:
         """The means and the standard deviations (with their floor, as the z-scores use them)."""
         state = self._ensure(device)
-        return state[_MEAN], torch.maximum(state[_VAR].sqrt(), state[_MEAN].abs() * self.min_rel_std)
+        return state[_MEAN], self._std(state[_MEAN], state[_VAR])
 
     def zscore(self, values: Tensor) -> tuple[Tensor, Tensor]:
         """``(value - mean) / (std + eps)`` per signal (0 for a finite value still in its warmup), and
@@ -181,8 +183,11 @@ class SpikeStats:
     def _inv_std(self, mean: Tensor, var: Tensor, count: Tensor, out: Tensor) -> None:
         """``1/(std + eps)`` once warm, else 0, with the std's floor (also run on a checkpoint's rows, so that a
         resumed run holds the same float32 numbers as the run that wrote it)."""
-        std = torch.maximum(var.sqrt(), mean.abs().mul_(self.min_rel_std))
-        torch.div(count >= self.warmup, std.add_(self.eps), out=out)
+        torch.div(count >= self.warmup, self._std(mean, var).add_(self.eps), out=out)
+
+    def _std(self, mean: Tensor, var: Tensor) -> Tensor:
+        """The standard deviation with its floor, ``min_rel_std * |mean|`` (a new tensor)."""
+        return torch.maximum(var.sqrt(), mean.abs().mul_(self.min_rel_std))
 
     def __getstate__(self) -> dict[str, Any]:
         # the row views would come back as copies of their own: rebuilt from `_state` by `_ensure`

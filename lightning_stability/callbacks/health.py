@@ -25,7 +25,7 @@ from lightning_stability.norms import module_groups
 from lightning_stability.replicas import mean_over_ranks
 from lightning_stability.rollback import Rollback
 from lightning_stability.snapshots import Snapshot
-from lightning_stability.spike_stats import IntervalMean, SpikeStats, zclip_threshold
+from lightning_stability.spike_stats import NEW_LEVEL_AFTER, IntervalMean, SpikeStats, zclip_threshold
 from lightning_stability.step_metrics import FlushValues
 from lightning_stability.update_size import UpdateSize
 
@@ -124,7 +124,8 @@ class TrainingHealthMonitor(LedgerCallback):
         # a lasting new level is learnt after 10 steps above the threshold; never under "rollback", which rolls
         # back each time and, past max_rollbacks, stops with an error that says what to change; nor for the
         # gradient norm under "clip", which ZClip always folds in (clipped)
-        levels = {"rollback": (None, None), "clip": (10, None)}.get(response, (10, 10))
+        k = NEW_LEVEL_AFTER
+        levels = {"rollback": (None, None), "clip": (k, None)}.get(response, (k, k))
         self.stats = SpikeStats(2, alpha, warmup_steps, new_level_after=levels)
         self._log = HealthLog(response, self.spike_z, memory_warn_fraction, top_modules)
         self._pending: Tensor | None = None  # a spike since the last logging step (rollback), on the device
