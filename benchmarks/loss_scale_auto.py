@@ -34,8 +34,8 @@ from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_stability.callbacks.loss_scale import LossScaleTuner
-from lightning_stability.grad_scaler import TunedGradScaler
+from lightning_stability.amp.callback import LossScaleTuner
+from lightning_stability.amp.scaler import TunedGradScaler
 from tests.helpers import OpCounter, StepSyncCounter
 
 

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_stability.planner import ModelShape, plan_memory
-from lightning_stability.planner_model import activations as planner_activations
+from lightning_stability.planner import activations as planner_activations
 
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ, BATCH, DROPOUT = 4, 256, 4, 1024, 128, 4, 0.1
 MiB = float(1 << 20)

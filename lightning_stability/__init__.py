@@ -2,87 +2,85 @@
 
 Names are imported on first use (PEP 562), so ``import lightning_stability`` and the command line's help
 do not import torch. The first name taken from the package also registers the ``"stable_fsdp"`` strategy
-with Lightning.
+with Lightning. ``_EXPORTS`` is the one list of public names; ``__all__`` is derived from it, and the
+``TYPE_CHECKING`` imports below (for type checkers) are tested to match it.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+import warnings
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+# public name -> the module that defines it
 _EXPORTS = {
-    "FusedClipMixedPrecision": "lightning_stability.fused_clip",
-    "GradientAccumulation": "lightning_stability.callbacks.accumulation",
-    "GradientNormMonitor": "lightning_stability.callbacks.grad_norm",
-    "LossScaleFloorError": "lightning_stability.callbacks.loss_scale",
-    "LossScaleTuner": "lightning_stability.callbacks.loss_scale",
+    # the callbacks
+    "GradientAccumulation": "lightning_stability.accumulation.callback",
+    "GradientNormMonitor": "lightning_stability.grad_norm",
+    "LossScaleTuner": "lightning_stability.amp.callback",
+    "ScheduledLR": "lightning_stability.schedules.callback",
+    "TrainingHealthMonitor": "lightning_stability.health.callback",
+    "WarmupConstantCosineLR": "lightning_stability.schedules.callback",
+    # LR schedules for ScheduledLR
+    "CosineSchedule": "lightning_stability.schedules.specs",
+    "InverseSqrtSchedule": "lightning_stability.schedules.specs",
+    "LinearSchedule": "lightning_stability.schedules.specs",
+    "StepSchedule": "lightning_stability.schedules.specs",
+    "WarmupConstantCosineSchedule": "lightning_stability.schedules.specs",
+    # fp16
+    "LossScaleFloorError": "lightning_stability.amp.callback",
+    "PrecisionDiagnostics": "lightning_stability.amp.diagnostics",
+    "TrainingStatus": "lightning_stability.amp.diagnostics",
+    "TunedGradScaler": "lightning_stability.amp.scaler",
+    "check_training_status": "lightning_stability.amp.diagnostics",
+    # the step ledger, for callback authors
+    "LedgerCallback": "lightning_stability.ledger.callback",
+    "Outcome": "lightning_stability.ledger.track",
+    "StepLedger": "lightning_stability.ledger.step_ledger",
+    # the strategy
+    "StableFSDPStrategy": "lightning_stability.strategies.fsdp",
+    "consolidate_checkpoint": "lightning_stability.strategies.fsdp_checkpoint",
+    # presets, the trainer, the planner
+    "Preset": "lightning_stability.presets",
+    "StableTrainer": "lightning_stability.trainer",
+    "describe_preset": "lightning_stability.presets",
+    "list_presets": "lightning_stability.presets",
     "MemoryPlan": "lightning_stability.planner",
     "ModelShape": "lightning_stability.planner",
-    "Outcome": "lightning_stability.ledger",
-    "PrecisionDiagnostics": "lightning_stability.diagnostics",
-    "Preset": "lightning_stability.presets",
-    "ScaleRule": "lightning_stability.scaling",
-    "ScheduledLR": "lightning_stability.callbacks.lr_schedule",
-    "StabilityConfigError": "lightning_stability.errors",
+    "plan_memory": "lightning_stability.planner",
+    # progress bars and errors
     "StabilityProgressBar": "lightning_stability.progress",
     "StabilityRichProgressBar": "lightning_stability.progress",
-    "StableFSDPPrecision": "lightning_stability.strategies",
-    "StableFSDPStrategy": "lightning_stability.strategies",
-    "StableTrainer": "lightning_stability.trainer",
-    "StepLedger": "lightning_stability.ledger",
-    "TrainingDivergedError": "lightning_stability.rollback",
-    "TrainingHealthMonitor": "lightning_stability.callbacks.health",
-    "TrainingStatus": "lightning_stability.diagnostics",
-    "TunedGradScaler": "lightning_stability.grad_scaler",
-    "WarmupConstantCosineLR": "lightning_stability.callbacks.lr_schedule",
-    "auto_initial_scale": "lightning_stability.scaling",
-    "check_training_status": "lightning_stability.diagnostics",
-    "consolidate_checkpoint": "lightning_stability.strategies",
-    "describe": "lightning_stability.presets",
-    "list_presets": "lightning_stability.presets",
-    "plan_memory": "lightning_stability.planner",
-    "update_scale": "lightning_stability.scaling",
+    "StabilityConfigError": "lightning_stability.errors",
+    "TrainingDivergedError": "lightning_stability.health.rollback",
 }
-__all__ = [
-    "FusedClipMixedPrecision",
-    "GradientAccumulation",
-    "GradientNormMonitor",
-    "LossScaleFloorError",
-    "LossScaleTuner",
-    "MemoryPlan",
-    "ModelShape",
-    "Outcome",
-    "PrecisionDiagnostics",
-    "Preset",
-    "ScaleRule",
-    "ScheduledLR",
-    "StabilityConfigError",
-    "StabilityProgressBar",
-    "StabilityRichProgressBar",
-    "StableFSDPPrecision",
-    "StableFSDPStrategy",
-    "StableTrainer",
-    "StepLedger",
-    "TrainingDivergedError",
-    "TrainingHealthMonitor",
-    "TrainingStatus",
-    "TunedGradScaler",
-    "WarmupConstantCosineLR",
-    "auto_initial_scale",
-    "check_training_status",
-    "consolidate_checkpoint",
-    "describe",
-    "list_presets",
-    "plan_memory",
-    "update_scale",
-]
+__all__ = sorted(_EXPORTS)
+
+# names that were public here before and now live in a feature's package: still importable, with a warning
+_MOVED = {
+    "FusedClipMixedPrecision": ("lightning_stability.amp", "FusedClipMixedPrecision"),
+    "ScaleRule": ("lightning_stability.amp", "ScaleRule"),
+    "StableFSDPPrecision": ("lightning_stability.strategies", "StableFSDPPrecision"),
+    "auto_initial_scale": ("lightning_stability.amp", "auto_initial_scale"),
+    "describe": ("lightning_stability", "describe_preset"),
+    "update_scale": ("lightning_stability.amp", "update_scale"),
+}
 
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
+    if module is None and name in _MOVED:
+        where, new = _MOVED[name]
+        warnings.warn(
+            f"lightning_stability.{name} moved: import {new} from {where} instead "
+            f"(`from {where} import {new}`). The old name goes in a later release.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module(where), new)
     if module is None:
         raise AttributeError(f"module 'lightning_stability' has no attribute {name!r}")
     importlib.import_module("lightning_stability.strategies")  # registers "stable_fsdp" with Lightning
@@ -99,20 +97,28 @@ if "lightning.pytorch" in sys.modules:  # Lightning is loaded already: register 
     importlib.import_module("lightning_stability.strategies")
 
 if TYPE_CHECKING:
-    from lightning_stability.callbacks.accumulation import GradientAccumulation
-    from lightning_stability.callbacks.grad_norm import GradientNormMonitor
-    from lightning_stability.callbacks.health import TrainingHealthMonitor
-    from lightning_stability.callbacks.loss_scale import LossScaleFloorError, LossScaleTuner
-    from lightning_stability.callbacks.lr_schedule import ScheduledLR, WarmupConstantCosineLR
-    from lightning_stability.diagnostics import PrecisionDiagnostics, TrainingStatus, check_training_status
+    from lightning_stability.accumulation.callback import GradientAccumulation
+    from lightning_stability.amp.callback import LossScaleFloorError, LossScaleTuner
+    from lightning_stability.amp.diagnostics import PrecisionDiagnostics, TrainingStatus, check_training_status
+    from lightning_stability.amp.scaler import TunedGradScaler
     from lightning_stability.errors import StabilityConfigError
-    from lightning_stability.fused_clip import FusedClipMixedPrecision
-    from lightning_stability.grad_scaler import TunedGradScaler
-    from lightning_stability.ledger import Outcome, StepLedger
+    from lightning_stability.grad_norm import GradientNormMonitor
+    from lightning_stability.health.callback import TrainingHealthMonitor
+    from lightning_stability.health.rollback import TrainingDivergedError
+    from lightning_stability.ledger.callback import LedgerCallback
+    from lightning_stability.ledger.step_ledger import StepLedger
+    from lightning_stability.ledger.track import Outcome
     from lightning_stability.planner import MemoryPlan, ModelShape, plan_memory
-    from lightning_stability.presets import Preset, describe, list_presets
+    from lightning_stability.presets import Preset, describe_preset, list_presets
     from lightning_stability.progress import StabilityProgressBar, StabilityRichProgressBar
-    from lightning_stability.rollback import TrainingDivergedError
-    from lightning_stability.scaling import ScaleRule, auto_initial_scale, update_scale
-    from lightning_stability.strategies import StableFSDPPrecision, StableFSDPStrategy, consolidate_checkpoint
+    from lightning_stability.schedules.callback import ScheduledLR, WarmupConstantCosineLR
+    from lightning_stability.schedules.specs import (
+        CosineSchedule,
+        InverseSqrtSchedule,
+        LinearSchedule,
+        StepSchedule,
+        WarmupConstantCosineSchedule,
+    )
+    from lightning_stability.strategies.fsdp import StableFSDPStrategy
+    from lightning_stability.strategies.fsdp_checkpoint import consolidate_checkpoint
     from lightning_stability.trainer import StableTrainer

@@ -16,8 +16,8 @@ def _say(text: str) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from lightning_stability.demo import quiet_lightning, run_demo
-    from lightning_stability.demo_model import load_corpus
+    from lightning_stability.demo.model import load_corpus
+    from lightning_stability.demo.run import quiet_lightning, run_demo
 
     corpus = load_corpus()
     fault = int(0.6 * args.steps) if args.nan_at_step is None else args.nan_at_step
@@ -85,10 +85,10 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _presets(args: argparse.Namespace) -> int:
-    from lightning_stability.presets import describe, list_presets
+    from lightning_stability.presets import describe_preset, list_presets
 
     if args.name:
-        print(describe(args.name))
+        print(describe_preset(args.name))
         return 0
     table = list_presets()
     width = max(len(name) for name in table)

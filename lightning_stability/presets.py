@@ -193,7 +193,7 @@ def get_preset(name: str) -> Preset:
     )
 
 
-def describe(name: str | Preset) -> str:
+def describe_preset(name: str | Preset) -> str:
     """Every setting of a preset, its value and its source, one per line."""
     preset = name if isinstance(name, Preset) else get_preset(name)
     width = max(len(k) for k in FIELDS)

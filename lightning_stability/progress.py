@@ -7,7 +7,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 
-from lightning_stability.ledger import StepLedger
+from lightning_stability.ledger.step_ledger import StepLedger
 
 #: ``stability/`` metric -> its label in the bar (shown once a callback has logged it)
 SHOWN = {

@@ -19,15 +19,15 @@ from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_stability.callbacks.accumulation import GradientAccumulation
-from lightning_stability.callbacks.base import LedgerCallback
-from lightning_stability.callbacks.grad_norm import GradientNormMonitor
-from lightning_stability.callbacks.health import TrainingHealthMonitor
-from lightning_stability.callbacks.loss_scale import LossScaleTuner
-from lightning_stability.callbacks.lr_schedule import WarmupConstantCosineLR
+from lightning_stability.accumulation.callback import GradientAccumulation
+from lightning_stability.amp.callback import LossScaleTuner
 from lightning_stability.errors import StabilityConfigError
+from lightning_stability.grad_norm import GradientNormMonitor
+from lightning_stability.health.callback import TrainingHealthMonitor
+from lightning_stability.ledger.callback import LedgerCallback
 from lightning_stability.presets import FIELDS, Preset, get_preset
 from lightning_stability.progress import stability_progress_bar
+from lightning_stability.schedules.callback import WarmupConstantCosineLR
 from lightning_stability.strategies import StableFSDPStrategy
 
 _ALIASES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true"}

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from lightning_stability.cli import main
-from lightning_stability.demo import judge
-from lightning_stability.demo_model import load_corpus
-from lightning_stability.report import figure_class
+from lightning_stability.demo.model import load_corpus
+from lightning_stability.demo.run import judge
+from lightning_stability.health.report import figure_class
 from tests.helpers import REPO
 
 

@@ -93,7 +93,7 @@ def test_only_plain_non_empty_tensors_of_one_dtype_are_uniform() -> None:
 
 
 def test_the_gradients_layout_is_rechecked_when_the_set_of_parameters_changes() -> None:
-    from lightning_stability.step_grads import ClipScale, StepGradients
+    from lightning_stability.ledger.gradients import ClipScale, StepGradients
 
     fp32, fp64 = nn.Linear(3, 4), nn.Linear(3, 2).double()
     optimizer = torch.optim.SGD([*fp32.parameters(), *fp64.parameters()], lr=0.1)

@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 from lightning_stability.errors import StabilityConfigError
-from lightning_stability.planner import MemoryPlan, ModelShape, parse_memory, plan_memory
-from lightning_stability.planner_model import activations
+from lightning_stability.planner import MemoryPlan, ModelShape, activations, parse_memory, plan_memory
 
 GIB = 2**30
 GPT3 = ModelShape(175e9, layers=96, hidden=12288, heads=96, vocab=51200)

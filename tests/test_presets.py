@@ -18,7 +18,7 @@ from lightning_stability import (
     StableTrainer,
     TrainingHealthMonitor,
     WarmupConstantCosineLR,
-    describe,
+    describe_preset,
     list_presets,
 )
 from lightning_stability.presets import FIELDS, PRESETS, get_preset
@@ -44,7 +44,7 @@ def test_the_table_has_every_family_and_size_and_each_value_cites_its_source() -
     assert (b175.init_scale, b175.accumulation, b175.fsdp, b175.num_nodes) == (32768.0, 32, True, 8)
     for preset in PRESETS.values():
         assert set(preset.sources) >= set(FIELDS), f"{preset.name}: no source for {set(FIELDS) - set(preset.sources)}"
-    text = describe("175b")
+    text = describe_preset("175b")
     assert len(text.splitlines()) == 1 + len(FIELDS)
     assert "init_scale                32768.0       seed row 24 (initial loss scale 32768)" in text
 

@@ -1,8 +1,17 @@
-"""Thin Lightning adapters, one per concern."""
+"""Every ``lightning_stability`` callback in one place, for ``from lightning_stability.callbacks import ...``
+(each lives in its feature's folder)."""
 
-from lightning_stability.callbacks.accumulation import GradientAccumulation
-from lightning_stability.callbacks.grad_norm import GradientNormMonitor
-from lightning_stability.callbacks.loss_scale import LossScaleTuner
-from lightning_stability.callbacks.lr_schedule import ScheduledLR, WarmupConstantCosineLR
+from lightning_stability.accumulation.callback import GradientAccumulation
+from lightning_stability.amp.callback import LossScaleTuner
+from lightning_stability.grad_norm import GradientNormMonitor
+from lightning_stability.health.callback import TrainingHealthMonitor
+from lightning_stability.schedules.callback import ScheduledLR, WarmupConstantCosineLR
 
-__all__ = ["GradientAccumulation", "GradientNormMonitor", "LossScaleTuner", "ScheduledLR", "WarmupConstantCosineLR"]
+__all__ = [
+    "GradientAccumulation",
+    "GradientNormMonitor",
+    "LossScaleTuner",
+    "ScheduledLR",
+    "TrainingHealthMonitor",
+    "WarmupConstantCosineLR",
+]

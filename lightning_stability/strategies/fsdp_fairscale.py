@@ -132,7 +132,7 @@ def load_full(root: Any, optimizers: list[Optimizer], checkpoint: dict[str, Any]
 
 def refuse_shard_local_monitors(trainer: Any) -> None:
     """GradientNormMonitor would measure one rank's flat shard here, not the model's gradient."""
-    from lightning_stability.callbacks.grad_norm import GradientNormMonitor
+    from lightning_stability.grad_norm import GradientNormMonitor
 
     if any(isinstance(cb, GradientNormMonitor) for cb in trainer.callbacks):
         raise StabilityConfigError(

@@ -20,8 +20,8 @@ from torch.optim import LBFGS, Optimizer
 
 from lightning_stability import _compat
 from lightning_stability.errors import StabilityConfigError, config_error
+from lightning_stability.ledger.skips import unscale_if_deferred
 from lightning_stability.norms import clip_coefficient, combine_norms, per_tensor_norms, scale_
-from lightning_stability.skips import unscale_if_deferred
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from lightning_stability.callbacks.accumulation import GradientAccumulation
+from lightning_stability.accumulation.callback import GradientAccumulation
 from lightning_stability.errors import StabilityConfigError
 from tests.helpers import TinyModule, exit_worker
 

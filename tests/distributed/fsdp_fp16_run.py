@@ -13,7 +13,7 @@ changed, the loss scale, and a digest of its local parameters and optimizer stat
   ``GradScaler`` skips on both ranks here (run ``full_torch``, recorded to show it).
 * ``hybrid_*``: ``sharding="hybrid", device_mesh=(2, 1)``: two replicas of one shard each, placements
   ``(Replicate(), Shard(0))``. The DTensor dispatch reduces over the size-1 shard dimension only, so the
-  cross-rank all-reduce of :class:`~lightning_stability.grad_scaler.TunedGradScaler` is what makes rank 0
+  cross-rank all-reduce of :class:`~lightning_stability.amp.scaler.TunedGradScaler` is what makes rank 0
   skip; ``hybrid_torch`` (torch's plain ``GradScaler``) is the control whose replicas diverge, and
   ``hybrid_default`` the strategy's default ``ShardedGradScaler`` (which all-reduces its flag too).
 * ``syncs_*``: host syncs per step, the tuner against torch's ``GradScaler``.
@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_stability.callbacks.loss_scale import LossScaleTuner
-from lightning_stability.ledger import StepLedger
+from lightning_stability.amp.callback import LossScaleTuner
+from lightning_stability.ledger.step_ledger import StepLedger
 from lightning_stability.strategies.fsdp import StableFSDPStrategy
 from tests.distributed.fsdp_common import TinyLM, full_weights
 from tests.helpers import StepSyncCounter, SyncCounter, exit_worker

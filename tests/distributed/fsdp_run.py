@@ -17,9 +17,9 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from lightning_stability.callbacks.grad_norm import GradientNormMonitor
 from lightning_stability.errors import StabilityConfigError
-from lightning_stability.ledger import StepLedger
+from lightning_stability.grad_norm import GradientNormMonitor
+from lightning_stability.ledger.step_ledger import StepLedger
 from lightning_stability.strategies.fsdp import StableFSDPStrategy
 from tests.distributed import fsdp_common
 from tests.distributed.fsdp_common import ListLogger, full_weights

@@ -26,8 +26,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from lightning_stability.callbacks.loss_scale import LossScaleTuner
-from lightning_stability.ledger import StepLedger
+from lightning_stability.amp.callback import LossScaleTuner
+from lightning_stability.ledger.step_ledger import StepLedger
 from tests.helpers import TinyModule, exit_worker
 
 INF_STEP = 3

@@ -24,8 +24,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_stability.callbacks.grad_norm import GradientNormMonitor
-from lightning_stability.ledger import Outcome
+from lightning_stability.grad_norm import GradientNormMonitor
+from lightning_stability.ledger.step_ledger import Outcome
 from lightning_stability.strategies.fsdp_checkpoint import META_FILE, consolidate_checkpoint
 from tests.distributed.fsdp_common import ListLogger, TinyLM
 from tests.helpers import REPO, quiet_trainer, torchrun

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_stability.ledger import Outcome
+from lightning_stability.ledger.step_ledger import Outcome
 from lightning_stability.strategies.fsdp_checkpoint import META_FILE
 from tests.distributed.fsdp_fp16_run import INF_STEP, RESUME_AT, RESUME_INF_STEPS, RESUME_STEPS, STEPS
 from tests.helpers import torchrun

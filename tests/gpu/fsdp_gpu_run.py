@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from lightning_stability.callbacks.grad_norm import GradientNormMonitor
+from lightning_stability.grad_norm import GradientNormMonitor
 from lightning_stability.strategies.fsdp import StableFSDPStrategy
 from tests.distributed.fsdp_common import TinyLM
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_stability.grad_scaler import TunedGradScaler
+from lightning_stability.amp.scaler import TunedGradScaler
 
 pytestmark = [
     pytest.mark.gpu,

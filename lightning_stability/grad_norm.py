@@ -1,0 +1,383 @@
+"""GradientNormMonitor: measure the global gradient norm once per optimizer step; clip; skip non-finite steps."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_stability.errors import StabilityConfigError, config_error
+from lightning_stability.ledger.callback import LedgerCallback
+from lightning_stability.ledger.gradients import StepGradients
+from lightning_stability.ledger.step_ledger import FlushValues, Outcome, StepLedger, loss_scaler
+from lightning_stability.norms import group_norms, module_groups
+
+# MERGED-DOC: Values across data-parallel ranks: their mean (every rank decides from the same numbers), and the replica
+# MERGED-DOC: check: gather each rank's gradient norm and name a rank that disagrees (``GradientNormMonitor(check_replicas=True)``),
+# MERGED-DOC: a cheap detector of a faulty device.
+
+
+_K_STEPS = "grad_norm_monitor/steps"
+_K_CLIPPED = "grad_norm_monitor/clipped"
+_UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy")
+
+
+def _parse_norm_type(norm_type: float | str) -> float:
+    if isinstance(norm_type, bool):
+        raise config_error("norm_type", norm_type, "is not a norm order", "pass 2.0, 1.0, float('inf') or any p > 0")
+    if isinstance(norm_type, str):
+        if norm_type.lower() not in ("inf", "+inf"):
+            raise config_error("norm_type", norm_type, "is not a norm order", "pass 2.0, 1.0, 'inf' or any p > 0")
+        return math.inf
+    value = float(norm_type)
+    if math.isnan(value) or value <= 0:
+        raise config_error(
+            "norm_type",
+            norm_type,
+            "must be a positive p or inf",
+            "use 2.0 (Euclidean, the usual choice) or 'inf'",
+        )
+    return value
+
+
+class GradientNormMonitor(LedgerCallback):
+    """Measure, and optionally clip, the gradient norm of the whole model once per optimizer step.
+
+    The norm is taken in ``on_before_optimizer_step``: after the backward passes of all accumulated
+    micro-batches, after fp16 gradients were unscaled, and before the update (seed rows 1, 3, 14). It
+    is the norm of the model's whole gradient: identical on every rank under DDP, and reduced across
+    shards for sharded (``DTensor``) parameters, never the norm of one shard. All of it happens on the
+    device; steps that do not log add no host synchronisation.
+
+    Clipping multiplies every gradient by ``min(1, max_norm / (norm + 1e-6))``, the coefficient of
+    ``torch.nn.utils.clip_grad_norm_``, kept as a tensor.
+
+    A step whose gradient norm is NaN or inf is skipped when ``skip_nonfinite`` is set: weights and
+    optimizer state (moments, step counts, weight decay) are left exactly as they were. Every rank
+    decides alike: the flag is max-reduced across ranks (one 0-dim all-reduce per step), so a gradient
+    that went bad on one rank after the data-parallel all-reduce still skips the step everywhere. Under
+    fp16 the vote joins the loss scaler's own overflow decision. A warning on the next logging step names
+    the first layer with a non-finite gradient and the layers with the largest gradient norms, so the
+    start of an explosion can be found.
+
+    ``check_replicas=True`` compares the gradient norms of the data-parallel replicas on logging steps (one
+    small all-gather) and warns naming the rank that disagrees: a cheap detector of a faulty device.
+
+    With several optimizers (a GAN, manual optimization) each optimizer is measured, clipped, skipped and
+    logged on its own; its keys end in ``/<optimizer>`` (``LearningRateMonitor``'s names: ``Adam``,
+    ``Adam-1``, ...).
+
+    Logged keys (to every Lightning logger on logging steps; scalars also in ``trainer.callback_metrics``
+    after every step that computes them):
+
+    ==================================  ===========================================================
+    Key                                 Meaning
+    ==================================  ===========================================================
+    ``stability/grad_norm``             global gradient norm before clipping (this step)
+    ``stability/grad_norm_clipped``     norm after clipping (only with ``max_norm``)
+    ``stability/clip_coef``             clip coefficient, ``<= 1`` (only with ``max_norm``)
+    ``stability/clip_fraction``         share of steps clipped since the last log (``max_norm``)
+    ``stability/skipped_steps``         optimizer steps skipped since the start, for any reason
+    ``stability/grad_norm/<module>``    per-module norm (with ``per_layer``; top-k with an int)
+    ==================================  ===========================================================
+
+    Args:
+        max_norm: clip the global norm to this value; ``None`` measures only.
+        norm_type: the p of the p-norm: ``2.0``, ``1.0``, ``float('inf')`` (or ``'inf'``), any p > 0.
+        log_every_n_steps: log every this many optimizer steps; default: the Trainer's.
+        per_layer: ``False`` (off), ``True`` (every module that owns parameters) or an int ``k`` (the
+            ``k`` modules with the largest norm at that step).
+        skip_nonfinite: skip the update when the gradient norm is NaN/inf.
+        warn_top_k: how many of the largest layers the non-finite warning names.
+        check_replicas: compare the replicas' gradient norms on logging steps; warn naming a rank that
+            disagrees.
+
+    Raises:
+        StabilityConfigError: for a bad argument, or at ``setup`` when the Trainer also clips with
+            ``gradient_clip_val`` or runs a strategy whose gradients this callback cannot see whole.
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[GradientNormMonitor(max_norm=1.0)])
+    """
+
+    one_instance_reason = "each would measure, clip and skip the same step and log the same keys"
+
+    def __init__(
+        self,
+        max_norm: float | None = None,
+        norm_type: float | str = 2.0,
+        log_every_n_steps: int | None = None,
+        per_layer: bool | int = False,
+        skip_nonfinite: bool = True,
+        warn_top_k: int = 3,
+        check_replicas: bool = False,
+    ) -> None:
+        super().__init__(log_every_n_steps)
+        if max_norm is not None:
+            if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+                raise config_error(
+                    "max_norm", max_norm, "is not a number", "pass a positive float such as 1.0, or None"
+                )
+            if not math.isfinite(max_norm) or max_norm <= 0:
+                raise config_error(
+                    "max_norm",
+                    max_norm,
+                    "must be a positive, finite number",
+                    "pass e.g. 1.0 (BERT-like), 0.5 (GPT-like) or 2.0 (mixture of experts), or None to only measure",
+                )
+        if not isinstance(per_layer, (bool, int)) or (not isinstance(per_layer, bool) and per_layer < 1):
+            raise config_error("per_layer", per_layer, "is not False, True or a positive int", "pass True or e.g. 5")
+        for name, flag in (("skip_nonfinite", skip_nonfinite), ("check_replicas", check_replicas)):
+            if not isinstance(flag, bool):
+                raise config_error(name, flag, "must be a bool", "pass True or False")
+        if isinstance(warn_top_k, bool) or not isinstance(warn_top_k, int) or warn_top_k < 0:
+            raise config_error("warn_top_k", warn_top_k, "must be an int >= 0", "pass e.g. 3")
+        self.max_norm = None if max_norm is None else float(max_norm)
+        self.norm_type = _parse_norm_type(norm_type)
+        self.per_layer = per_layer
+        self.skip_nonfinite = skip_nonfinite
+        self.warn_top_k = warn_top_k
+        self.check_replicas = check_replicas
+        self._names: dict[int, str] = {}
+        self._layers: dict[int, _Layers] = {}  # per optimizer (track index)
+        self._scaler_skips = False
+
+    def state_fields(self) -> dict[str, Any]:
+        return {"max_norm": self.max_norm, "norm_type": self.norm_type}
+
+    # ------------------------------------------------------------------ setup
+    def on_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.max_norm is not None and trainer.gradient_clip_val:
+            raise StabilityConfigError(
+                f"GradientNormMonitor(max_norm={self.max_norm}) and Trainer(gradient_clip_val="
+                f"{trainer.gradient_clip_val}) would clip twice. Fix: remove `gradient_clip_val` from the Trainer, "
+                "or pass `max_norm=None` to GradientNormMonitor to only measure."
+            )
+        strategy = type(trainer.strategy).__name__
+        if strategy in _UNSUPPORTED_STRATEGIES or getattr(trainer.strategy, "gradients_are_local_shards", False):
+            raise StabilityConfigError(
+                f"GradientNormMonitor cannot measure the global norm under strategy={strategy!r}: its gradients "
+                "are flat local shards. Fix: use an FSDP2 (DTensor) strategy such as Lightning's "
+                "ModelParallelStrategy, or DDP."
+            )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._names = {id(p): name for name, p in pl_module.named_parameters()}
+        self._scaler_skips = loss_scaler(trainer) is not None
+        self._layers = {}
+
+    # ------------------------------------------------------------------ the step
+    def _layers_of(self, ledger: StepLedger, gradients: StepGradients, device: torch.device) -> _Layers:
+        track = ledger.track().index
+        layers = self._layers.get(track)
+        key = gradients.key
+        if layers is None or layers.key != key:
+            index, names = module_groups(gradients.params, self._names)
+            index_t = torch.tensor(index, dtype=torch.int64, device=device)
+            layers = self._layers[track] = _Layers(key, index_t, names)
+        return layers
+
+    def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer, logging: bool) -> None:
+        gradients = ledger.gradients(self.norm_type)  # computed once per step, shared with other callbacks
+        params, norms, total = gradients.params, gradients.norms, gradients.total
+        if not params:
+            if self.skip_nonfinite:  # every rank joins the flag's all-reduce, also one without gradients
+                ledger.any_rank(torch.zeros((), dtype=torch.bool, device=ledger.device))
+            return
+        bad = (total - total) != 0  # NaN or inf (torch.isfinite is four kernels on a CPU, this two)
+        if self.skip_nonfinite:
+            # A gradient can go bad on one rank after the data-parallel all-reduce (a hook that edits it, a
+            # faulty device): one 0-dim all-reduce makes every rank see, and skip, the same step.
+            bad = ledger.any_rank(bad)
+        ledger.put("grad_norm", total)
+        ledger.accumulate(_K_STEPS, 1.0)
+        ledger.log("stability/grad_norm", total, logging)
+        if self.max_norm is not None:
+            # relative to another callback's clip, if one came first; the metrics, once every clip is done
+            ledger.put("clip_coef", gradients.clip_(self.max_norm))
+            ledger.on_close(partial(self._after_clips, gradients=gradients, logging=logging))
+        layers = self._layers_of(ledger, gradients, norms.device)
+        layers.remember_first_bad(bad, norms)
+        if self.skip_nonfinite:
+            # Under fp16 the vote joins the loss scaler's own overflow decision: no extra sync.
+            ledger.mark_skip(Outcome.SKIPPED_NONFINITE, bad)
+        # counted when the step closes, so the current step's outcome is included
+        ledger.on_close(
+            lambda closed: closed.log("stability/skipped_steps", closed.track().skipped_steps_now(), logging)
+        )
+        if logging:
+            layer_norms = group_norms(norms, layers.index, len(layers.names), self.norm_type)
+            self._queue_logs(trainer, ledger, total, layer_norms, layers)
+
+    def _after_clips(self, ledger: StepLedger, gradients: StepGradients, logging: bool) -> None:
+        """The clip metrics of the closed step: every clip applied to it (this one's and, e.g., an adaptive one)."""
+        coef = gradients.coefficient
+        ledger.accumulate(_K_CLIPPED, coef < 1.0)
+        ledger.log("stability/grad_norm_clipped", gradients.current, logging)
+        ledger.log("stability/clip_coef", coef, logging)
+        if logging:
+            steps = ledger.pop_window(_K_STEPS)
+            ledger.log("stability/clip_fraction", ledger.pop_window(_K_CLIPPED) / steps.clamp(min=1.0))
+
+    def _queue_logs(
+        self, trainer: pl.Trainer, ledger: StepLedger, total: Tensor, layer_norms: Tensor, layers: _Layers
+    ) -> None:
+        if self.per_layer is True:
+            ledger.log("_grad_norm_monitor/layers", layer_norms)
+        elif self.per_layer:
+            k = min(int(self.per_layer), layer_norms.numel())
+            top = torch.topk(torch.nan_to_num(layer_norms, nan=math.inf), k)
+            ledger.log("_grad_norm_monitor/top_values", layer_norms[top.indices])
+            ledger.log("_grad_norm_monitor/top_indices", top.indices)
+        if self.check_replicas and trainer.world_size > 1:
+            ledger.log("_grad_norm_monitor/replica_norms", gather_from_ranks(total))
+        self._queue_bad_report(ledger, layers)
+        ledger.on_flush(partial(self._on_flush, names=layers.names, step=ledger.steps))
+
+    def _queue_bad_report(self, ledger: StepLedger, layers: _Layers) -> None:
+        if layers.bad_seen is None or layers.bad_snapshot is None:
+            return
+        snap = layers.bad_layer_norms(self.norm_type)
+        finite = torch.isfinite(snap)
+        ledger.log("_grad_norm_monitor/bad_seen", layers.bad_seen)
+        ledger.log("_grad_norm_monitor/first_bad", torch.argmax((~finite).to(torch.int32)))
+        ledger.log("_grad_norm_monitor/bad_count", (~finite).sum())
+        k = min(self.warn_top_k, snap.numel())
+        if k:
+            top = torch.topk(torch.where(finite, snap, -1.0), k)
+            ledger.log("_grad_norm_monitor/bad_top_values", top.values)
+            ledger.log("_grad_norm_monitor/bad_top_indices", top.indices)
+        layers.bad_seen = torch.zeros_like(layers.bad_seen)
+
+    def _on_flush(self, values: FlushValues, names: list[str], step: int) -> dict[str, float]:
+        extra: dict[str, float] = {}
+        layers = values.get("_grad_norm_monitor/layers")
+        if isinstance(layers, list):
+            extra.update({f"stability/grad_norm/{n}": v for n, v in zip(names, layers, strict=True)})
+        top_values, top_indices = (
+            values.get("_grad_norm_monitor/top_values"),
+            values.get("_grad_norm_monitor/top_indices"),
+        )
+        if isinstance(top_values, list) and isinstance(top_indices, list):
+            extra.update(
+                {f"stability/grad_norm/{names[int(i)]}": v for i, v in zip(top_indices, top_values, strict=True)}
+            )
+        replicas = values.get("_grad_norm_monitor/replica_norms")
+        if isinstance(replicas, list):
+            warn_disagreeing_replicas(replicas, step)
+        if values.get("_grad_norm_monitor/bad_seen"):
+            self._warn_nonfinite(values, names)
+        return extra
+
+    def _warn_nonfinite(self, values: FlushValues, names: list[str]) -> None:
+        first = names[int(values["_grad_norm_monitor/first_bad"])]  # type: ignore[arg-type]
+        bad_values = values.get("_grad_norm_monitor/bad_top_values", [])
+        bad_indices = values.get("_grad_norm_monitor/bad_top_indices", [])
+        assert isinstance(bad_values, list) and isinstance(bad_indices, list)
+        top = ", ".join(f"{names[int(i)]}={v:.3g}" for i, v in zip(bad_indices, bad_values, strict=True) if v >= 0)
+        count = int(values["_grad_norm_monitor/bad_count"])  # type: ignore[arg-type]
+        if self._scaler_skips:
+            action = "skipped by the fp16 loss scaler"
+        else:
+            action = "skipped" if self.skip_nonfinite else "NOT skipped (skip_nonfinite=False)"
+        if count == 0:
+            # The flag came from another rank through the all-reduce: this rank's own gradients were finite.
+            rank_zero_warn(
+                f"Non-finite gradient norm on another rank: the update was {action} on every rank, though this "
+                "rank's gradients were finite. A gradient that goes bad on one rank only, after the all-reduce, "
+                "points to a faulty device or a hook that edits one rank's gradients; "
+                "GradientNormMonitor(check_replicas=True) names the rank.",
+                category=RuntimeWarning,
+            )
+            return
+        # Every rank saw the same global norms: warn once, not once per process.
+        rank_zero_warn(
+            f"Non-finite gradient norm: the update was {action}. First module with a non-finite gradient: "
+            f"'{first}' ({count} of {len(names)} modules non-finite). Largest finite gradient norms at that "
+            f"step: {top or 'none'}. An explosion usually starts in the first module named; lower the "
+            "learning rate or clip harder (max_norm).",
+            category=RuntimeWarning,
+        )
+
+    # ------------------------------------------------------------------ after the step
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Report a non-finite step that happened after the last logging step.
+        ledger = StepLedger.of(trainer)
+        for index, layers in self._layers.items():
+            if layers.bad_seen is not None and index < len(trainer.optimizers):
+                ledger.select(trainer.optimizers[index])
+                self._queue_bad_report(ledger, layers)
+                ledger.on_flush(partial(self._on_flush, names=layers.names, step=ledger.steps))
+        ledger.flush()
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        return {"max_norm": self.max_norm, "norm_type": self.norm_type}
+
+    def transient_state(self) -> dict[str, Any]:
+        return {"_layers": {}, "_names": {}}
+
+
+class _Layers:
+    """One optimizer's parameters grouped by module, and its first non-finite step's per-module norms."""
+
+    def __init__(self, key: tuple[int, ...], index: Tensor, names: list[str]) -> None:
+        self.key, self.index, self.names = key, index, names
+        self.bad_seen: Tensor | None = None
+        self.bad_snapshot: Tensor | None = None
+
+    def remember_first_bad(self, bad: Tensor, norms: Tensor) -> None:
+        """Keep the per-tensor norms of the first step with ``bad`` set since the last report (two kernels)."""
+        if self.bad_seen is None or self.bad_snapshot is None:
+            self.bad_seen = torch.zeros((), dtype=torch.bool, device=bad.device)
+            self.bad_snapshot = norms
+        self.bad_snapshot = torch.where(self.bad_seen, self.bad_snapshot, norms)
+        self.bad_seen = self.bad_seen | bad
+
+    def bad_layer_norms(self, norm_type: float) -> Tensor:
+        """The per-module norms of the remembered step."""
+        assert self.bad_snapshot is not None
+        return group_norms(self.bad_snapshot, self.index, len(self.names), norm_type)
+
+
+def gather_from_ranks(value: Tensor) -> Tensor:
+    """Every rank's ``value`` (0-dim), gathered into a vector on every rank: one small all-gather."""
+    world = dist.get_world_size()
+    out = torch.empty(world, dtype=torch.float32, device=value.device)
+    dist.all_gather_into_tensor(out, value.detach().to(torch.float32).reshape(1))
+    return out
+
+
+def warn_disagreeing_replicas(norms: list[float], step: int, rel_tol: float = 1e-5) -> None:
+    """Warn, naming the ranks, when data-parallel replicas measured different gradient norms.
+
+    Replicas hold identical gradients after the all-reduce (and sharded norms are reduced across the mesh),
+    so every rank measures the same global norm. A rank that differs computed or received other gradients:
+    a faulty device (silent data corruption) or a hook that changed one rank's gradients. Its weights will
+    drift from the others'. The reference is the value a strict majority of ranks agree on, or else rank 0's.
+    """
+
+    def same(a: float, b: float) -> bool:
+        return a == b or (math.isfinite(a) and math.isfinite(b) and abs(a - b) <= rel_tol * max(abs(a), abs(b)))
+
+    majority = [v for v in norms if sum(same(v, w) for w in norms) * 2 > len(norms)]
+    reference, source = (majority[0], "most ranks") if majority else (norms[0], "rank 0 (no majority)")
+    bad = [rank for rank, v in enumerate(norms) if not same(v, reference)]
+    if bad:
+        shown = ", ".join(f"rank {r}: {norms[r]:.6g}" for r in bad)
+        rank_zero_warn(
+            f"Gradient norms disagree across data-parallel replicas at optimizer step {step}: {source} measured "
+            f"{reference:.6g}, but {shown}. Replicas hold the same all-reduced gradients, so the rank(s) named "
+            "computed or received different gradients: a faulty device (silent data corruption) or a hook that "
+            "edits one rank's gradients. Their weights will drift apart. Fix: check that device (rerun the step "
+            "there, run a GPU memory test) or the hook.",
+            category=RuntimeWarning,
+        )

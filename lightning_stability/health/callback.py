@@ -1,0 +1,389 @@
+"""TrainingHealthMonitor: the seed's four indicators (gradient norm, update size, loss, memory) and the response
+to a spike: warn, adaptive clip (ZClip), skip (OLMo-core), or rollback (PaLM)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_stability.errors import StabilityConfigError, check_positive_int, config_error
+from lightning_stability.grad_norm import GradientNormMonitor
+from lightning_stability.health.history import HealthHistory, HealthLog
+from lightning_stability.health.rollback import Rollback, Snapshot
+from lightning_stability.health.signals import UpdateSize, capacity, mean_over_ranks, peak_memory_over_ranks
+from lightning_stability.health.spike_stats import NEW_LEVEL_AFTER, IntervalMean, SpikeStats, zclip_threshold
+from lightning_stability.ledger.callback import LedgerCallback
+from lightning_stability.ledger.metrics import FlushValues
+from lightning_stability.ledger.step_ledger import Outcome, StepLedger, loss_scaler
+from lightning_stability.norms import module_groups
+
+# MERGED-DOC: The argument checks of ``TrainingHealthMonitor``: each bad value is named, with the fix.
+
+
+Response = Literal["warn", "clip", "skip", "rollback"]
+_LOSS, _GRAD = 0, 1
+
+
+class _Constants:
+    """Device tensors the step reads and never writes (made once: no fill or copy per step)."""
+
+    def __init__(self, device: torch.device, fixed_clip: float) -> None:
+        self.zero = torch.zeros((), device=device)
+        self.nan = torch.full((1,), math.nan, device=device)
+        self.fixed_clip = torch.full((1,), fixed_clip, device=device)
+        self.grad_only = torch.tensor([False, True], device=device)  # HOST DATA: once
+
+
+class TrainingHealthMonitor(LedgerCallback):
+    """Watches the loss, the gradient norm, the update size and the memory, and acts on spikes.
+
+    Every optimizer step, on the device and identically on every rank (the loss and the norm are averaged
+    over ranks with one 2-element all-reduce, then scored against running statistics, ZClip's EMA
+    estimator): a value more than ``spike_z`` standard deviations above its running mean is a spike, and a
+    non-finite loss or norm always skips the update. Spikes stay out of the statistics; a signal that stays above
+    the threshold (a count past 10, up one above it, down one below) is at a new level and enters them instead
+    (not under ``"rollback"``, nor the gradient norm under ``"clip"``). The response to a spike:
+
+    * ``"warn"``: a warning naming the steps, at the next logging step;
+    * ``"clip"``: ZClip's adaptive clipping of the gradient when its norm's z-score exceeds ``clip_z``;
+    * ``"skip"``: the update is skipped, weights and optimizer state stay exactly as they were (OLMo-core);
+    * ``"rollback"``: the update is skipped, and at the next logging step the weights and optimizer state
+      are restored from the last good snapshot (taken every ``snapshot_every`` steps, in host memory, each
+      rank its own shard) and the next ``skip_batches`` batches are skipped (PaLM); after ``max_rollbacks``
+      rollbacks training stops with :class:`TrainingDivergedError`.
+
+    On logging steps it also measures the update-to-weight ratio ``‖Δθ‖/‖θ‖`` (total and per module, one
+    transient copy of the local shard) and the peak memory (max over ranks), and warns when the peak nears
+    the device's capacity. At the end of ``fit`` it writes the stability report (JSON, and a PNG with
+    matplotlib) into the logger's directory or ``report_dir``.
+
+    Args:
+        response: ``"warn"``, ``"clip"``, ``"skip"`` or ``"rollback"``.
+        spike_z: z-score above which a loss or gradient norm is a spike (OLMo-core's ``sigma_factor``, 6).
+        clip_z: z-score above which ``"clip"`` clips the gradient (ZClip's ``z_thresh``, 2.5).
+        alpha: EMA factor of the running statistics (ZClip, 0.97).
+        warmup_steps: values that initialise the statistics before any spike is called (ZClip, 25).
+        snapshot_every: steps between rollback snapshots (PaLM restarted ~100 steps before a spike).
+        skip_batches: optimizer steps skipped after a rollback, each with its batch (its ``k`` micro-batches
+            under gradient accumulation); PaLM skipped 200-500 batches.
+        max_rollbacks: rollbacks allowed before :class:`TrainingDivergedError`.
+        memory_warn_fraction: warn when the peak memory passes this share of the capacity.
+        top_modules: per-module update ratios logged on logging steps (the largest ones).
+        report: write the stability report at the end of ``fit``.
+        report_dir: where; default: the logger's ``log_dir``, else the Trainer's ``default_root_dir``.
+        log_every_n_steps: default: the Trainer's.
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[GradientNormMonitor(max_norm=1.0), TrainingHealthMonitor(response="skip")])
+    """
+
+    one_instance_reason = "each would vote on the same steps and restore the same weights"
+
+    def __init__(
+        self,
+        response: Response = "warn",
+        spike_z: float = 6.0,
+        clip_z: float = 2.5,
+        alpha: float = 0.97,
+        warmup_steps: int = 25,
+        snapshot_every: int = 100,
+        skip_batches: int = 200,
+        max_rollbacks: int = 3,
+        memory_warn_fraction: float = 0.9,
+        top_modules: int = 5,
+        report: bool = True,
+        report_dir: str | Path | None = None,
+        log_every_n_steps: int | None = None,
+    ) -> None:
+        super().__init__(log_every_n_steps)
+        check_health_arguments(
+            response,
+            spike_z,
+            clip_z,
+            alpha,
+            warmup_steps,
+            snapshot_every,
+            skip_batches,
+            max_rollbacks,
+            memory_warn_fraction,
+            top_modules,
+        )
+        self.response, self.spike_z, self.clip_z = response, float(spike_z), float(clip_z)
+        self.rollback = Rollback(snapshot_every, skip_batches, max_rollbacks)
+        self.report, self.report_dir = report, report_dir
+        # a lasting new level is learnt after 10 steps above the threshold; never under "rollback", which rolls
+        # back each time and, past max_rollbacks, stops with an error that says what to change; nor for the
+        # gradient norm under "clip", which ZClip always folds in (clipped)
+        k = NEW_LEVEL_AFTER
+        levels = {"rollback": (None, None), "clip": (k, None)}.get(response, (k, k))
+        self.stats = SpikeStats(2, alpha, warmup_steps, new_level_after=levels)
+        self._log = HealthLog(response, self.spike_z, memory_warn_fraction, top_modules)
+        self._pending: Tensor | None = None  # a spike since the last logging step (rollback), on the device
+        self._pending_loaded = False  # the checkpoint held a spike not yet answered
+        self._module_of: dict[int, int] = {}  # id(param) -> its module's index in `_names`
+        self._module_index: tuple[tuple[int, ...], Tensor] | None = None  # for the params that have gradients
+        self._trainer: pl.Trainer | None = None
+        self._interval = IntervalMean()  # the loss (and norm) over the logging interval
+        self._const: _Constants | None = None
+        self._fixed_clip = math.nan
+
+    @property
+    def history(self) -> HealthHistory:
+        """Every step's loss, gradient norm, clip threshold, spike flags, LR, loss scale and outcome (host
+        series up to the last logging step)."""
+        return self._log.history
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """The spikes and rollbacks so far, as ``{"step", "kind", "detail"}``."""
+        return self._log.events
+
+    def state_fields(self) -> dict[str, Any]:
+        return {"response": self.response}
+
+    # ------------------------------------------------------------------ setup
+    def on_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        StepLedger.of(trainer).want_update_loss()
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if len(trainer.optimizers) > 1:
+            raise StabilityConfigError(
+                f"TrainingHealthMonitor watches one optimizer's updates; this module has {len(trainer.optimizers)}. "
+                "Fix: remove it, or train with one optimizer (GradientNormMonitor and the LR schedules serve several)."
+            )
+        names = {id(p): n for n, p in pl_module.named_parameters()}
+        params = [p for g in trainer.optimizers[0].param_groups for p in g["params"]] if trainer.optimizers else []
+        index, self._log.names = module_groups(params, names)
+        self._module_of = {id(p): i for p, i in zip(params, index, strict=True)}
+        self._module_index = None
+        device = pl_module.device
+        self._log.capacity = capacity(device)
+        # the report draws GradientNormMonitor's fixed clip line when this monitor does not clip adaptively
+        fixed = [cb.max_norm for cb in trainer.callbacks if isinstance(cb, GradientNormMonitor)]  # type: ignore[attr-defined]
+        self._fixed_clip = float(fixed[0]) if fixed and fixed[0] is not None else math.nan
+        self._const = None
+        self._trainer = trainer
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.response == "rollback":
+            # the state before the next step: labelled with the last step taken (-1 at the very start)
+            self.rollback.snapshot = Snapshot(pl_module, trainer.optimizers, StepLedger.of(trainer).label() - 1)
+
+    # ------------------------------------------------------------------ the step
+    def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer, logging: bool) -> None:
+        lr = optimizer.param_groups[0]["lr"]
+        host = {} if isinstance(lr, Tensor) else {"lr": float(lr)}
+        if self.rollback.take_skip():  # the data window after a rollback: a host decision, no sync
+            ledger.mark_skip(Outcome.SKIPPED_ROLLBACK, True)
+            row = self.history.add(ledger.label(), [], host, ledger.device)
+            self.history.set_outcome(row, int(Outcome.SKIPPED_ROLLBACK))
+            if logging:
+                self._queue_logs(trainer, ledger, None)
+            return
+        grads = ledger.gradients()
+        loss = ledger.record.get("loss")
+        const = self._constants(grads.total.device)
+        if loss is None:  # the step's loss is not known: a placeholder the statistics skip; NaN in the history
+            values = mean_over_ranks(torch.stack([const.zero, grads.total]))
+            scored = self.stats.score(values, self.spike_z, const.grad_only)
+            z, raw = torch.where(const.grad_only, scored.z, const.nan), torch.cat([const.nan, values[_GRAD:]])
+        else:
+            values = mean_over_ranks(torch.stack([loss.detach().float().to(const.zero.device), grads.total]))
+            scored = self.stats.score(values, self.spike_z)
+            z, raw = scored.z, values
+        spikes, include, deviation = scored.spikes, scored.include, scored.deviation
+        ledger.mark_skip(Outcome.SKIPPED_NONFINITE, scored.nonfinite)  # never applied, whatever the response
+        threshold = const.fixed_clip
+        if self.response == "clip":
+            mean, std = self.stats.mean_std(values.device)
+            over = z[_GRAD] > self.clip_z
+            threshold = torch.where(over, zclip_threshold(mean[_GRAD], std[_GRAD], z[_GRAD], self.clip_z), math.inf)
+            grads.clip_(threshold)
+            values = torch.stack([values[_LOSS], torch.minimum(values[_GRAD], threshold)])  # ZClip: the clipped norm
+            deviation = torch.minimum(deviation, self.stats.zscore(values)[1])  # folded in clipped, always
+            include = include | (scored.finite & const.grad_only)
+            threshold = threshold.reshape(1)
+            ledger.log("stability/clip_threshold", threshold[0], logging)
+        elif self.response in ("skip", "rollback"):
+            ledger.mark_skip(Outcome.SKIPPED_SPIKE, spikes.any())
+        if self.response == "rollback":
+            if self._pending is None:  # after a resume, a spike found before the checkpoint still counts
+                self._pending = spikes.any() | self._pending_loaded
+                self._pending_loaded = False
+            else:
+                self._pending = self._pending | spikes.any()
+        self.stats.update(deviation, include, scored.run)
+        # the loss's mean over the logging interval, every step so that EarlyStopping/ModelCheckpoint find it at
+        # any epoch end (device ops, no sync)
+        loss_z, grad_norm_z = z.unbind()
+        metrics = (
+            ("stability/loss_mean", self._interval.add(values, scored.finite)[_LOSS]),
+            ("stability/rollbacks", float(self.rollback.rollbacks)),
+            ("stability/loss_z", loss_z),
+            ("stability/grad_norm_z", grad_norm_z),
+        )
+        ledger.log_many(metrics, logging)
+        scaler = loss_scaler(trainer)
+        scale = (
+            scaler._scale.reshape(1).float().to(const.nan.device)
+            if scaler is not None and scaler._scale is not None
+            else const.nan
+        )
+        lr_value = lr.reshape(1).float() if isinstance(lr, Tensor) else const.nan
+        # the history's row: loss, grad norm, clip threshold, the two spike flags, LR, loss scale (one kernel)
+        parts = [raw, threshold, scored.flags, lr_value, scale]
+        row = self.history.add(ledger.label(), parts, host, values.device)
+        ledger.on_close(lambda closed: self.history.set_outcome(row, closed.outcome))
+        if logging:
+            self._queue_logs(
+                trainer,
+                ledger,
+                UpdateSize(grads.params, self._index_of(grads.params), len(self._log.names)) if grads.params else None,
+            )
+
+    def _index_of(self, params: list[Tensor]) -> Tensor:
+        """Each parameter's module index, on the device, for the parameters that have gradients this step (a
+        frozen or unused parameter has none); built once per distinct set (logging steps only)."""
+        key = tuple(id(p) for p in params)
+        if self._module_index is None or self._module_index[0] != key:
+            index = [self._module_of.get(id(p), 0) for p in params]
+            device = params[0].to_local().device if hasattr(params[0], "to_local") else params[0].device
+            self._module_index = (key, torch.tensor(index, dtype=torch.int64, device=device))
+        return self._module_index[1]
+
+    def _constants(self, device: torch.device) -> _Constants:
+        if self._const is None or self._const.zero.device != device:
+            self._const = _Constants(device, self._fixed_clip)
+        return self._const
+
+    # ------------------------------------------------------------------ logging steps
+    def _queue_logs(self, trainer: pl.Trainer, ledger: StepLedger, size: UpdateSize | None) -> None:
+        if size is not None:
+            self._log.queue_update_size(ledger, size)
+        memory = peak_memory_over_ranks(ledger.device)
+        ledger.log("stability/memory_peak_gb", memory[0])
+        if ledger.device.type == "cuda":
+            ledger.log("stability/memory_reserved_gb", memory[1])
+        self._interval.reset()  # its value for this interval was logged in on_step
+        if self._pending is not None:
+            ledger.log("_health/rollback", self._pending)
+            self._pending = None
+        ledger.on_close(self._queue_rows)
+
+    def _queue_rows(self, ledger: StepLedger) -> None:
+        self._log.queue_rows(ledger)
+        ledger.on_flush(self._on_flush)
+
+    def _on_flush(self, values: FlushValues) -> dict[str, float]:
+        extra = self._log.read(values)
+        self._respond(values.get("_health/rollback", 0.0) == 1.0, end=False)
+        return extra
+
+    def _respond(self, spiked: bool, end: bool) -> None:
+        """Roll back after a spike (at the end of training: restore only); else take a snapshot when due."""
+        trainer = self._trainer
+        if trainer is None or self.response != "rollback":
+            return
+        module, optimizers, step = trainer.lightning_module, trainer.optimizers, StepLedger.of(trainer).label()
+        if spiked:
+            event = self.rollback.roll_back(module, optimizers, step, skip=not end)
+            self._log.events.append(event)
+            StepLedger.of(trainer).note(event)
+            r = self.rollback
+            rank_zero_warn(f"TrainingHealthMonitor: rollback {r.rollbacks}/{r.max_rollbacks}: {event['detail']}.")
+        elif not end:  # the steps since the last logging step were clean
+            self.rollback.maybe_snapshot(module, optimizers, step)
+
+    # ------------------------------------------------------------------ end of fit, checkpoints
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # HOST SYNC (once): the steps after the last logging step get the same scan, and a pending rollback
+        # restores the last good snapshot (there is no data left to skip)
+        self._log.take_rows(self.history.pending_on_host(), {})
+        spiked = self._pending is not None and bool(self._pending)
+        self._pending = None
+        self._respond(spiked, end=True)
+        if self.report and trainer.is_global_zero:
+            self.write_report(trainer)
+
+    def write_report(
+        self, trainer: pl.Trainer | None = None, out_dir: str | Path | None = None
+    ) -> tuple[Path, Path | None]:
+        """Write ``stability_report.json`` (and ``.png`` with matplotlib); returns their paths."""
+        trainer = trainer or self._trainer
+        directory = out_dir or self.report_dir
+        if directory is None and trainer is not None:
+            directory = (
+                trainer.logger.log_dir if trainer.logger is not None and trainer.logger.log_dir else None
+            ) or trainer.default_root_dir
+        meta = {"response": self.response, "spike_z": self.spike_z, "clip_z": self.clip_z}
+        return self._log.write_report(directory or ".", {**meta, "rollbacks": self.rollback.rollbacks})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "stats": self.stats.state_dict(),
+            "history": self.history.state_dict(),
+            "events": list(self.events),
+            "rollback": self.rollback.state_dict(),
+            "pending_rollback": self._pending is not None and bool(self._pending),  # a sync: checkpoints only
+            "interval": self._interval.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.stats.load_state_dict(state_dict.get("stats", {}))
+        self.history.load_state_dict(state_dict.get("history", {}))
+        self._log.events = list(state_dict.get("events", []))
+        self.rollback.load_state_dict(state_dict.get("rollback", {}))
+        self._pending_loaded = bool(state_dict.get("pending_rollback", False))
+        self._interval.load_state_dict(state_dict.get("interval", {}))
+
+    def transient_state(self) -> dict[str, Any]:
+        return {"_trainer": None, "_pending": None, "_module_index": None, "_const": None}
+
+
+RESPONSES = ("warn", "clip", "skip", "rollback")
+
+
+def check_health_arguments(
+    response: Any,
+    spike_z: Any,
+    clip_z: Any,
+    alpha: Any,
+    warmup_steps: Any,
+    snapshot_every: Any,
+    skip_batches: Any,
+    max_rollbacks: Any,
+    memory_warn_fraction: Any,
+    top_modules: Any,
+) -> None:
+    """Raise ``StabilityConfigError`` for the first bad argument."""
+    if response not in RESPONSES:
+        raise config_error("response", response, "is not a response", f"pass one of {', '.join(RESPONSES)}")
+    for name, value in (("spike_z", spike_z), ("clip_z", clip_z)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise config_error(name, value, "must be a number > 0", "pass e.g. 6.0 (spikes) or 2.5 (clip)")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
+        raise config_error("alpha", alpha, "must be in (0, 1)", "pass e.g. 0.97 (ZClip's default)")
+    for name, value in (("warmup_steps", warmup_steps), ("snapshot_every", snapshot_every)):
+        check_positive_int(name, value, "25 or 100")
+    if warmup_steps < 2:
+        # one value has no spread: every later value would score as a spike, and "skip" would skip them all
+        raise config_error(
+            "warmup_steps", warmup_steps, "must be >= 2 (a standard deviation needs two values)", "pass e.g. 25"
+        )
+    for name, value in (
+        ("skip_batches", skip_batches),
+        ("max_rollbacks", max_rollbacks),
+        ("top_modules", top_modules),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise config_error(name, value, "must be an int >= 0", "pass e.g. 200, 3 or 5")
+    if not 0 < memory_warn_fraction <= 1:
+        raise config_error("memory_warn_fraction", memory_warn_fraction, "must be in (0, 1]", "pass e.g. 0.9")

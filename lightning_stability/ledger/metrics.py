@@ -1,0 +1,167 @@
+"""The ``stability/`` metrics of a step: monitorable at once, logged in one transfer, named per optimizer.
+
+:class:`MetricQueue` holds what callbacks queue on a logging step, one queue per optimizer (a *track*), and
+:meth:`MetricQueue.transfer` stacks every queued tensor of every track and copies them to the host at once.
+:func:`monitor` puts a step's scalar into ``trainer.callback_metrics`` without any transfer, and
+:func:`publish` hands a transfer's values to the loggers under their final names.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from lightning_stability import _compat
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_stability.ledger.track import Track
+
+
+FlushValues = dict[str, float | list[float]]
+FlushHook = Callable[[FlushValues], dict[str, float] | None]
+
+
+class MetricQueue:
+    """Queued metrics and flush hooks, per track (optimizer index)."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, dict[str, Tensor | float]] = defaultdict(dict)
+        self._hooks: dict[int, list[FlushHook]] = defaultdict(list)
+        # host numbers logged as monitorable metrics: the last value and its tensor, reused while unchanged
+        self._host_metrics: dict[str, tuple[float, Tensor]] = {}
+
+    def route(
+        self,
+        trainer: pl.Trainer | None,
+        track: Track,
+        several_optimizers: bool,
+        metrics: Iterable[tuple[str, Tensor | float]],
+        to_loggers: bool,
+    ) -> None:
+        """Scalars into ``trainer.callback_metrics`` at once (keys not starting with ``_``); with ``to_loggers``,
+        every value also queued for the next :meth:`publish`."""
+        for key, value in metrics:
+            if trainer is not None and not key.startswith("_"):
+                name = metric_name(key, track, several_optimizers)
+                if isinstance(value, Tensor):
+                    monitor(trainer, name, value)
+                else:  # a new tensor only when the number changes (a tensor once made is never written to)
+                    cached = self._host_metrics.get(name)
+                    if cached is None or cached[0] != value:
+                        cached = self._host_metrics[name] = (value, torch.full((), float(value)))
+                    monitor(trainer, name, cached[1])
+            if to_loggers:
+                self.put(track.index, key, value)
+
+    def publish(
+        self,
+        trainer: pl.Trainer | None,
+        device: torch.device,
+        track_of: Callable[[int], Track],
+        several_optimizers: bool,
+        step: int,
+    ) -> dict[str, float]:
+        """Empty the queue in one transfer and log it at ``step`` (see :func:`publish`)."""
+        return publish(trainer, self.transfer(device), track_of, several_optimizers, step)
+
+    def put(self, track: int, key: str, value: Tensor | float) -> None:
+        self._pending[track][key] = value
+
+    def add_hook(self, track: int, hook: FlushHook) -> None:
+        self._hooks[track].append(hook)
+
+    def __bool__(self) -> bool:
+        return any(self._pending.values()) or any(self._hooks.values())
+
+    def transfer(self, device: torch.device) -> dict[int, tuple[FlushValues, dict[str, Tensor]]]:
+        """Empty the queue: per track, the host values (after its hooks ran) and 0-dim host tensors of the
+        scalar tensor metrics (for ``trainer.callback_metrics``). **One** device-to-host copy in all."""
+        pending, self._pending = self._pending, defaultdict(dict)
+        hooks, self._hooks = self._hooks, defaultdict(list)
+        order = [(t, k) for t, values in pending.items() for k, v in values.items() if isinstance(v, Tensor)]
+        host: list[float] = []
+        host_tensor = torch.zeros(0)
+        sizes: list[int] = []
+        if order:
+            flat = [pending[t][k].detach().reshape(-1).to(torch.float64) for t, k in order]  # type: ignore[union-attr]
+            flat = [x if x.device == device else x.to(device, non_blocking=True) for x in flat]
+            sizes = [x.numel() for x in flat]
+            # HOST SYNC: the one batched device-to-host transfer of a logging step.
+            host_tensor = torch.cat(flat).to("cpu", copy=True)
+            host = host_tensor.tolist()
+        result: dict[int, tuple[FlushValues, dict[str, Tensor]]] = {t: ({}, {}) for t in set(pending) | set(hooks)}
+        offset = 0
+        for (t, key), size in zip(order, sizes, strict=True):
+            values, scalars = result[t]
+            if pending[t][key].dim() == 0:  # type: ignore[union-attr]
+                values[key] = host[offset]
+                scalars[key] = host_tensor[offset].float()
+            else:
+                values[key] = host[offset : offset + size]
+            offset += size
+        for t, queued in pending.items():
+            result[t][0].update({k: float(v) for k, v in queued.items() if not isinstance(v, Tensor)})
+        for t, track_hooks in hooks.items():
+            values = result[t][0]
+            for hook in track_hooks:
+                extra = hook(values)
+                if extra:
+                    values.update(extra)
+        return result
+
+
+def metric_name(key: str, track: Track, several_optimizers: bool) -> str:
+    """``key``, or ``key/<optimizer>`` when the trainer has several optimizers."""
+    return f"{key}/{track.name}" if several_optimizers else key
+
+
+def monitor(trainer: pl.Trainer, name: str, value: Tensor | float) -> None:
+    """Put a scalar into ``trainer.callback_metrics``, where ``ModelCheckpoint``/``EarlyStopping`` look.
+
+    A device tensor stays on the device: nothing moves until a monitor reads it. A host value becomes a CPU
+    tensor (a fill from a Python float: no device involved, no copy).
+    """
+    if isinstance(value, Tensor):
+        if value.dim() != 0:
+            return
+        metric = value.detach() if value.requires_grad else value
+    else:
+        metric = torch.full((), float(value), dtype=torch.float32)
+    _compat.callback_metrics(trainer)[name] = metric
+
+
+def publish(
+    trainer: pl.Trainer | None,
+    transferred: dict[int, tuple[FlushValues, dict[str, Tensor]]],
+    track_of: Callable[[int], Track],
+    several_optimizers: bool,
+    step: int,
+) -> dict[str, float]:
+    """Log a transfer's metrics to every logger at Lightning's ``step`` label and refresh the monitored
+    scalars with their host copies. Returns the metrics under their final names."""
+    metrics: dict[str, float] = {}
+    monitored: dict[str, Tensor] = {}
+    for index, (values, scalars) in transferred.items():
+        track = track_of(index)
+        for key, value in values.items():
+            if not key.startswith("_") and isinstance(value, float):
+                metrics[metric_name(key, track, several_optimizers)] = value
+        for key, value in values.items():  # host numbers (also those flush hooks added): monitorable too
+            if not key.startswith("_") and isinstance(value, float):
+                # a host tensor from a fill, not from host data: never a host-to-device copy
+                monitored[metric_name(key, track, several_optimizers)] = torch.full((), value, dtype=torch.float32)
+        monitored.update(
+            {metric_name(k, track, several_optimizers): v for k, v in scalars.items() if not k.startswith("_")}
+        )
+    if trainer is not None:
+        _compat.callback_metrics(trainer).update(monitored)
+        if metrics:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+    return metrics

@@ -1,0 +1,383 @@
+"""The per-optimizer-step outcome ledger that every ``lightning_stability`` callback shares.
+
+One :class:`StepLedger` exists per ``Trainer`` (:meth:`StepLedger.of`), with one :class:`Track` per
+optimizer. For each optimizer step it opens a record (:meth:`StepLedger.open_step`, which reuses the fp16
+scaler's overflow decision), takes values (:meth:`~StepLedger.put`) and skip votes from any callback
+(:meth:`~StepLedger.mark_skip`, enforced together by :meth:`~StepLedger.enforce_votes`), closes the step
+into one :class:`Outcome` counted on the device, and routes the step's metrics: into
+``trainer.callback_metrics`` at once, to the loggers in one transfer on logging steps. Nothing here adds a
+host sync to a step that does not log, except one read of the skip votes for a non-fused optimizer without
+a loss scaler. ``ARCHITECTURE.md`` walks through one step. The ledger is saved once in the checkpoint under
+``checkpoint["lightning_stability"]["ledger"]``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_stability import _compat
+from lightning_stability.ledger.gradients import ClipScale, StepGradients
+from lightning_stability.ledger.metrics import FlushHook, FlushValues, MetricQueue, metric_name
+from lightning_stability.ledger.skips import (
+    Flag,
+    StepVotes,
+    loss_scaler,
+)
+from lightning_stability.ledger.track import CurrentTrackView, Outcome, Track, device_of, optimizer_names
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+# MERGED-DOC: The loss of the coming optimizer update, on the device, before the update.
+# MERGED-DOC:
+# MERGED-DOC: What ``on_before_backward`` sees is not that loss: Lightning divides each micro-batch's loss by the
+# MERGED-DOC: accumulation factor (automatic optimization) and the fp16 scaler multiplies it by the loss scale. This
+# MERGED-DOC: undoes both and averages over the micro-batches of the update, with no host sync.
+
+
+__all__ = ["CHECKPOINT_KEY", "FlushHook", "FlushValues", "Outcome", "StepLedger", "Track", "loss_scaler"]
+
+CHECKPOINT_KEY = "lightning_stability"
+
+
+class StepLedger(CurrentTrackView):
+    """The record of every optimizer step: values and flags as tensors, outcome counts on the device.
+
+    ``steps``, ``counts``, ``applied_steps``, ... and the windows refer to the current optimizer's
+    :class:`Track` (the one stepping, or the last that stepped); :meth:`track` gives any optimizer's.
+
+    Attributes:
+        record: the current step's values, e.g. ``record["grad_norm"]`` (tensors).
+        outcome: the outcome of the last closed step (an :class:`Outcome`, or an int64 tensor
+            when the decision was never brought to the host).
+    """
+
+    _registry: ClassVar[weakref.WeakKeyDictionary[Any, StepLedger]] = weakref.WeakKeyDictionary()
+    _last: ClassVar[weakref.ref[StepLedger] | None] = None  # the ledger `of` found last: every hook asks again
+
+    def __init__(self, trainer: pl.Trainer | None = None) -> None:
+        self._trainer_ref = weakref.ref(trainer) if trainer is not None else None
+        self.record: dict[str, Tensor] = {}
+        self.outcome: Outcome | Tensor = Outcome.APPLIED
+        self._tracks: dict[int, Track] = {}
+        self._loaded: dict[int, dict[str, Any]] = {}
+        self._current: Track | None = None
+        self._open: Optimizer | None = None
+        self._votes: StepVotes | None = None  # the open step's skip decision
+        self._stepped = False  # the optimizer's step() ran for the open step
+        self._several: bool | None = None  # several_optimizers, as of the step open now (None between steps)
+        self._grads: dict[float, StepGradients] = {}  # the open step's gradient norms, by norm type
+        self._clip = ClipScale()  # the clips applied to the open step's gradients, shared by all norm types
+        self._close_hooks: list[Callable[[StepLedger], None]] = []
+        self._queue = MetricQueue()
+        self.events: list[dict[str, Any]] = []  # rollbacks and other events, with their step labels
+        self.published: dict[str, float] = {}  # the last logged value of every metric (host numbers)
+        # Set by the lightning_stability callbacks at setup: the last of them enforces the votes at the end of
+        # its hook. Without any, a vote is enforced at once (one host read per vote for a non-fused optimizer).
+        self.callbacks_enforce = False
+        self._loss = UpdateLoss()
+        # id(optimizer) -> (weak reference, track index, hook handle); the reference tells a reused id apart
+        self._hooked: dict[int, tuple[weakref.ref[Optimizer], int, Any]] = {}
+
+    # ------------------------------------------------------------------ lookup
+    @classmethod
+    def of(cls, trainer: pl.Trainer) -> StepLedger:
+        """The ledger of ``trainer``, created on first use."""
+        last = cls._last() if cls._last is not None else None
+        if last is not None and last._trainer_ref is not None and last._trainer_ref() is trainer:
+            return last
+        ledger = cls._registry.get(trainer)
+        if ledger is None:
+            ledger = cls._registry[trainer] = cls(trainer)
+        StepLedger._last = weakref.ref(ledger)
+        return ledger
+
+    @property
+    def trainer(self) -> pl.Trainer | None:
+        return self._trainer_ref() if self._trainer_ref is not None else None
+
+    def _optimizers(self) -> list[Optimizer]:
+        trainer = self.trainer
+        return trainer.optimizers if trainer is not None else []
+
+    @property
+    def several_optimizers(self) -> bool:
+        """Whether the trainer has more than one optimizer (metric keys then name the optimizer); read once per
+        step while one is open (every metric asks), live between steps."""
+        return self._several if self._several is not None else len(self._optimizers()) > 1
+
+    def _track_at(self, index: int, name: str | None = None) -> Track:
+        track = self._tracks.get(index)
+        if track is None:
+            track = Track(index, name or f"optimizer{index}", self._loaded.pop(index, None))
+            self._tracks[index] = track
+        return track
+
+    def track(self, optimizer: Optimizer | None = None) -> Track:
+        """The record of ``optimizer`` (default: the current one)."""
+        if optimizer is None:
+            return self._current if self._current is not None else self._track_at(0)
+        hooked = self._hooked.get(id(optimizer))
+        if hooked is not None and hooked[0]() is optimizer:
+            return self._tracks[hooked[1]]
+        optimizers = self._optimizers()
+        index = next((i for i, o in enumerate(optimizers) if o is optimizer), None)
+        if index is None:
+            # Without a trainer (the ledger driven by hand) every optimizer shares track 0; an optimizer the
+            # trainer does not know gets a track of its own.
+            index = 0 if not optimizers else max(len(optimizers), max(self._tracks, default=-1) + 1)
+        names = optimizer_names(optimizers)
+        track = self._track_at(index)
+        # named now, also when a metric logged before the first step made the track under a placeholder name
+        track.name = names[index] if index < len(names) else type(optimizer).__name__
+        track.place(device_of(optimizer))
+        handle = optimizer.register_step_post_hook(self._after_optimizer_step)
+        self._hooked[id(optimizer)] = (weakref.ref(optimizer), index, handle)
+        return track
+
+    def select(self, optimizer: Optimizer) -> Track:
+        """Make ``optimizer``'s record the current one between steps (e.g. to queue an end-of-run report)."""
+        if self._open is None:
+            self._current = self.track(optimizer)
+        return self.track()
+
+    # ------------------------------------------------------------------ step lifecycle
+    def open_step(self, optimizer: Optimizer) -> bool:
+        """Open the record of the step ``optimizer`` is about to take. Returns ``False`` if already open."""
+        if self._open is optimizer:
+            return False
+        if self._open is not None:
+            self.close_step()
+        track = self.track(optimizer)
+        self._current, self._open = track, optimizer
+        track.steps += 1
+        self.record, self._grads, self._clip = {}, {}, ClipScale()
+        self._stepped = False
+        loss = self._loss.take()
+        if loss is not None:
+            self.record["loss"] = loss
+        trainer = self.trainer
+        self._several = len(self._optimizers()) > 1
+        self._votes = StepVotes(optimizer, loss_scaler(trainer) if trainer is not None else None, track.device)
+        return True
+
+    @property
+    def is_open(self) -> bool:
+        return self._open is not None
+
+    def want_update_loss(self) -> None:
+        """Ask for ``record["loss"]``: the update's loss, the mean over its micro-batches, unscaled, on the
+        device, available from ``open_step`` on (before the update)."""
+        self._loss.enabled = True
+
+    def add_loss(self, loss: Tensor) -> None:
+        """Record a micro-batch's loss as ``on_before_backward`` sees it (the template does this)."""
+        if not self._loss.enabled:
+            return
+        trainer = self.trainer
+        if trainer is None:
+            return
+        scaler = loss_scaler(trainer)
+        automatic = trainer.lightning_module.automatic_optimization
+        scale = _compat.scaler_scale(scaler) if scaler is not None else None
+        self._loss.add(loss, scale, trainer.accumulate_grad_batches if automatic else 1)
+
+    def gradients(self, norm_type: float = 2.0) -> StepGradients:
+        """The open step's gradients and their global norm, computed once per step for all callbacks.
+
+        Clip them with ``gradients().clip_(threshold)``: clips by several callbacks leave the smallest threshold.
+        """
+        if self._open is None:
+            raise RuntimeError("gradients() called outside an optimizer step; call open_step(optimizer) first")
+        grads = self._grads.get(norm_type)
+        if grads is None:
+            grads = self._grads[norm_type] = StepGradients(self._open, norm_type, self.device, self._clip)
+        return grads
+
+    def label(self) -> int:
+        """Lightning's step label for the current step: ``self.log`` and ``LearningRateMonitor`` use it too."""
+        trainer = self.trainer
+        if trainer is not None:
+            return _compat.batches_that_stepped(trainer)
+        return max(self.steps - 1, 0)
+
+    def is_logging_step(self, every_n_steps: int) -> bool:
+        """Whether the current step logs by Lightning's rule for ``log_every_n_steps`` (0: never; the step on
+        which the run is told to stop logs too)."""
+        if every_n_steps <= 0:
+            return False
+        trainer = self.trainer
+        # Lightning also logs the step on which the run is told to stop (`_LoggerConnector.should_update_logs`)
+        return (self.label() + 1) % every_n_steps == 0 or bool(trainer is not None and trainer.should_stop)
+
+    def note(self, event: dict[str, Any]) -> None:
+        """Record an event of the run (e.g. a rollback: ``{"step": 120, "kind": "rollback", ...}``); saved in
+        checkpoints, so a resumed run keeps the whole record."""
+        self.events.append(dict(event))
+
+    def put(self, key: str, value: Tensor) -> None:
+        """Record a value of the current step."""
+        self.record[key] = value
+
+    def any_rank(self, flag: Tensor) -> Tensor:
+        """``flag`` made rank-consistent: true on every rank when it is true on any (one 0-dim all-reduce
+        over the default process group, no host sync). Use it for every decision that skips a step."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return flag
+        value = flag.to(torch.float32)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return value > 0
+
+    def mark_skip(self, reason: Outcome, flag: Flag, optimizer: Optimizer | None = None) -> None:
+        """Skip the current update when ``flag`` is true, and say why. Any callback may vote, in any order.
+
+        From a callback's ``on_before_optimizer_step``, pass the hook's ``optimizer``: it opens the step if no
+        ``lightning_stability`` callback has yet. The votes are enforced together by :meth:`enforce_votes`,
+        which the last ``lightning_stability`` callback calls at the end of its ``on_before_optimizer_step``:
+        one host read for all of them at most, none under fp16 or with a fused optimizer. A vote cast later
+        (a callback after it, the module's own hook) is enforced at once. Under fp16 a vote skips the step
+        without changing the loss scale. The decision must be identical on every rank: pass a flag from
+        globally reduced values, or through :meth:`any_rank`.
+        """
+        if optimizer is not None:
+            self.open_step(optimizer)
+        if self._open is None:
+            raise RuntimeError(
+                "mark_skip() called outside an optimizer step. Fix: call it from `on_before_optimizer_step` and "
+                "pass that hook's optimizer: ledger.mark_skip(reason, flag, optimizer)."
+            )
+        assert self._votes is not None
+        self._votes.vote(reason, flag)
+        if not self.callbacks_enforce:
+            self._votes.enforce()
+
+    def enforce_votes(self) -> None:
+        """Make the open step skip if any vote so far says so (see :meth:`mark_skip`)."""
+        if self._votes is not None:
+            self._votes.enforce()
+
+    def _after_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        if self._open is optimizer:
+            self._stepped = True
+            self.close_step()
+
+    def on_close(self, hook: Callable[[StepLedger], None]) -> None:
+        """Run ``hook(ledger)`` once when the current step closes (after the optimizer step)."""
+        self._close_hooks.append(hook)
+
+    def close_step(self) -> None:
+        """Turn the step's skip flags into one :class:`Outcome` and count it. Idempotent."""
+        optimizer = self._open
+        if optimizer is None:
+            return
+        assert self._votes is not None
+        outcome = self._votes.outcome(self._stepped)
+        self._votes = None
+        track = self.track()
+        track.count(outcome)
+        self.outcome = outcome
+        self._open = None
+        hooks, self._close_hooks = self._close_hooks, []
+        for hook in hooks:
+            hook(self)
+        self._several = None  # read live between steps (another fit may have other optimizers)
+
+    # ------------------------------------------------------------------ metrics
+    def metric_name(self, key: str, track: Track | None = None) -> str:
+        """``key``, or ``key/<optimizer>`` when the trainer has several optimizers."""
+        return metric_name(key, track or self.track(), self.several_optimizers)
+
+    def log(self, key: str, value: Tensor | float, to_loggers: bool = True) -> None:
+        """A metric of the current step.
+
+        A scalar goes into ``trainer.callback_metrics`` at once (a device tensor stays on the device: no
+        transfer until a monitor such as ``ModelCheckpoint`` reads it), so ``stability/`` keys are
+        monitorable after every step that computes them. With ``to_loggers`` (pass whether the step is a
+        logging step) it is also queued for the loggers: :meth:`flush` moves the queue to the host in one
+        transfer. Keys starting with ``_`` reach flush hooks only.
+        """
+        self.log_many(((key, value),), to_loggers)
+
+    def log_many(self, metrics: Iterable[tuple[str, Tensor | float]], to_loggers: bool = True) -> None:
+        """:meth:`log` for several metrics of the current step at once."""
+        self._queue.route(self.trainer, self.track(), self.several_optimizers, metrics, to_loggers)
+
+    def on_flush(self, hook: FlushHook) -> None:
+        """Run ``hook(values)`` once at the next flush, with the current optimizer's queued values on the host.
+
+        Scalars arrive as floats and vectors as lists of floats, under the keys they were queued with.
+        The hook may return extra metrics to log (e.g. per-layer norms under names resolved from
+        transferred indices).
+        """
+        self._queue.add_hook(self.track().index, hook)
+
+    def flush(self) -> dict[str, float]:
+        """Move every queued tensor of every optimizer to the host in one transfer and log the metrics.
+
+        Returns them, under their final names. Scalar metrics also land in ``trainer.callback_metrics``, as
+        0-dim views of the host copy, so a monitor reading them costs no further transfer.
+        """
+        if not self._queue:
+            return {}
+        metrics = self._queue.publish(self.trainer, self.device, self._track_at, self.several_optimizers, self.label())
+        self.published.update(metrics)
+        return metrics
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        tracks = {i: t.state_dict() for i, t in self._tracks.items()}
+        tracks.update({i: s for i, s in self._loaded.items() if i not in tracks})
+        return {"version": 2, "tracks": {str(i): s for i, s in sorted(tracks.items())}, "events": list(self.events)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # version 1 held one optimizer's record
+        loaded = {int(i): s for i, s in state["tracks"].items()} if "tracks" in state else {0: state}
+        for index, track in self._tracks.items():
+            track.load_state_dict(loaded.pop(index, {}))
+        self._loaded = loaded
+        self.events = list(state.get("events", []))
+
+    def save_into(self, checkpoint: dict[str, Any]) -> None:
+        """Write the ledger into a Lightning checkpoint dict (idempotent: every callback may call it)."""
+        checkpoint.setdefault(CHECKPOINT_KEY, {})["ledger"] = self.state_dict()
+
+    def load_from(self, checkpoint: dict[str, Any]) -> None:
+        """Restore from a Lightning checkpoint dict; a checkpoint without a ledger leaves it as is."""
+        state = checkpoint.get(CHECKPOINT_KEY, {}).get("ledger")
+        if state is not None:
+            self.load_state_dict(state)
+
+
+class UpdateLoss:
+    """Collects the micro-batch losses of one update; :meth:`take` gives their mean and starts the next."""
+
+    def __init__(self) -> None:
+        self.enabled = False  # a callback that needs the loss turns it on (it costs ~3 small ops per micro-batch)
+        self._sum: Tensor | None = None
+        self._count = 0
+
+    def add(self, loss: Tensor, scale: Tensor | None, normalize: int) -> None:
+        """Record one micro-batch's loss as passed to backward: times ``normalize`` (the factor Lightning
+        divided it by), over ``scale`` (the fp16 loss scale it was multiplied by)."""
+        value = loss.detach().to(torch.float32)
+        if scale is not None:
+            value = value / scale.to(value.device, non_blocking=True)
+        if normalize != 1:
+            value = value * normalize
+        self._sum = value if self._sum is None else self._sum + value
+        self._count += 1
+
+    def take(self) -> Tensor | None:
+        """The mean loss of the micro-batches since the last call (``None`` if there were none)."""
+        total, count = self._sum, self._count
+        self._sum, self._count = None, 0
+        if total is None:
+            return None
+        return total / count if count > 1 else total
