@@ -179,7 +179,7 @@ def run_once(config: Config, seed: int, args: argparse.Namespace, eval_set: tupl
         model.eval()
         loss = nn.functional.mse_loss(model(eval_set[0]), eval_set[1]).item()
     monitored = config.name.startswith("monitor")
-    counts = StepLedger.of(trainer).counts.tolist() if monitored else [0] * len(Outcome)
+    counts = StepLedger.of(trainer).record_of().counts.tolist() if monitored else [0] * len(Outcome)
     return Run(math.inf if stopped else loss, stopped, sum(counts[Outcome.SKIPPED_NONFINITE :]), seconds)
 
 

@@ -174,7 +174,7 @@ def after_closure(precision: Precision, model: pl.LightningModule, optimizer: An
 
 # ---------------------------------------------------------------------------------------------- torch
 def foreach_norm(tensors: list[Tensor], ord: float = 2.0, dtype: torch.dtype | None = None) -> tuple[Tensor, ...]:
-    """The ``ord``-norm of every tensor of a list in one fused kernel (accumulated in ``dtype`` if given)."""
+    """The ``ord``-norm of each tensor of a list, fused (``torch._foreach_norm``), accumulated in ``dtype`` if given."""
     return torch._foreach_norm(tensors, ord, dtype=dtype)
 
 
@@ -196,7 +196,7 @@ def amp_update_scale_(
 
 
 def foreach_mul_(tensors: list[Tensor], scalar: Tensor) -> None:
-    """Multiply every tensor of a list in place by the 0-dim tensor ``scalar`` in one fused kernel."""
+    """Multiply every tensor of a list in place by the 0-dim tensor ``scalar``, fused (``torch._foreach_mul_``)."""
     torch._foreach_mul_(tensors, scalar)
 
 

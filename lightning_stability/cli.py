@@ -17,7 +17,7 @@ def _say(text: str) -> None:
 
 def _demo(args: argparse.Namespace) -> int:
     from lightning_stability.demo.model import load_corpus
-    from lightning_stability.demo.run import quiet_lightning, run_demo
+    from lightning_stability.demo.run import demo_threads, quiet_lightning, run_demo
 
     corpus = load_corpus()
     fault = int(0.6 * args.steps) if args.nan_at_step is None else args.nan_at_step
@@ -26,6 +26,8 @@ def _demo(args: argparse.Namespace) -> int:
         f"(a frozen copy), AdamW lr={args.lr:g} from step 0, {args.steps} steps"
         + (f", the loss of step {fault} made NaN (a corrupted batch)." if fault >= 0 else ".")
         + (" The same run bare, then with the preset." if args.compare else "")
+        + f" Repeatable: seed {args.seed}, {demo_threads(args.devices)} CPU thread(s) per process, torch's "
+        "deterministic algorithms."
     )
     with warnings.catch_warnings(record=True) as caught, quiet_lightning():
         warnings.simplefilter("always")  # recorded; the callbacks' own warnings are printed after the runs

@@ -1,9 +1,12 @@
-"""GradientNormMonitor: measure the global gradient norm once per optimizer step; clip; skip non-finite steps."""
+"""GradientNormMonitor: measure the global gradient norm once per optimizer step; clip; skip non-finite steps.
+
+Also the replica check (``check_replicas=True``): each rank's gradient norm gathered on logging steps, and a
+warning naming a rank that disagrees, a cheap detector of a faulty device.
+"""
 
 from __future__ import annotations
 
 import math
-from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -14,15 +17,16 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stability.errors import StabilityConfigError, config_error
-from lightning_stability.ledger.callback import LedgerCallback
-from lightning_stability.ledger.gradients import StepGradients
-from lightning_stability.ledger.step_ledger import FlushValues, Outcome, StepLedger, loss_scaler
+from lightning_stability.ledger import (
+    FlushValues,
+    LedgerCallback,
+    OptimizerRecord,
+    Outcome,
+    StepGradients,
+    StepLedger,
+    loss_scaler,
+)
 from lightning_stability.norms import group_norms, module_groups
-
-# MERGED-DOC: Values across data-parallel ranks: their mean (every rank decides from the same numbers), and the replica
-# MERGED-DOC: check: gather each rank's gradient norm and name a rank that disagrees (``GradientNormMonitor(check_replicas=True)``),
-# MERGED-DOC: a cheap detector of a faulty device.
-
 
 _K_STEPS = "grad_norm_monitor/steps"
 _K_CLIPPED = "grad_norm_monitor/clipped"
@@ -51,7 +55,7 @@ class GradientNormMonitor(LedgerCallback):
     """Measure, and optionally clip, the gradient norm of the whole model once per optimizer step.
 
     The norm is taken in ``on_before_optimizer_step``: after the backward passes of all accumulated
-    micro-batches, after fp16 gradients were unscaled, and before the update (seed rows 1, 3, 14). It
+    micro-batches, after fp16 gradients were unscaled, and before the update. It
     is the norm of the model's whole gradient: identical on every rank under DDP, and reduced across
     shards for sharded (``DTensor``) parameters, never the norm of one shard. All of it happens on the
     device; steps that do not log add no host synchronisation.
@@ -176,114 +180,113 @@ class GradientNormMonitor(LedgerCallback):
 
     # ------------------------------------------------------------------ the step
     def _layers_of(self, ledger: StepLedger, gradients: StepGradients, device: torch.device) -> _Layers:
-        track = ledger.track().index
-        layers = self._layers.get(track)
+        index = ledger.record_of().index
+        layers = self._layers.get(index)
         key = gradients.key
         if layers is None or layers.key != key:
-            index, names = module_groups(gradients.params, self._names)
-            index_t = torch.tensor(index, dtype=torch.int64, device=device)
-            layers = self._layers[track] = _Layers(key, index_t, names)
+            groups, names = module_groups(gradients.params, self._names)
+            layers = self._layers[index] = _Layers(key, torch.tensor(groups, dtype=torch.int64, device=device), names)
         return layers
 
-    def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer, logging: bool) -> None:
+    def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer) -> None:
         gradients = ledger.gradients(self.norm_type)  # computed once per step, shared with other callbacks
         params, norms, total = gradients.params, gradients.norms, gradients.total
+        self._gradients = gradients if params else None
         if not params:
             if self.skip_nonfinite:  # every rank joins the flag's all-reduce, also one without gradients
-                ledger.any_rank(torch.zeros((), dtype=torch.bool, device=ledger.device))
+                ledger.any_rank(torch.zeros((), dtype=torch.bool, device=total.device))
             return
-        bad = (total - total) != 0  # NaN or inf (torch.isfinite is four kernels on a CPU, this two)
+        bad = (total - total) != 0  # NaN or inf
         if self.skip_nonfinite:
             # A gradient can go bad on one rank after the data-parallel all-reduce (a hook that edits it, a
             # faulty device): one 0-dim all-reduce makes every rank see, and skip, the same step.
             bad = ledger.any_rank(bad)
-        ledger.put("grad_norm", total)
-        ledger.accumulate(_K_STEPS, 1.0)
-        ledger.log("stability/grad_norm", total, logging)
+        ledger.values["grad_norm"] = total
+        record = ledger.record_of()
+        record.accumulate(_K_STEPS, 1.0)
+        self.record_metric("stability/grad_norm", total)
         if self.max_norm is not None:
-            # relative to another callback's clip, if one came first; the metrics, once every clip is done
-            ledger.put("clip_coef", gradients.clip_(self.max_norm))
-            ledger.on_close(partial(self._after_clips, gradients=gradients, logging=logging))
+            # relative to another callback's clip, if one came first; the metrics after the step, once every
+            # clip is done
+            ledger.values["clip_coef"] = gradients.clip_(self.max_norm)
         layers = self._layers_of(ledger, gradients, norms.device)
         layers.remember_first_bad(bad, norms)
         if self.skip_nonfinite:
             # Under fp16 the vote joins the loss scaler's own overflow decision: no extra sync.
             ledger.mark_skip(Outcome.SKIPPED_NONFINITE, bad)
-        # counted when the step closes, so the current step's outcome is included
-        ledger.on_close(
-            lambda closed: closed.log("stability/skipped_steps", closed.track().skipped_steps_now(), logging)
-        )
-        if logging:
+        if self.is_logging_step:
             layer_norms = group_norms(norms, layers.index, len(layers.names), self.norm_type)
-            self._queue_logs(trainer, ledger, total, layer_norms, layers)
+            self._send_layers(trainer, total, layer_norms, layers)
 
-    def _after_clips(self, ledger: StepLedger, gradients: StepGradients, logging: bool) -> None:
-        """The clip metrics of the closed step: every clip applied to it (this one's and, e.g., an adaptive one)."""
-        coef = gradients.coefficient
-        ledger.accumulate(_K_CLIPPED, coef < 1.0)
-        ledger.log("stability/grad_norm_clipped", gradients.current, logging)
-        ledger.log("stability/clip_coef", coef, logging)
-        if logging:
-            steps = ledger.pop_window(_K_STEPS)
-            ledger.log("stability/clip_fraction", ledger.pop_window(_K_CLIPPED) / steps.clamp(min=1.0))
+    def after_step(self, trainer: pl.Trainer, ledger: StepLedger) -> None:
+        gradients, self._gradients = self._gradients, None
+        if gradients is None:
+            return
+        record = ledger.record_of()
+        if self.max_norm is not None:
+            # every clip applied to the step: this one's and, e.g., the health monitor's adaptive one
+            coef = gradients.coefficient
+            record.accumulate(_K_CLIPPED, coef < 1.0)
+            self.record_metric("stability/grad_norm_clipped", gradients.current)
+            self.record_metric("stability/clip_coef", coef)
+            if self.is_logging_step:
+                steps = record.pop_window(_K_STEPS)
+                self.record_metric("stability/clip_fraction", record.pop_window(_K_CLIPPED) / steps.clamp(min=1.0))
+        # counted now that the step closed, so this step's outcome is included
+        self.record_metric("stability/skipped_steps", record.skipped_steps)
 
-    def _queue_logs(
-        self, trainer: pl.Trainer, ledger: StepLedger, total: Tensor, layer_norms: Tensor, layers: _Layers
-    ) -> None:
+    def _send_layers(self, trainer: pl.Trainer, total: Tensor, layer_norms: Tensor, layers: _Layers) -> None:
         if self.per_layer is True:
-            ledger.log("_grad_norm_monitor/layers", layer_norms)
+            self.to_host("layers", layer_norms)
         elif self.per_layer:
             k = min(int(self.per_layer), layer_norms.numel())
             top = torch.topk(torch.nan_to_num(layer_norms, nan=math.inf), k)
-            ledger.log("_grad_norm_monitor/top_values", layer_norms[top.indices])
-            ledger.log("_grad_norm_monitor/top_indices", top.indices)
+            self.to_host("top_values", layer_norms[top.indices])
+            self.to_host("top_indices", top.indices)
         if self.check_replicas and trainer.world_size > 1:
-            ledger.log("_grad_norm_monitor/replica_norms", gather_from_ranks(total))
-        self._queue_bad_report(ledger, layers)
-        ledger.on_flush(partial(self._on_flush, names=layers.names, step=ledger.steps))
+            self.to_host("replica_norms", gather_from_ranks(total))
+        self._send_bad_report(layers)
 
-    def _queue_bad_report(self, ledger: StepLedger, layers: _Layers) -> None:
+    def _send_bad_report(self, layers: _Layers) -> None:
         if layers.bad_seen is None or layers.bad_snapshot is None:
             return
         snap = layers.bad_layer_norms(self.norm_type)
         finite = torch.isfinite(snap)
-        ledger.log("_grad_norm_monitor/bad_seen", layers.bad_seen)
-        ledger.log("_grad_norm_monitor/first_bad", torch.argmax((~finite).to(torch.int32)))
-        ledger.log("_grad_norm_monitor/bad_count", (~finite).sum())
+        self.to_host("bad_seen", layers.bad_seen)
+        self.to_host("first_bad", torch.argmax((~finite).to(torch.int32)))
+        self.to_host("bad_count", (~finite).sum())
         k = min(self.warn_top_k, snap.numel())
         if k:
             top = torch.topk(torch.where(finite, snap, -1.0), k)
-            ledger.log("_grad_norm_monitor/bad_top_values", top.values)
-            ledger.log("_grad_norm_monitor/bad_top_indices", top.indices)
+            self.to_host("bad_top_values", top.values)
+            self.to_host("bad_top_indices", top.indices)
         layers.bad_seen = torch.zeros_like(layers.bad_seen)
 
-    def _on_flush(self, values: FlushValues, names: list[str], step: int) -> dict[str, float]:
+    def on_host(self, trainer: pl.Trainer, record: OptimizerRecord, values: FlushValues) -> dict[str, float]:
+        names, step = self._layers[record.index].names, record.steps
         extra: dict[str, float] = {}
-        layers = values.get("_grad_norm_monitor/layers")
+        layers = values.get("layers")
         if isinstance(layers, list):
             extra.update({f"stability/grad_norm/{n}": v for n, v in zip(names, layers, strict=True)})
-        top_values, top_indices = (
-            values.get("_grad_norm_monitor/top_values"),
-            values.get("_grad_norm_monitor/top_indices"),
-        )
+        top_values, top_indices = values.get("top_values"), values.get("top_indices")
         if isinstance(top_values, list) and isinstance(top_indices, list):
             extra.update(
                 {f"stability/grad_norm/{names[int(i)]}": v for i, v in zip(top_indices, top_values, strict=True)}
             )
-        replicas = values.get("_grad_norm_monitor/replica_norms")
+        replicas = values.get("replica_norms")
         if isinstance(replicas, list):
             warn_disagreeing_replicas(replicas, step)
-        if values.get("_grad_norm_monitor/bad_seen"):
+        if values.get("bad_seen"):
             self._warn_nonfinite(values, names)
         return extra
 
     def _warn_nonfinite(self, values: FlushValues, names: list[str]) -> None:
-        first = names[int(values["_grad_norm_monitor/first_bad"])]  # type: ignore[arg-type]
-        bad_values = values.get("_grad_norm_monitor/bad_top_values", [])
-        bad_indices = values.get("_grad_norm_monitor/bad_top_indices", [])
+        first = names[int(values["first_bad"])]  # type: ignore[arg-type]
+        bad_values = values.get("bad_top_values", [])
+        bad_indices = values.get("bad_top_indices", [])
         assert isinstance(bad_values, list) and isinstance(bad_indices, list)
         top = ", ".join(f"{names[int(i)]}={v:.3g}" for i, v in zip(bad_indices, bad_values, strict=True) if v >= 0)
-        count = int(values["_grad_norm_monitor/bad_count"])  # type: ignore[arg-type]
+        count = int(values["bad_count"])  # type: ignore[arg-type]
         if self._scaler_skips:
             action = "skipped by the fp16 loss scaler"
         else:
@@ -313,10 +316,9 @@ class GradientNormMonitor(LedgerCallback):
         ledger = StepLedger.of(trainer)
         for index, layers in self._layers.items():
             if layers.bad_seen is not None and index < len(trainer.optimizers):
-                ledger.select(trainer.optimizers[index])
-                self._queue_bad_report(ledger, layers)
-                ledger.on_flush(partial(self._on_flush, names=layers.names, step=ledger.steps))
-        ledger.flush()
+                ledger._select(trainer.optimizers[index])
+                self._send_bad_report(layers)
+        ledger._flush()
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 
 Pure functions: they take lists of tensors and return tensors. Nothing here calls ``.item()``.
 
-* Plain tensors (single device, DDP) are grouped by device and dtype and measured with one fused
-  ``foreach`` norm kernel per group (:func:`lightning_stability._compat.foreach_norm`), accumulating in fp32.
+* Plain tensors (single device, DDP) are grouped by device and dtype and measured with torch's fused
+  ``foreach`` norm, once per group (:func:`lightning_stability._compat.foreach_norm`), accumulating in fp32.
 * Sharded tensors (``DTensor``, e.g. FSDP2 parameters) are measured on their local shard and the
   per-tensor results are reduced across the shard dimensions of their mesh with **one** collective
   per (mesh, placements) group, so the norm is the norm of the whole gradient, never of one shard.
@@ -31,7 +31,7 @@ def _is_dtensor(t: Tensor) -> bool:
 
 
 def _foreach_norm_fp32(tensors: list[Tensor], norm_type: float) -> tuple[Tensor, ...]:
-    """One fused norm kernel per call; low-precision tensors accumulate in fp32."""
+    """torch's fused ``foreach`` norm; low-precision tensors accumulate in fp32."""
     dtype = tensors[0].dtype
     if dtype is torch.float32:
         return _compat.foreach_norm(tensors, norm_type)
@@ -42,8 +42,8 @@ def _foreach_norm_fp32(tensors: list[Tensor], norm_type: float) -> tuple[Tensor,
 
 def is_uniform(tensors: Sequence[Tensor]) -> bool:
     """Whether ``tensors`` are plain (not sharded), non-empty, and all of one device and dtype: then
-    :func:`per_tensor_norms` and :func:`scale_` take one fused kernel each, with ``uniform=True`` and no
-    per-tensor checks. The answer holds for the gradients of the same parameters on every step (torch keeps a
+    :func:`per_tensor_norms` and :func:`scale_` take the fused ``foreach`` path directly, with ``uniform=True`` and
+    no per-tensor checks. The answer holds for the gradients of the same parameters on every step (torch keeps a
     gradient's device, dtype and shape those of its parameter), so callers work it out once per parameter list."""
     if not tensors:
         return False

@@ -1,6 +1,7 @@
 """Will it fit? Per-GPU memory of a transformer's training step from its size and the run's settings.
 
-Pure arithmetic (no Lightning, no GPU). :func:`plan_memory` adds up, per GPU:
+Pure arithmetic (no Lightning, no GPU; ``torch`` is imported only by :meth:`ModelShape.from_module`, to read a
+module). :class:`ModelShape` describes the model; :func:`plan_memory` adds up, per GPU:
 
 * **model states** by the ZeRO paper's accounting (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations
   Toward Training Trillion Parameter Models", Sec. 3.1 and 5): with mixed precision and Adam, ``2P`` bytes
@@ -8,10 +9,17 @@ Pure arithmetic (no Lightning, no GPU). :func:`plan_memory` adds up, per GPU:
   weights, momentum, variance), ``16P`` in all for ``P`` parameters; stage 1 (``sharding="optimizer"``)
   divides the ``12P`` by the data-parallel degree ``N``, stage 2 (``"grad_op"``) the gradients too, stage 3
   (``"full"``, FSDP ``FULL_SHARD``) everything. fp32 training: ``4P + 4P + 8P``.
-* **activations** by Korthikanti et al. 2022 (see :func:`~lightning_stability.planner.activations`).
+* **activations** by Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+  Sec. 4.1-4.3 (no tensor or sequence parallelism, no pipeline): per layer ``s*b*h*(34 + 5*a*s/h)`` bytes with
+  16-bit activations and 1-byte dropout masks; the output layer ``4*s*b*h*(1 + v/h)`` (the final layer norm's
+  and the projection's inputs, and the logits in fp32 for the loss). See :func:`activations`.
 * **buffers**, a stated allowance: under full sharding the gathered parameters of the largest unit twice
   (the one computing and the one prefetched) and its unsharded gradient once, in compute precision; plus
   ``overhead`` (CUDA context and allocator slack, 1 GiB by default; pass 0 for a CPU run).
+
+The parameter count of a GPT-style decoder from its shape (:meth:`ModelShape.decoder`) follows Narayanan
+et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", Sec. 5.1:
+``P = 12*l*h^2 * (1 + 13/(12h) + (V+s)/(12*l*h))``.
 
 Not modelled: tensor, sequence and pipeline parallelism; allocator fragmentation beyond ``overhead``.
 """
@@ -28,19 +36,6 @@ from lightning_stability.errors import config_error
 
 if TYPE_CHECKING:
     from torch import nn
-
-# MERGED-DOC: The model side of the memory planner: a transformer's shape, memory sizes and the activation formula.
-# MERGED-DOC:
-# MERGED-DOC: Pure arithmetic: ``torch`` is imported only by :meth:`ModelShape.from_module`, to read a module.
-# MERGED-DOC:
-# MERGED-DOC: Sources:
-# MERGED-DOC:
-# MERGED-DOC: * Parameter count of a GPT-style decoder: Narayanan et al. 2021, "Efficient Large-Scale Language Model
-# MERGED-DOC:   Training on GPU Clusters Using Megatron-LM", Sec. 5.1: ``P = 12*l*h^2 * (1 + 13/(12h) + (V+s)/(12*l*h))``.
-# MERGED-DOC: * Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-# MERGED-DOC:   Sec. 4.1-4.3 (no tensor or sequence parallelism, no pipeline): per layer ``s*b*h*(34 + 5*a*s/h)`` bytes
-# MERGED-DOC:   with 16-bit activations and 1-byte dropout masks; the output layer ``4*s*b*h*(1 + v/h)`` (the final
-# MERGED-DOC:   layer norm's and the projection's inputs, and the logits in fp32 for the loss).
 
 
 __all__ = ["MemoryPlan", "ModelShape", "parse_memory", "plan_memory"]

@@ -1,4 +1,5 @@
-"""Named training recipes from the seed's numbers: one table, every value with its source.
+"""Named training recipes (clipping, LR schedule, precision, accumulation, sharding): one table, every value with
+its source.
 
 A :class:`Preset` is a complete, typed configuration of the package's callbacks and strategy. Variants derive
 from a base with :func:`dataclasses.replace`, so a family (``gpt``) and a size (``over-10b``) do not multiply
@@ -20,7 +21,7 @@ Response = Literal["warn", "clip", "skip", "rollback"]
 
 @dataclass(frozen=True)
 class Preset:
-    """A recipe. ``sources`` maps a field to where its value comes from (a seed row of SEED-DIGEST.md or a peer).
+    """A recipe. ``sources`` maps a field to where its value comes from (a paper, a framework's default, a recipe).
 
     Fields:
         max_norm: ``GradientNormMonitor(max_norm=...)``: the global gradient-norm clip (``None``: measure only).
@@ -88,24 +89,24 @@ _BASE = Preset(
     name="base",
     description="the defaults every preset starts from",
     sources={
-        "max_norm": "seed row 2 (BERT-like models clip at 1.0)",
-        "warmup": "seed rows 5 and 7 (warmup over the first 5% of the run)",
-        "decay": "seed row 7 (cosine over the last 20%, constant between)",
+        "max_norm": "a common recipe: BERT-like models clip the gradient norm at 1.0",
+        "warmup": "a common recipe: linear warmup over the first 5% of the run (5-10% is usual)",
+        "decay": "a common recipe for large models: constant after warmup, cosine decay over the last 20%",
         "precision": "bf16 where fp16's loss scaling is not asked for (PyTorch's recommendation on Ampere+)",
-        "init_scale": "seed row 11 (GradScaler's default 65536)",
+        "init_scale": "torch GradScaler's default init_scale (65536 = 2**16)",
         "hysteresis": "Megatron-LM's hysteresis=2",
         "health": "OLMo-core's skip-step optimizer; benchmarks/spikes.py (skip ends closest to clean runs)",
-        "min_lr_ratio": "0: decay to zero, as the seed's schedules",
-        "lr_scaling": "your LR as configured; 'linear' is the seed's row 17 rule (lr * accumulation steps)",
-        "accumulation": "1: no accumulation below the sizes of seed row 16",
+        "min_lr_ratio": "0: decay to zero, as transformers' linear and cosine schedules do",
+        "lr_scaling": "your LR as configured; 'linear' is Goyal et al. 2017's linear scaling rule (lr * accumulation)",
+        "accumulation": "1: no accumulation; the size presets (under-1b, 1b-10b, over-10b) set it",
         "effective_batch": "none: your DataLoader's batch",
-        "fsdp": "off: one replica per device (DDP or one device) below the sizes of seed rows 20-22",
-        "activation_checkpointing": "off: seed row 19 pairs it with heavy accumulation only",
+        "fsdp": "off: one replica per device (DDP or one device); over-10b and larger shard",
+        "activation_checkpointing": "off: 1b-10b and larger pair it with their heavy accumulation",
         "num_nodes": "1",
     },
 )
 
-_FP16 = {"precision": "seed row 9 (fp16 forward and backward, fp32 master weights and update)"}
+_FP16 = {"precision": "Micikevicius et al. 2018 (fp16 forward and backward, fp32 master weights and update)"}
 
 
 def _table() -> dict[str, Preset]:
@@ -115,10 +116,11 @@ def _table() -> dict[str, Preset]:
         {"precision": "fp32: nothing to gain from mixed precision at this size"},
         precision="32-true",
     )
-    bert = _BASE.derive("bert", "BERT-like encoders", {"max_norm": "seed row 2 (BERT-like: 1.0)"}, max_norm=1.0)
-    gpt = _BASE.derive("gpt", "GPT-like decoders", {"max_norm": "seed row 2 (GPT-like: 0.5)"}, max_norm=0.5)
-    moe = _BASE.derive("moe", "mixture-of-experts models", {"max_norm": "seed row 2 (MoE: 2.0)"}, max_norm=2.0)
-    size = "seed row 16 (accumulation steps and global batch by model size)"
+    clip = "a common recipe: clip at 1.0 for BERT-like, 0.5 for GPT-like, 2.0 for mixture-of-experts models"
+    bert = _BASE.derive("bert", "BERT-like encoders", {"max_norm": clip}, max_norm=1.0)
+    gpt = _BASE.derive("gpt", "GPT-like decoders", {"max_norm": clip}, max_norm=0.5)
+    moe = _BASE.derive("moe", "mixture-of-experts models", {"max_norm": clip}, max_norm=2.0)
+    size = "a common recipe by model size (<1B: 2-4 steps, batch 256-512; 1-10B: 8-16, 1024-2048; >10B: 32-64, 4096-8k)"
     under_1b = _BASE.derive(
         "under-1b",
         "models under 1B parameters",
@@ -130,7 +132,7 @@ def _table() -> dict[str, Preset]:
     b1_10 = under_1b.derive(
         "1b-10b",
         "models of 1-10B parameters",
-        {"activation_checkpointing": "seed row 19 (pair accumulation with activation checkpointing)"},
+        {"activation_checkpointing": "a common pairing: heavy accumulation with activation checkpointing"},
         accumulation=16,
         effective_batch=2048,
         activation_checkpointing=True,
@@ -138,29 +140,32 @@ def _table() -> dict[str, Preset]:
     over_10b = b1_10.derive(
         "over-10b",
         "models over 10B parameters, sharded",
-        {"fsdp": "seed rows 20-22 (FSDP for models that do not fit one device)"},
+        {"fsdp": "full sharding (FSDP; ZeRO-3, Rajbhandari et al. 2020) for models that do not fit one device"},
         accumulation=32,
         effective_batch=4096,
         fsdp=True,
     )
     b100 = over_10b.derive(
         "100b",
-        "100B-scale: the seed's mixed LR strategy",
-        {"warmup": "seed row 7 (0-5% linear warmup)", "decay": "seed row 7 (5-80% constant, last 20% cosine)"},
+        "100B-scale: warmup, constant LR, cosine decay at the end",
+        {
+            "warmup": "a common recipe at 100B scale: linear warmup over 0-5% of the run",
+            "decay": "a common recipe at 100B scale: constant over 5-80%, cosine over the last 20%",
+        },
         warmup=0.05,
         decay=0.20,
     )
     b175 = over_10b.derive(
         "175b",
-        "the seed's 175B recipe",
+        "a common recipe for 175B-scale models",
         {
-            "max_norm": "seed row 24 (clip 1.0)",
-            "warmup": "seed row 24 (cosine with 5% warmup)",
-            "decay": "seed row 24 (cosine over the rest of the run)",
-            "init_scale": "seed row 24 (initial loss scale 32768)",
-            "accumulation": "seed row 24 (accumulation 32)",
-            "fsdp": "seed row 24 (FSDP)",
-            "num_nodes": "seed row 24 (8 nodes)",
+            "max_norm": "clip 1.0, as GPT-3 175B (Brown et al. 2020)",
+            "warmup": "a common 175B recipe: cosine with 5% warmup",
+            "decay": "a common 175B recipe: cosine over the rest of the run",
+            "init_scale": "a common 175B recipe: initial loss scale 32768 (2**15)",
+            "accumulation": "a common 175B recipe: accumulation 32",
+            "fsdp": "a common 175B recipe: FSDP",
+            "num_nodes": "a common 175B recipe: 8 nodes",
         },
         max_norm=1.0,
         warmup=0.05,

@@ -29,7 +29,7 @@ class _StabilityMetrics(ProgressBar):
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         items = super().get_metrics(trainer, pl_module)
         ledger = StepLedger.of(trainer)
-        several = ledger.several_optimizers
+        several = len(trainer.optimizers) > 1
         for key, label in SHOWN.items():
             for name, value in ledger.published.items():
                 # `key/<optimizer>` with several optimizers; other suffixes are per-module metrics

@@ -50,4 +50,4 @@ def test_a_checkpoint_from_before_the_regrouping_resumes_to_the_same_weights(tmp
     for key, value in expected.items():
         assert torch.equal(got[key], value), key
     # both overflow steps of the first run are in the restored outcome counts (and none was added since)
-    assert StepLedger.of(trainer).counts.tolist()[1] == 2
+    assert StepLedger.of(trainer).record_of().counts.tolist()[1] == 2

@@ -101,9 +101,9 @@ def test_presets_lists_them_and_describes_one(capsys: pytest.CaptureFixture[str]
 
     assert main(["presets"]) == 0
     listing = capsys.readouterr().out
-    assert "175b      the seed's 175B recipe" in listing and "gpt       GPT-like decoders" in listing
+    assert "175b      a common recipe for 175B-scale models" in listing and "gpt       GPT-like decoders" in listing
     assert main(["presets", "175b"]) == 0
-    assert "accumulation              32            seed row 24 (accumulation 32)" in capsys.readouterr().out
+    assert "accumulation              32            a common 175B recipe: accumulation 32" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:
         main(["presets", "gtp"])
     assert exit_info.value.code == 2

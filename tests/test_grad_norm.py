@@ -42,9 +42,9 @@ class LedgerCapture(pl.Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         ledger = StepLedger.of(trainer)
-        self.norms.append(ledger.record["grad_norm"].item())
-        if "clip_coef" in ledger.record:
-            self.coefs.append(ledger.record["clip_coef"].item())
+        self.norms.append(ledger.values["grad_norm"].item())
+        if "clip_coef" in ledger.values:
+            self.coefs.append(ledger.values["clip_coef"].item())
         self.clipped.append([p.grad.detach().clone() if p.grad is not None else None for p in pl_module.parameters()])
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -150,7 +150,7 @@ def test_fp16_overflow_is_skipped_by_the_scaler_and_recorded(skip_nonfinite: boo
     assert after.outcomes == [0, 0, int(Outcome.SKIPPED_SCALER), 0, 0]
     for key, value in snap.before[2].items():
         assert torch.equal(value, snap.after[2][key]), key
-    assert StepLedger.of(trainer).applied_steps.item() == 4
+    assert int(StepLedger.of(trainer).record_of().applied_steps) == 4
 
 
 # ---------------------------------------------------------------------------------------------- skipping
@@ -169,8 +169,8 @@ def test_nan_step_leaves_weights_and_optimizer_state_unchanged(optimizer: str) -
     assert not torch.equal(snap.before[4]["param/net.0.weight"], snap.after[4]["param/net.0.weight"])
     assert all(torch.isfinite(v).all() for v in snap.after[-1].values())
     ledger = StepLedger.of(trainer)
-    assert ledger.applied_steps.item() == 5 and ledger.skipped_steps.item() == 1
-    assert ledger.steps == 6
+    assert int(ledger.record_of().applied_steps) == 5 and int(ledger.record_of().skipped_steps) == 1
+    assert ledger.record_of().steps == 6
     if optimizer.startswith("adamw"):
         assert snap.after[-1]["state/0/step"].item() == 5  # Adam's step count did not advance on the bad step
 
@@ -184,7 +184,7 @@ def test_skipping_the_very_first_step_of_fused_sgd_with_momentum() -> None:
         trainer = quiet_trainer(max_steps=4, callbacks=[GradientNormMonitor(max_norm=1.0)])
         with pytest.warns(RuntimeWarning, match="Non-finite gradient norm"):
             trainer.fit(TinyModule(optimizer=optimizer, inf_at_step=0))
-        assert StepLedger.of(trainer).counts.tolist() == [3, 0, 1, 0, 0]
+        assert StepLedger.of(trainer).record_of().counts.tolist() == [3, 0, 1, 0, 0]
         finals[optimizer] = [p.detach().clone() for p in trainer.lightning_module.parameters()]
     for a, b in zip(finals["sgd"], finals["sgd_fused"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -227,7 +227,7 @@ def test_one_measurement_per_optimizer_step_under_accumulation() -> None:
         max_steps=3, accumulate_grad_batches=4, callbacks=[before, GradientNormMonitor(max_norm=10.0), after]
     )
     trainer.fit(TinyModule(n=96))
-    assert len(after.norms) == 3 and StepLedger.of(trainer).steps == 3
+    assert len(after.norms) == 3 and StepLedger.of(trainer).record_of().steps == 3
     # the norm is of the gradient accumulated over the 4 micro-batches
     for grads, norm in zip(before.grads, after.norms, strict=True):
         assert norm == pytest.approx(_reference_norm(grads, 2.0), rel=1e-5)
@@ -398,14 +398,14 @@ def test_resume_restores_the_ledger(tmp_path: Path) -> None:
     second = quiet_trainer(max_epochs=2, callbacks=[GradientNormMonitor(max_norm=1.0)])
     second.fit(TinyModule(optimizer="adamw_fused", n=32), ckpt_path=tmp_path / "stop.ckpt")
     ledger = StepLedger.of(second)
-    assert ledger.steps == 8
-    assert ledger.counts.tolist() == [7, 0, 1, 0, 0]
+    assert ledger.record_of().steps == 8
+    assert ledger.record_of().counts.tolist() == [7, 0, 1, 0, 0]
 
     pl.seed_everything(0)
     straight = quiet_trainer(max_epochs=2, callbacks=[GradientNormMonitor(max_norm=1.0)])
     with pytest.warns(RuntimeWarning):
         straight.fit(TinyModule(inf_at_step=1, optimizer="adamw_fused", n=32))
-    assert StepLedger.of(straight).counts.tolist() == [7, 0, 1, 0, 0]
+    assert StepLedger.of(straight).record_of().counts.tolist() == [7, 0, 1, 0, 0]
     for p, q in zip(second.lightning_module.parameters(), straight.lightning_module.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
 
@@ -496,4 +496,4 @@ def test_ledger_hooks_a_new_optimizer_even_when_python_reuses_an_id() -> None:
     ledger._hooked[id(new)] = ledger._hooked.pop(id(old))  # what a reused id looks like to the ledger
     ledger.open_step(new)
     new.step()
-    assert not ledger.is_open and ledger.counts.tolist() == [2, 0, 0, 0, 0]
+    assert not ledger.is_open and ledger.record_of().counts.tolist() == [2, 0, 0, 0, 0]

@@ -85,7 +85,7 @@ def test_all_callbacks_agree_and_resume_is_exact(tmp_path: Path) -> None:
     for i in skipped:
         assert straight_trace.lrs[i + 1] == straight_trace.lrs[i]
     ledger = StepLedger.of(straight)
-    assert ledger.counts.tolist() == [9, 2, 0, 0, 0]
+    assert ledger.record_of().counts.tolist() == [9, 2, 0, 0, 0]
     # hysteresis=2: neither lone overflow halved the scale; it grew after every 3 clean steps
     assert straight_trace.scales[-1] > straight_trace.scales[0]
 
@@ -101,7 +101,7 @@ def test_all_callbacks_agree_and_resume_is_exact(tmp_path: Path) -> None:
     assert first_trace.lrs + resumed_trace.lrs == straight_trace.lrs
     assert first_trace.scales + resumed_trace.scales == straight_trace.scales
     assert first_trace.outcomes + resumed_trace.outcomes == straight_trace.outcomes
-    assert StepLedger.of(resumed).counts.tolist() == ledger.counts.tolist()
+    assert StepLedger.of(resumed).record_of().counts.tolist() == ledger.record_of().counts.tolist()
     for p, q in zip(resumed.lightning_module.parameters(), straight.lightning_module.parameters(), strict=True):
         assert torch.equal(p, q)
 
@@ -119,4 +119,4 @@ def test_the_same_stack_runs_without_fp16(precision: str) -> None:
         ],
     )
     trainer.fit(TinyModule())
-    assert StepLedger.of(trainer).counts.tolist() == [4, 0, 0, 0, 0]
+    assert StepLedger.of(trainer).record_of().counts.tolist() == [4, 0, 0, 0, 0]

@@ -46,7 +46,7 @@ def test_the_table_has_every_family_and_size_and_each_value_cites_its_source() -
         assert set(preset.sources) >= set(FIELDS), f"{preset.name}: no source for {set(FIELDS) - set(preset.sources)}"
     text = describe_preset("175b")
     assert len(text.splitlines()) == 1 + len(FIELDS)
-    assert "init_scale                32768.0       seed row 24 (initial loss scale 32768)" in text
+    assert "init_scale                32768.0       a common 175B recipe: initial loss scale 32768 (2**15)" in text
 
 
 def test_an_unknown_preset_lists_the_known_ones_and_suggests_the_closest() -> None:

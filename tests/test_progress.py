@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning_stability import GradientNormMonitor, StabilityProgressBar, StableTrainer, StepLedger
 from lightning_stability.progress import stability_progress_bar
 from tests.helpers import TinyModule, count_syncs_per_step, quiet_trainer
-from tests.test_several_optimizers import TwoOptimizerGAN
+from tests.ledger.test_several_optimizers import TwoOptimizerGAN
 
 QUIET = dict(accelerator="cpu", logger=False, enable_model_summary=False, enable_checkpointing=False)
 

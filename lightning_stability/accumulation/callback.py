@@ -1,7 +1,17 @@
 """GradientAccumulation: drives Lightning's automatic optimization window by window.
 
-The parts live beside it: ``accumulation_schedule`` (the arithmetic), ``batchnorm``, ``accumulation_checks``,
-``accumulation_lr`` (the scaled LR), ``adascale`` and ``tuner_guard`` (Lightning's tuner searches).
+The arithmetic is in :mod:`~lightning_stability.accumulation.schedule`; BatchNorm handling and AdaScale live
+beside it (``batchnorm``, ``adascale``). Also here:
+
+* :func:`check_trainer`, :func:`check_lr_schedulers`: what else in the Trainer would accumulate or write the LR.
+  Each check raises a ``StabilityConfigError`` that names the conflict and the fix; none changes anything.
+* :class:`AccumulationLR`: the LR written when no LR schedule does, ``base * scale(k)`` per param group.
+* :class:`TunerSearchGuard`: runs Lightning's tuner searches (LR finder, batch-size finder, as ``Tuner`` calls or
+  as callbacks) inside a context the caller provides. Each search runs from one public method of the tuner
+  callback (``lr_find(trainer, pl_module)`` or ``scale_batch_size(trainer, pl_module)``) and swaps
+  ``trainer.callbacks`` for Lightning's own while it runs, so no other callback hook can undo what this callback
+  changed on the Trainer (the accumulation factor, the "last micro-batch" decision). The guard wraps that method
+  on the tuner callbacks attached to the Trainer, for one fit.
 """
 
 from __future__ import annotations
@@ -25,25 +35,6 @@ from lightning_stability.errors import StabilityConfigError, config_error
 from lightning_stability.ledger.callback import LedgerCallback
 from lightning_stability.ledger.step_ledger import StepLedger
 
-# MERGED-DOC: GradientAccumulation's conflict checks: what else in the Trainer would accumulate or write the LR.
-# MERGED-DOC:
-# MERGED-DOC: Each check raises a ``StabilityConfigError`` that names the conflict and the fix; none changes anything.
-# MERGED-DOC: The LR that GradientAccumulation writes when no LR schedule does: ``base * scale(k)`` per param group.
-# MERGED-DOC:
-# MERGED-DOC: No Lightning import: the callback says when a run starts, which factor each window has, and when a
-# MERGED-DOC: search (Lightning's LR finder) may have written a new LR.
-# MERGED-DOC: Run Lightning's tuner searches (LR finder, batch-size finder) inside a context the caller provides.
-# MERGED-DOC:
-# MERGED-DOC: ``Tuner(trainer).lr_find(...)``, ``Tuner(trainer).scale_batch_size(...)`` and the callback forms
-# MERGED-DOC: (``LearningRateFinder``, ``BatchSizeFinder``, and subclasses that search at later epochs) all run their
-# MERGED-DOC: search from one public method of the tuner callback: ``lr_find(trainer, pl_module)`` or
-# MERGED-DOC: ``scale_batch_size(trainer, pl_module)``. During the search Lightning swaps ``trainer.callbacks`` for its
-# MERGED-DOC: own, so no other callback hook runs; a callback that has changed the Trainer (here: the accumulation
-# MERGED-DOC: factor, the "last micro-batch" decision) gets no chance to undo it. :class:`TunerSearchGuard` wraps that
-# MERGED-DOC: method on the tuner callback instances attached to the Trainer, for one fit, so the search runs inside a
-# MERGED-DOC: context manager of the caller's choosing.
-
-
 __all__ = ["GradientAccumulation"]
 
 
@@ -63,7 +54,7 @@ class GradientAccumulation(LedgerCallback):
     LR scaling (``lr_scaling``) for a factor ``k``, relative to the LR set in ``configure_optimizers``
     (tuned for one micro-batch):
 
-    - ``"linear"`` (seed row 17, ``lr = base_lr * k``): right for SGD with momentum when the batch is
+    - ``"linear"`` (``lr = base_lr * k``, the linear scaling rule): right for SGD with momentum when the batch is
       still well below the critical batch size (Goyal et al., 2017); too large for Adam at large ``k``.
     - ``"sqrt"`` (``lr = base_lr * sqrt(k)``): keeps the update's noise scale for Adam-type
       optimizers (Malladi et al., 2022); the usual choice for Adam/AdamW.
@@ -76,7 +67,7 @@ class GradientAccumulation(LedgerCallback):
     With an LR schedule callback attached, the schedule computes ``base * schedule * scale`` in one
     place; without one, this callback writes ``base * scale`` whenever the factor changes.
 
-    BatchNorm (seed row 18): its statistics see one micro-batch, not the accumulated batch, so under
+    BatchNorm: its statistics see one micro-batch, not the accumulated batch, so under
     accumulation they are noisier than the effective batch suggests. ``batchnorm="warn"`` (default)
     says so at ``setup``; ``"group_norm"`` replaces each BatchNorm by a GroupNorm with the same
     channels and affine weights before the optimizer is built (batch-independent, no running
@@ -231,7 +222,7 @@ class GradientAccumulation(LedgerCallback):
         # depends on that decision (optimizer step, DDP no_sync, LR schedulers, logging) follows it.
         _compat.override_accumulation_decision(trainer, self._window_full)
         # HOST SYNC (once, before the first step) at most: the ledger may hold device-decided counts.
-        self._known_applied = StepLedger.of(trainer).applied_steps_now()
+        self._known_applied = int(StepLedger.of(trainer).record_of().applied_steps)  # HOST SYNC (once) at most
         self._opened = False
         has_schedule = any(isinstance(cb, ScheduledLR) for cb in trainer.callbacks)  # type: ignore[attr-defined]
         self._lr.start(self._optimizer, active=self.lr_scaling in ("linear", "sqrt") and not has_schedule)
@@ -249,13 +240,15 @@ class GradientAccumulation(LedgerCallback):
     def _next_factor(self, ledger: StepLedger) -> int:
         if self.is_constant:
             return self._schedule.factors[0]
-        applied = ledger.applied_steps_host
-        if applied is None:
+        record = ledger.record_of()
+        if record.counted_on_host:
+            applied = int(record.applied_steps)  # a host int: no sync
+        else:
             next_key = self._schedule.next_switch(self._known_applied)
             # applied <= attempted: no switch can be due before the attempted count reaches the next key.
-            if next_key is None or ledger.steps < next_key or not self._opened:
+            if next_key is None or record.steps < next_key or not self._opened:
                 return self.factor_at(self._known_applied)
-            applied = int(ledger.applied_steps)  # HOST SYNC: only near a switch, on device-decided runs
+            applied = int(record.applied_steps)  # HOST SYNC: only near a switch, on device-decided runs
         self._known_applied = applied
         return self.factor_at(applied)
 
@@ -301,13 +294,13 @@ class GradientAccumulation(LedgerCallback):
         self._stash = []
 
     # ------------------------------------------------------------------ the step
-    def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer, logging: bool) -> None:
+    def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer) -> None:
         self._opened = True
         if self.lr_scaling == "adascale":
             self._adascale.read_gain()
-        ledger.log("stability/accumulation_steps", float(self._size), logging)
+        self.record_metric("stability/accumulation_steps", float(self._size))
         scale = self._adascale.gain if self.lr_scaling == "adascale" else lr_scale(self._factor, self.lr_scaling)
-        ledger.log("stability/lr_scale", scale, logging)
+        self.record_metric("stability/lr_scale", scale)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

@@ -1,8 +1,8 @@
 """LossScaleTuner: fp16 loss scaling with hysteresis, a floor, an automatic first scale, consistent skips.
 
-The callback installs a :class:`~lightning_stability.amp.scaler.TunedGradScaler` (and, for fused
-optimizers with the Trainer's clipping, :class:`~lightning_stability.amp.callback.FusedClipMixedPrecision`)
-at ``setup`` and logs through the ledger.
+The callback installs a :class:`~lightning_stability.amp.scaler.TunedGradScaler` at ``setup`` and logs through
+the ledger. With the Trainer's clipping it also installs :class:`FusedClipMixedPrecision`, Lightning's
+``MixedPrecision`` with ``gradient_clip_val`` working for fused optimizers too.
 """
 
 from __future__ import annotations
@@ -20,19 +20,15 @@ from lightning_stability.amp.diagnostics import PrecisionDiagnostics, check_loss
 from lightning_stability.amp.rule import ScaleRule
 from lightning_stability.amp.scaler import TunedGradScaler, check_scaler_arguments
 from lightning_stability.errors import config_error
+from lightning_stability.ledger import FlushValues, OptimizerRecord, StepLedger
 from lightning_stability.ledger.callback import LedgerCallback
 from lightning_stability.ledger.skips import unscale_if_deferred
-from lightning_stability.ledger.step_ledger import FlushValues, StepLedger
-
-# MERGED-DOC: FusedClipMixedPrecision: Lightning's MixedPrecision with ``gradient_clip_val`` for fused optimizers too.
-
 
 _NEAR_FLOOR_BACKOFFS = 4  # "near the floor": at most this many backoffs above min_scale
 _K_SCALE = "stability/loss_scale"
 _K_OVERFLOWS = "stability/overflow_steps"
 _K_RATE = "stability/overflow_rate"
 _K_FLOOR = "stability/loss_scale_floor_hits"
-_K_STATE = "_loss_scale_state"  # flush hooks only: the scaler's device state, taken back to the host
 
 
 class LossScaleFloorError(RuntimeError):
@@ -69,9 +65,9 @@ class LossScaleTuner(LedgerCallback):
     ========================  ==========  ==========================================================
     Argument                  Default     Source
     ========================  ==========  ==========================================================
-    ``init_scale``            ``2**16``   torch ``GradScaler`` and DeepSpeed ``initial_scale_power=16``;
-                                          the seed's default (row 11). Megatron-LM starts at ``2**32``;
-                                          the seed's 175B recipe at 32768 (row 24).
+    ``init_scale``            ``2**16``   torch ``GradScaler`` and DeepSpeed ``initial_scale_power=16``.
+                                          Megatron-LM starts at ``2**32``; the ``175b`` preset (a
+                                          common recipe) at 32768.
     ``growth_factor``         2.0         torch, Megatron-LM, DeepSpeed
     ``backoff_factor``        0.5         torch, Megatron-LM, DeepSpeed
     ``growth_interval``       2000        torch; Megatron-LM's and DeepSpeed's window is 1000
@@ -170,6 +166,9 @@ class LossScaleTuner(LedgerCallback):
         self._warned = False
         self._error: LossScaleFloorError | None = None
         self._check_loss = False
+        # per optimizer record, what a logging step's on_host needs: the scaler, its update count, the updates
+        # the overflow rate covers, the step
+        self._at_flush: dict[int, tuple[TunedGradScaler, int, int, int]] = {}
 
     one_instance_reason = "each would own the loss scale"
 
@@ -212,39 +211,44 @@ class LossScaleTuner(LedgerCallback):
             run_fit_start_checks(trainer, pl_module)
 
     # ------------------------------------------------------------------ the step
-    def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer, logging: bool) -> None:
+    def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer) -> None:
         if self._scaler is not None:
-            # queued after the scaler's update, so the logged scale is the one the next step uses
-            self._scaler.call_after_next_update(partial(self._queue_logs, ledger, logging))
+            # logged after the scaler's update, so the logged scale is the one the next step uses
+            self._scaler.call_after_next_update(partial(self._log_scale, ledger))
 
-    def _queue_logs(self, ledger: StepLedger, logging: bool, scaler: TunedGradScaler) -> None:
+    def _log_scale(self, ledger: StepLedger, scaler: TunedGradScaler) -> None:
         # Host numbers while the scaler decides on the host; else a snapshot: the scaler updates these tensors in
         # place, and with several optimizers (or a monitor that reads `callback_metrics` later) each step's
         # metric must keep the value it had after its own update.
         values = scaler.host_snapshot()
         scale, overflows, floor_hits = values if values is not None else scaler.snapshot().unbind(0)
-        ledger.log_many(((_K_SCALE, scale), (_K_OVERFLOWS, overflows), (_K_FLOOR, floor_hits)), logging)
-        if not logging:
+        self.record_metric(_K_SCALE, scale)
+        self.record_metric(_K_OVERFLOWS, overflows)
+        self.record_metric(_K_FLOOR, floor_hits)
+        if not self.is_logging_step:
             return
-        ledger.log(_K_RATE, scaler.overflow_rate())
+        self.record_metric(_K_RATE, scaler.overflow_rate())
         state = scaler.device_state()
         if state is not None:  # back to the host with this step's one transfer (see TunedGradScaler.to_host)
-            ledger.log(_K_STATE, state)
-            ledger.on_flush(partial(self._to_host, scaler, scaler.updates))
+            self.to_host("state", state)
         covered = min(scaler.updates, scaler.overflow_window)
-        ledger.on_flush(partial(self._decide, scaler.rule, covered, scaler.overflow_window, ledger.steps))
+        record = ledger.record_of()
+        self._at_flush[record.index] = (scaler, scaler.updates, covered, record.steps)
 
-    @staticmethod
-    def _to_host(scaler: TunedGradScaler, updates: int, values: FlushValues) -> None:
-        state = values.get(_K_STATE)
+    def on_host(self, trainer: pl.Trainer, record: OptimizerRecord, values: FlushValues) -> None:
+        """The scaler's state back to the host; the floor and struggling decisions, from the logging step's one
+        transfer."""
+        queued = self._at_flush.pop(record.index, None)
+        if queued is None:
+            return
+        scaler, updates, covered, step = queued
+        state = values.get("state")
         if isinstance(state, list):
             scaler.to_host(state, updates)
-
-    def _decide(self, rule: ScaleRule, covered: int, window: int, step: int, values: FlushValues) -> None:
-        """Floor and struggling decisions, from host values of the logging step's one transfer."""
         hits, scale, rate = values.get(_K_FLOOR), values.get(_K_SCALE), values.get(_K_RATE)
         if not isinstance(hits, float) or not isinstance(scale, float) or not isinstance(rate, float):
             return
+        rule, window = scaler.rule, scaler.overflow_window
         self._on_floor_hits(int(hits), rule, step)
         if self._warned:
             return
@@ -297,7 +301,7 @@ class LossScaleTuner(LedgerCallback):
             return
         # HOST SYNC (once, after training): a floor hit after the last logging step.
         hits = int(self._scaler.floor_hits.item())
-        self._on_floor_hits(hits, self._scaler.rule, StepLedger.of(trainer).steps)
+        self._on_floor_hits(hits, self._scaler.rule, StepLedger.of(trainer).record_of().steps)
         self._raise_pending()
 
     def _raise_pending(self) -> None:
@@ -315,7 +319,7 @@ class LossScaleTuner(LedgerCallback):
         self._warned = bool(state_dict.get("warned", False))
 
     def transient_state(self) -> dict[str, Any]:
-        return {"_scaler": None, "_error": None}
+        return {"_scaler": None, "_error": None, "_at_flush": {}}
 
 
 class FusedClipMixedPrecision(MixedPrecision):

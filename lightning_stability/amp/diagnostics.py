@@ -1,19 +1,19 @@
-"""Fit-start precision checks from the seed's troubleshooting list, and ``check_training_status(model)``.
+"""Fit-start checks for common mixed-precision mistakes, and ``check_training_status(model)``.
 
 The checks (each a plain function returning a message or ``None``, so they are tested without a GPU):
 
-* fp16 on a GPU without Tensor Cores (compute capability < 7.0): fp16 will not be faster (seed row 13).
+* fp16 on a GPU without Tensor Cores (compute capability < 7.0): fp16 will not be faster.
 * fp16 with a fused optimizer and ``Trainer(gradient_clip_val=...)``, which Lightning rejects at the
   first step: a :class:`~lightning_stability.errors.StabilityConfigError` at fit start naming the fixes.
 * Parameters, or the loss, left in fp16 outside autocast (e.g. a model ``.half()``'d by hand): a
-  warning naming the modules (seed rows 9 and 12).
+  warning naming the modules.
 * fp16 with torch's fused SGD and momentum: its momentum buffer is left uninitialised when the loss
   scaler skips the first step, which happens whenever the first scale overflows.
 
 :class:`PrecisionDiagnostics` runs them as a callback; :class:`LossScaleTuner
 <lightning_stability.amp.callback.LossScaleTuner>` runs them too unless told not to.
 
-:func:`check_training_status` is the seed's diagnostic script (row 27): mean and max of the
+:func:`check_training_status` is a quick diagnostic of a model: mean and max of the
 per-parameter gradient norms and parameter norms, with one host transfer.
 """
 
@@ -263,7 +263,7 @@ def _stats(norms: Tensor) -> list[Tensor]:
 
 
 def check_training_status(model: nn.Module) -> TrainingStatus:
-    """Mean and max of the gradient norms and of the parameter norms of ``model`` (seed row 27).
+    """Mean and max of the gradient norms and of the parameter norms of ``model``.
 
     Call it after ``backward()`` (e.g. in ``on_before_optimizer_step``, where fp16 gradients are
     already unscaled) or at any time for parameter norms. Every value is computed on the device and

@@ -1,7 +1,12 @@
-"""The fp16 dynamic loss-scale rule: growth, backoff, hysteresis and a floor, as pure tensor functions.
+"""The fp16 dynamic loss-scale rule: growth, backoff, hysteresis and a floor, as pure functions.
 
-Nothing here touches a scaler, a Trainer or the host: each function takes tensors and returns new
-tensors, so the rule runs on the device and is unit-tested step by step.
+Nothing here touches a scaler or a Trainer. :func:`update_scale` takes tensors and returns new ones and
+:func:`update_scale_` updates them in place, so the rule runs on the device with no host sync.
+:func:`update_scale_host` is the same rule on host numbers, for steps whose overflow the host already knows:
+torch's ``GradScaler.step`` reads the overflow flag on the host (``.item()``) to decide whether to call a
+non-fused optimizer's ``step()``, and :class:`~lightning_stability.amp.scaler.TunedGradScaler` reuses that read.
+Step for step it gives the values of :func:`update_scale`, float32 arithmetic included. Each function is
+unit-tested step by step.
 
 The rule, once per optimizer step, given ``found_inf`` (the scaled gradients held an inf/NaN):
 
@@ -35,17 +40,8 @@ from torch import Tensor
 from lightning_stability import _compat
 from lightning_stability.errors import config_error
 
-# MERGED-DOC: The loss-scale rule on host numbers, for steps whose overflow the host already knows.
-# MERGED-DOC:
-# MERGED-DOC: torch's ``GradScaler.step`` reads the overflow flag on the host (``.item()``) to decide whether to call a
-# MERGED-DOC: non-fused optimizer's ``step()``. :class:`~lightning_stability.amp.scaler.TunedGradScaler` keeps that read,
-# MERGED-DOC: and on such steps applies the rule here in Python: no kernel at all, except one fill of the device scale on
-# MERGED-DOC: the rare step that changes it. :func:`update_scale_host` gives, step for step, the values of the reference
-# MERGED-DOC: :func:`~lightning_stability.amp.rule.update_scale` (float32 arithmetic included; tested against it).
-
-
 FP16_MAX = 65504.0
-"""The largest finite float16 value (seed row 10: "fp16 range ±65504")."""
+"""The largest finite float16 value (IEEE 754 half precision: the fp16 range is ±65504)."""
 
 AUTO_MAX_SCALE = 2.0**32
 """Upper bound of an automatic initial scale: Megatron-LM's ``--initial-loss-scale`` default."""
@@ -267,7 +263,7 @@ def adopt_rule_(state: FusedScaleState, rule: ScaleRule) -> None:
 
 
 def update_scale_(state: FusedScaleState, found_inf: Tensor, rule: ScaleRule, counts: Tensor, out: Tensor) -> None:
-    """:func:`update_scale` in place, in seven ops built on torch's fused kernel: what the scaler runs.
+    """:func:`update_scale` in place, built on torch's fused ``_amp_update_scale_``: what the scaler runs.
 
     torch's ``_amp_update_scale_(scale, tracker, flag, growth, backoff, interval)`` multiplies ``scale`` by
     ``backoff`` when ``flag != 0``; otherwise it counts, and multiplies by ``growth`` when the count
@@ -284,8 +280,7 @@ def update_scale_(state: FusedScaleState, found_inf: Tensor, rule: ScaleRule, co
     ``[scale, hysteresis_tracker]`` between ``[min_scale, 1]`` and ``[inf, hysteresis]`` applies the floor of
     the scale and brings the tracker back into range: one less after an overflow (never below 1), the full
     hysteresis after a refill. Step for step the same scales, growth trackers and counts as
-    :func:`update_scale` (tested against it), with no host sync. Without hysteresis (``hysteresis=1``) it is
-    six ops.
+    :func:`update_scale` (tested against it), with no host sync.
 
     Args:
         state: the state, updated in place.

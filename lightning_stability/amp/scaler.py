@@ -2,11 +2,14 @@
 
 A ``torch.amp.GradScaler`` that keeps torch's contract (``unscale_`` once per step, ``step`` skips the update
 on overflow, ``update`` once per optimizer step) and replaces the update with the rule of
-:mod:`lightning_stability.amp.rule`. It also reduces the overflow flag across ranks, so one rank's (or one
-shard's) inf makes every rank skip. Its parts: the rule (:mod:`~lightning_stability.amp.rule`, on host numbers
-:mod:`~lightning_stability.amp.rule`), where it runs (:mod:`~lightning_stability.amp.state`), the
-``init_scale="auto"`` probe (:mod:`~lightning_stability.amp.state`) and the running totals
-(:mod:`~lightning_stability.amp.state`).
+:mod:`~lightning_stability.amp.rule`; where the rule runs, the running totals and the ``init_scale="auto"`` probe
+are in :mod:`~lightning_stability.amp.state`.
+
+Each optimizer step has one overflow flag, the same on every rank: torch's unscale records one flag per device the
+gradients live on, :func:`combine_flags` makes them one 0-dim flag on the scale's device, and
+:func:`max_across_ranks` max-reduces it over a process group, so an inf in one rank's gradient (or one shard) makes
+every rank skip and back off alike. :func:`check_scaler_arguments` holds the argument checks, also run by
+``LossScaleTuner`` at construction.
 """
 
 from __future__ import annotations
@@ -29,13 +32,6 @@ from lightning_stability.ledger.skips import has_votes_in_flags, restore_overflo
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-# MERGED-DOC: The fp16 scaler's overflow flag of one optimizer step: the flags of every device in one, the same on every rank.
-# MERGED-DOC:
-# MERGED-DOC: torch's unscale records one flag per device the gradients live on. :func:`combine_flags` makes them one
-# MERGED-DOC: 0-dim flag on the scale's device, and :func:`max_across_ranks` max-reduces it over a process group, so an inf
-# MERGED-DOC: in one rank's gradient (or one shard) makes every rank skip and back off alike.
-# MERGED-DOC: The argument checks of TunedGradScaler, also run by LossScaleTuner at construction.
-
 
 class TunedGradScaler(torch.amp.GradScaler):
     """A ``torch.amp.GradScaler`` with hysteresis, a floor, an automatic first scale and cross-rank overflow.
@@ -44,8 +40,8 @@ class TunedGradScaler(torch.amp.GradScaler):
     so Lightning's precision plugins and :class:`~lightning_stability.ledger.step_ledger.StepLedger` use it as is.
 
     * ``update()`` applies the rule with no host sync of its own: on host numbers when ``step()`` read every
-      overflow flag on the host (non-fused optimizers; no kernel unless the scale changes), else on the
-      device (:func:`lightning_stability.amp.rule.update_scale_`, seven small ops around torch's fused kernel).
+      overflow flag on the host (non-fused optimizers; the device scale is written only when it changes), else
+      on the device (:func:`lightning_stability.amp.rule.update_scale_`, built on torch's ``_amp_update_scale_``).
     * Every ``unscale_`` reduces the overflow flag with ``MAX`` across ``process_group`` (one 0-dim
       collective per optimizer step) when ``torch.distributed`` runs with more than one rank.
     * ``init_scale="auto"``: the first step runs at scale 1 and measures the largest unscaled gradient;
@@ -215,7 +211,7 @@ class TunedGradScaler(torch.amp.GradScaler):
         return self._state.host_snapshot()
 
     def snapshot(self) -> Tensor:
-        """``[loss scale, overflow steps, floor hits]`` as one new float32 tensor (one op, no sync)."""
+        """``[loss scale, overflow steps, floor hits]`` as one new float32 tensor (no sync)."""
         return self._state.snapshot(self.loss_scale)
 
     @property
@@ -266,8 +262,8 @@ class TunedGradScaler(torch.amp.GradScaler):
         """Apply the rule once for this optimizer step (every optimizer's flags combined). No host sync.
 
         When ``step()`` read every overflow flag of the step on the host (non-fused optimizers, as torch does),
-        the rule runs on host numbers: no kernel, except a fill of the scale on a step that changes it.
-        Otherwise it runs on the device, in the few ops of :func:`~lightning_stability.amp.rule.update_scale_`.
+        the rule runs on host numbers and writes the device scale only on a step that changes it.
+        Otherwise it runs on the device, with :func:`~lightning_stability.amp.rule.update_scale_`.
 
         Args:
             new_scale: set the scale by hand instead, as in torch (the trackers are kept).

@@ -1,4 +1,4 @@
-"""Where a scaler's loss-scale rule runs: on host numbers or on the device, and the hand-over between them.
+"""Where a scaler's loss-scale rule runs (host or device), its running overflow totals, and the ``"auto"`` probe.
 
 :class:`RuleState` holds the rule's state for one :class:`~lightning_stability.amp.scaler.TunedGradScaler`:
 the device tensors (:class:`~lightning_stability.amp.rule.FusedScaleState`, whose scale is the scaler's
@@ -8,6 +8,18 @@ updates. While the host decides, only the device scale is kept current (one fill
 trackers and totals are brought up to date, with a few fills and no sync, when a step's overflow is known on
 the device only. They come back to the host from a read of :meth:`RuleState.device_state` (a logging step's
 one transfer).
+
+:class:`OverflowCounts` keeps ``[overflow steps, floor hits]`` after each of the last ``window`` updates, and
+before the first of them, in a ring of ``window + 1`` rows: the totals after update ``u`` are in row
+``u % (window + 1)``, so the overflow rate over the last ``window`` updates is the difference of two rows. The
+ring lives on the host while the scaler decides on the host (:attr:`OverflowCounts.on_host`), and on the device
+after :meth:`~OverflowCounts.to_device`, where :func:`~lightning_stability.amp.rule.update_scale_` writes each new
+row from the previous one. float32 counts are exact up to 2**24.
+
+:class:`ScaleProbe` serves ``init_scale="auto"``: the first fp16 step runs at scale 1, and the probe gathers over
+that step's optimizers whether the gradients overflowed and their largest finite magnitude (both reduced across
+ranks with the overflow flag: one collective), then sets the scale with
+:func:`~lightning_stability.amp.rule.auto_initial_scale`. All on the device.
 """
 
 from __future__ import annotations
@@ -35,20 +47,6 @@ from lightning_stability.amp.rule import (
     update_scale_,
     update_scale_host,
 )
-
-# MERGED-DOC: The fp16 scaler's running totals: overflow steps and floor hits, and from them the overflow rate.
-# MERGED-DOC:
-# MERGED-DOC: :class:`OverflowCounts` keeps ``[overflow steps, floor hits]`` after each of the last ``window`` updates, and
-# MERGED-DOC: before the first of them, in a ring of ``window + 1`` rows: the totals after update ``u`` are in row
-# MERGED-DOC: ``u % (window + 1)``, so the rate over the last ``window`` updates is the difference of two rows. The ring
-# MERGED-DOC: lives on the host while the scaler decides on the host (:attr:`OverflowCounts.on_host`), and on the device
-# MERGED-DOC: after :meth:`~OverflowCounts.to_device`, where :func:`~lightning_stability.amp.rule.update_scale_` writes each
-# MERGED-DOC: new row from the previous one (no op to read the totals). float32 counts are exact up to 2**24.
-# MERGED-DOC: ``init_scale="auto"``: the first fp16 step runs at scale 1 and measures the largest gradient.
-# MERGED-DOC:
-# MERGED-DOC: :class:`ScaleProbe` gathers, over the optimizers of that first step, whether the gradients overflowed and
-# MERGED-DOC: their largest finite magnitude (both reduced across ranks with the overflow flag: one collective), then
-# MERGED-DOC: sets the scale with :func:`~lightning_stability.amp.rule.auto_initial_scale`. All on the device.
 
 
 def overflow_read_on_host(
@@ -137,7 +135,7 @@ class RuleState:
         scale = host.scale
         floor_hit = update_scale_host(host, overflow, rule)
         if host.scale != scale:
-            fused.scale.fill_(host.scale)  # the one kernel, on the rare step that changes the scale
+            fused.scale.fill_(host.scale)  # the device is written only on the rare step that changes the scale
         self.counts.advance_host(self.updates, overflow, floor_hit)
         self.updates += 1
 
@@ -176,7 +174,7 @@ class RuleState:
         return self.host.scale, overflows, floor_hits
 
     def snapshot(self, scale: Tensor) -> Tensor:
-        """``[loss scale, overflow steps, floor hits]`` as one new float32 tensor (one op, no sync)."""
+        """``[loss scale, overflow steps, floor hits]`` as one new float32 tensor (no sync)."""
         scale = self.fused.pair[:1] if self.fused is not None else scale.reshape(1)
         return torch.cat([scale, self.counts.row(self.updates)])
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,6 +32,11 @@ from lightning_stability.trainer import StableTrainer
 BATCH, CONTEXT = 16, 64
 DIVERGE_MARGIN = 1.0  # a loss above ln(V) + this is worse than guessing: diverged
 STALL_MARGIN = 0.1  # a final loss above unigram - this has learned nothing beyond letter frequencies: stalled
+#: CPU threads of the demo in all, split among its processes (``--devices 2``: 1 each), whatever the machine.
+#: A matmul's or a reduction's float sums are split among the threads, so their last bits follow the thread
+#: count, and this fragile run grows those bits into different figures: on the 2-core machine 1 thread ended
+#: the preset's run at 2.507 with 8 skipped steps, 2 threads at 2.477 with 1 (torch's default is one per core).
+DEMO_THREADS = 2
 
 
 @dataclass(frozen=True)
@@ -121,32 +127,33 @@ def run_demo(
     }
     if devices > 1:
         common["strategy"] = "ddp"  # on CPU: gloo, one process per device
-    runs = []
-    for name in ("bare", preset) if compare else (preset,):
-        pl.seed_everything(seed, verbose=False)
-        model = CharGPT(corpus.vocab, context=CONTEXT, lr=lr, nan_at_step=fault if fault >= 0 else None)
-        data = DataLoader(CorpusWindows(corpus, steps * BATCH * devices, CONTEXT, seed), batch_size=BATCH)
-        losses = _Losses()
-        logger = CSVLogger(out, name=name, version="")
-        if name == "bare":
-            trainer = pl.Trainer(logger=logger, callbacks=[losses], **common, **_bare_precision(precision))
-        else:
-            extra = {"precision": precision} if precision else {}
-            trainer = StableTrainer.from_preset(preset, logger=logger, callbacks=[losses], **common, **extra)
-        say(f"\n[{name}] {_describe(trainer, name)}")
-        started = time.perf_counter()
-        trainer.fit(model, data)
-        seconds = time.perf_counter() - started
-        host = losses.host()
-        skipped = None
-        if name != "bare":
-            counts = StepLedger.of(trainer).counts.tolist()
-            skipped = int(sum(counts) - counts[Outcome.APPLIED])
-        log_dir = Path(logger.log_dir)
-        report = sorted(log_dir.glob("stability_report.*"))
-        runs.append(DemoRun(name, host, skipped, seconds, log_dir, judge(host, corpus), report))
-    if trainer.is_global_zero:
-        _draw(runs, corpus, fault, out / "comparison.png")
+    with repeatable(devices):
+        runs = []
+        for name in ("bare", preset) if compare else (preset,):
+            pl.seed_everything(seed, verbose=False)
+            model = CharGPT(corpus.vocab, context=CONTEXT, lr=lr, nan_at_step=fault if fault >= 0 else None)
+            data = DataLoader(CorpusWindows(corpus, steps * BATCH * devices, CONTEXT, seed), batch_size=BATCH)
+            losses = _Losses()
+            logger = CSVLogger(out, name=name, version="")
+            if name == "bare":
+                trainer = pl.Trainer(logger=logger, callbacks=[losses], **common, **_bare_precision(precision))
+            else:
+                extra = {"precision": precision} if precision else {}
+                trainer = StableTrainer.from_preset(preset, logger=logger, callbacks=[losses], **common, **extra)
+            say(f"\n[{name}] {_describe(trainer, name)}")
+            started = time.perf_counter()
+            trainer.fit(model, data)
+            seconds = time.perf_counter() - started
+            host = losses.host()
+            skipped = None
+            if name != "bare":
+                counts = StepLedger.of(trainer).record_of().counts.tolist()
+                skipped = int(sum(counts) - counts[Outcome.APPLIED])
+            log_dir = Path(logger.log_dir)
+            report = sorted(log_dir.glob("stability_report.*"))
+            runs.append(DemoRun(name, host, skipped, seconds, log_dir, judge(host, corpus), report))
+        if trainer.is_global_zero:
+            _draw(runs, corpus, fault, out / "comparison.png")
     return runs
 
 
@@ -206,6 +213,46 @@ def _draw(runs: list[DemoRun], corpus: Corpus, fault: int, path: Path) -> Path |
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     return path
+
+
+def demo_threads(devices: int = 1) -> int:
+    """CPU threads of each of the demo's processes: :data:`DEMO_THREADS` split among ``devices``."""
+    return max(1, DEMO_THREADS // devices)
+
+
+@contextmanager
+def repeatable(devices: int = 1) -> Iterator[None]:
+    """The same figures on every run on one machine: fixed CPU threads, torch's deterministic algorithms.
+
+    :func:`demo_threads` threads per process (``OMP_NUM_THREADS`` too: Lightning's DDP launcher would otherwise set
+    cores // processes, and the processes it starts inherit it); ``torch.use_deterministic_algorithms(True,
+    warn_only=True)`` with cuBLAS's fixed workspace and no cuDNN benchmark (what ``Trainer(deterministic="warn")``
+    sets, for a GPU; on a CPU the demo's ops are deterministic already, at no cost). All restored after. The
+    weights and batches are seeded per run (``--seed``); the model has no dropout and the data no workers.
+    """
+    threads = demo_threads(devices)
+    saved_env = {key: os.environ.get(key) for key in ("OMP_NUM_THREADS", "CUBLAS_WORKSPACE_CONFIG")}
+    saved = torch.get_num_threads(), torch.backends.cudnn.benchmark
+    saved_deterministic = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.set_num_threads(threads)
+    torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        torch.set_num_threads(saved[0])
+        torch.backends.cudnn.benchmark = saved[1]
+        torch.use_deterministic_algorithms(saved_deterministic[0], warn_only=saved_deterministic[1])
 
 
 @contextmanager

@@ -1,5 +1,8 @@
-"""TrainingHealthMonitor: the seed's four indicators (gradient norm, update size, loss, memory) and the response
-to a spike: warn, adaptive clip (ZClip), skip (OLMo-core), or rollback (PaLM)."""
+"""TrainingHealthMonitor: watches the gradient norm, the update size, the loss and the memory, and responds to a
+spike: warn, adaptive clip (ZClip), skip (OLMo-core), or rollback (PaLM).
+
+:func:`check_health_arguments` checks the monitor's arguments: each bad value is named, with the fix.
+"""
 
 from __future__ import annotations
 
@@ -15,17 +18,12 @@ from torch.optim import Optimizer
 
 from lightning_stability.errors import StabilityConfigError, check_positive_int, config_error
 from lightning_stability.grad_norm import GradientNormMonitor
-from lightning_stability.health.history import HealthHistory, HealthLog
+from lightning_stability.health.history import HealthHistory, HealthReporter
 from lightning_stability.health.rollback import Rollback, Snapshot
 from lightning_stability.health.signals import UpdateSize, capacity, mean_over_ranks, peak_memory_over_ranks
 from lightning_stability.health.spike_stats import NEW_LEVEL_AFTER, IntervalMean, SpikeStats, zclip_threshold
-from lightning_stability.ledger.callback import LedgerCallback
-from lightning_stability.ledger.metrics import FlushValues
-from lightning_stability.ledger.step_ledger import Outcome, StepLedger, loss_scaler
+from lightning_stability.ledger import FlushValues, LedgerCallback, OptimizerRecord, Outcome, StepLedger, loss_scaler
 from lightning_stability.norms import module_groups
-
-# MERGED-DOC: The argument checks of ``TrainingHealthMonitor``: each bad value is named, with the fix.
-
 
 Response = Literal["warn", "clip", "skip", "rollback"]
 _LOSS, _GRAD = 0, 1
@@ -86,6 +84,7 @@ class TrainingHealthMonitor(LedgerCallback):
     """
 
     one_instance_reason = "each would vote on the same steps and restore the same weights"
+    needs_loss = True
 
     def __init__(
         self,
@@ -125,7 +124,7 @@ class TrainingHealthMonitor(LedgerCallback):
         k = NEW_LEVEL_AFTER
         levels = {"rollback": (None, None), "clip": (k, None)}.get(response, (k, k))
         self.stats = SpikeStats(2, alpha, warmup_steps, new_level_after=levels)
-        self._log = HealthLog(response, self.spike_z, memory_warn_fraction, top_modules)
+        self._log = HealthReporter(response, self.spike_z, memory_warn_fraction, top_modules)
         self._pending: Tensor | None = None  # a spike since the last logging step (rollback), on the device
         self._pending_loaded = False  # the checkpoint held a spike not yet answered
         self._module_of: dict[int, int] = {}  # id(param) -> its module's index in `_names`
@@ -134,6 +133,8 @@ class TrainingHealthMonitor(LedgerCallback):
         self._interval = IntervalMean()  # the loss (and norm) over the logging interval
         self._const: _Constants | None = None
         self._fixed_clip = math.nan
+        self._row: int | None = None  # the open step's history row, its outcome set in after_step
+        self._size: UpdateSize | None = None  # the update size, measured across the update on logging steps
 
     @property
     def history(self) -> HealthHistory:
@@ -150,9 +151,6 @@ class TrainingHealthMonitor(LedgerCallback):
         return {"response": self.response}
 
     # ------------------------------------------------------------------ setup
-    def on_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        StepLedger.of(trainer).want_update_loss()
-
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if len(trainer.optimizers) > 1:
             raise StabilityConfigError(
@@ -175,21 +173,22 @@ class TrainingHealthMonitor(LedgerCallback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.response == "rollback":
             # the state before the next step: labelled with the last step taken (-1 at the very start)
-            self.rollback.snapshot = Snapshot(pl_module, trainer.optimizers, StepLedger.of(trainer).label() - 1)
+            self.rollback.snapshot = Snapshot(pl_module, trainer.optimizers, StepLedger.of(trainer)._label() - 1)
 
     # ------------------------------------------------------------------ the step
-    def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer, logging: bool) -> None:
+    def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer) -> None:
         lr = optimizer.param_groups[0]["lr"]
         host = {} if isinstance(lr, Tensor) else {"lr": float(lr)}
         if self.rollback.take_skip():  # the data window after a rollback: a host decision, no sync
             ledger.mark_skip(Outcome.SKIPPED_ROLLBACK, True)
-            row = self.history.add(ledger.label(), [], host, ledger.device)
+            row = self.history.add(ledger._label(), [], host, ledger.record_of().device)
             self.history.set_outcome(row, int(Outcome.SKIPPED_ROLLBACK))
-            if logging:
-                self._queue_logs(trainer, ledger, None)
+            self._row, self._size = None, None
+            if self.is_logging_step:
+                self._on_logging_step(ledger)
             return
         grads = ledger.gradients()
-        loss = ledger.record.get("loss")
+        loss = ledger.values.get("loss")
         const = self._constants(grads.total.device)
         if loss is None:  # the step's loss is not known: a placeholder the statistics skip; NaN in the history
             values = mean_over_ranks(torch.stack([const.zero, grads.total]))
@@ -211,7 +210,7 @@ class TrainingHealthMonitor(LedgerCallback):
             deviation = torch.minimum(deviation, self.stats.zscore(values)[1])  # folded in clipped, always
             include = include | (scored.finite & const.grad_only)
             threshold = threshold.reshape(1)
-            ledger.log("stability/clip_threshold", threshold[0], logging)
+            self.record_metric("stability/clip_threshold", threshold[0])
         elif self.response in ("skip", "rollback"):
             ledger.mark_skip(Outcome.SKIPPED_SPIKE, spikes.any())
         if self.response == "rollback":
@@ -230,7 +229,8 @@ class TrainingHealthMonitor(LedgerCallback):
             ("stability/loss_z", loss_z),
             ("stability/grad_norm_z", grad_norm_z),
         )
-        ledger.log_many(metrics, logging)
+        for key, value in metrics:
+            self.record_metric(key, value)
         scaler = loss_scaler(trainer)
         scale = (
             scaler._scale.reshape(1).float().to(const.nan.device)
@@ -238,16 +238,24 @@ class TrainingHealthMonitor(LedgerCallback):
             else const.nan
         )
         lr_value = lr.reshape(1).float() if isinstance(lr, Tensor) else const.nan
-        # the history's row: loss, grad norm, clip threshold, the two spike flags, LR, loss scale (one kernel)
+        # the history's row: loss, grad norm, clip threshold, the two spike flags, LR, loss scale
         parts = [raw, threshold, scored.flags, lr_value, scale]
-        row = self.history.add(ledger.label(), parts, host, values.device)
-        ledger.on_close(lambda closed: self.history.set_outcome(row, closed.outcome))
-        if logging:
-            self._queue_logs(
-                trainer,
-                ledger,
-                UpdateSize(grads.params, self._index_of(grads.params), len(self._log.names)) if grads.params else None,
-            )
+        self._row = self.history.add(ledger._label(), parts, host, values.device)
+        self._size = None
+        if self.is_logging_step:
+            if grads.params:  # measured across the update: started here, finished in after_step
+                self._size = UpdateSize(grads.params, self._index_of(grads.params), len(self._log.names))
+            self._on_logging_step(ledger)
+
+    def after_step(self, trainer: pl.Trainer, ledger: StepLedger) -> None:
+        if self._row is not None:
+            self.history.set_outcome(self._row, ledger.outcome)
+            self._row = None
+        if self._size is not None:
+            self._log.log_update_size(self, self._size)
+            self._size = None
+        if self.is_logging_step:
+            self._log.send_rows(self)  # the rows since the last logging step ride this step's transfer
 
     def _index_of(self, params: list[Tensor]) -> Tensor:
         """Each parameter's module index, on the device, for the parameters that have gradients this step (a
@@ -265,26 +273,20 @@ class TrainingHealthMonitor(LedgerCallback):
         return self._const
 
     # ------------------------------------------------------------------ logging steps
-    def _queue_logs(self, trainer: pl.Trainer, ledger: StepLedger, size: UpdateSize | None) -> None:
-        if size is not None:
-            self._log.queue_update_size(ledger, size)
-        memory = peak_memory_over_ranks(ledger.device)
-        ledger.log("stability/memory_peak_gb", memory[0])
-        if ledger.device.type == "cuda":
-            ledger.log("stability/memory_reserved_gb", memory[1])
+    def _on_logging_step(self, ledger: StepLedger) -> None:
+        device = ledger.record_of().device
+        memory = peak_memory_over_ranks(device)
+        self.record_metric("stability/memory_peak_gb", memory[0])
+        if device.type == "cuda":
+            self.record_metric("stability/memory_reserved_gb", memory[1])
         self._interval.reset()  # its value for this interval was logged in on_step
         if self._pending is not None:
-            ledger.log("_health/rollback", self._pending)
+            self.to_host("rollback", self._pending)
             self._pending = None
-        ledger.on_close(self._queue_rows)
 
-    def _queue_rows(self, ledger: StepLedger) -> None:
-        self._log.queue_rows(ledger)
-        ledger.on_flush(self._on_flush)
-
-    def _on_flush(self, values: FlushValues) -> dict[str, float]:
+    def on_host(self, trainer: pl.Trainer, record: OptimizerRecord, values: FlushValues) -> dict[str, float]:
         extra = self._log.read(values)
-        self._respond(values.get("_health/rollback", 0.0) == 1.0, end=False)
+        self._respond(values.get("rollback", 0.0) == 1.0, end=False)
         return extra
 
     def _respond(self, spiked: bool, end: bool) -> None:
@@ -292,7 +294,7 @@ class TrainingHealthMonitor(LedgerCallback):
         trainer = self._trainer
         if trainer is None or self.response != "rollback":
             return
-        module, optimizers, step = trainer.lightning_module, trainer.optimizers, StepLedger.of(trainer).label()
+        module, optimizers, step = trainer.lightning_module, trainer.optimizers, StepLedger.of(trainer)._label()
         if spiked:
             event = self.rollback.roll_back(module, optimizers, step, skip=not end)
             self._log.events.append(event)
@@ -345,7 +347,7 @@ class TrainingHealthMonitor(LedgerCallback):
         self._interval.load_state_dict(state_dict.get("interval", {}))
 
     def transient_state(self) -> dict[str, Any]:
-        return {"_trainer": None, "_pending": None, "_module_index": None, "_const": None}
+        return {"_trainer": None, "_pending": None, "_module_index": None, "_const": None, "_row": None, "_size": None}
 
 
 RESPONSES = ("warn", "clip", "skip", "rollback")

@@ -1,9 +1,11 @@
-"""Per-step series of the health monitor, kept on the device between logging steps and moved in their transfer.
+"""The health monitor's per-step series, and what it records and tells the user from them.
 
 Every optimizer step writes one row of device values (loss, gradient norm, clip threshold, spike flags, LR,
-loss scale, outcome) into a small device buffer, indexed by a host counter: no sync. On a logging step the
-filled rows ride the ledger's one batched transfer and are appended to host series, which the stability
-report draws and checkpoints keep.
+loss scale, outcome) into a small device buffer (:class:`HealthHistory`), indexed by a host counter: no sync. On
+a logging step the filled rows and the logging-step metrics (update size, memory) ride the ledger's one batched
+transfer to the host. There :class:`HealthReporter` appends them to the host series (which checkpoints keep), names
+the spikes in a warning, warns once when the peak memory nears the device's capacity, and at the end of ``fit``
+writes the stability report (JSON + PNG).
 """
 
 from __future__ import annotations
@@ -18,16 +20,8 @@ from torch import Tensor
 
 from lightning_stability.health.signals import UpdateSize, memory_warning
 from lightning_stability.health.spike_stats import NEW_LEVEL_AFTER
+from lightning_stability.ledger.callback import LedgerCallback
 from lightning_stability.ledger.metrics import FlushValues
-from lightning_stability.ledger.step_ledger import StepLedger
-
-# MERGED-DOC: The health monitor's host side: what it records and tells the user.
-# MERGED-DOC:
-# MERGED-DOC: On logging steps the monitor's device rows (one per optimizer step) and its logging-step metrics (update size,
-# MERGED-DOC: memory) arrive on the host in the ledger's one transfer; :class:`HealthLog` appends them to the history, names
-# MERGED-DOC: the spikes in a warning, warns once when the peak memory nears the device's capacity, and at the end of ``fit``
-# MERGED-DOC: writes the stability report (JSON + PNG).
-
 
 #: the device columns of a row, in order
 COLUMNS = ("loss", "grad_norm", "clip_threshold", "loss_spike", "grad_spike", "lr", "loss_scale", "outcome")
@@ -54,8 +48,8 @@ class HealthHistory:
         return self._buf
 
     def add(self, label: int, parts: list[Tensor], host: dict[str, float], device: torch.device) -> int:
-        """Write a row: ``parts`` fill every column but the outcome in order, in one kernel (or none: a row of
-        NaN); returns its index for :meth:`set_outcome`."""
+        """Write a row: ``parts`` fill every column but the outcome in order (no ``parts``: a row of NaN); returns
+        its index for :meth:`set_outcome`."""
         buf = self._buffer(device)
         index = len(self._labels)
         row = buf[index]  # a host index: no sync
@@ -142,7 +136,7 @@ _ACTIONS = {
 CALM_STEPS = 10
 
 
-class HealthLog:
+class HealthReporter:
     """The history of every step, the events (spikes, rollbacks), the warnings and the report.
 
     Args:
@@ -161,33 +155,29 @@ class HealthLog:
         self.capacity: float | None = None
         self._memory_warned = False
 
-    # ------------------------------------------------------------------ logging steps (device side: queue)
-    def queue_update_size(self, ledger: StepLedger, size: UpdateSize) -> None:
-        """Log the update-to-weight ratio (total and the ``top_modules`` largest) once the step is applied."""
+    # ------------------------------------------------------------------ logging steps (device side: send)
+    def log_update_size(self, monitor: LedgerCallback, size: UpdateSize) -> None:
+        """Log the update-to-weight ratio (total and the ``top_modules`` largest), right after the update."""
+        total, per_module = size.finish()
+        monitor.record_metric("stability/update_ratio", total)
+        k = min(self.top_modules, per_module.numel())
+        if k:
+            top = torch.topk(torch.nan_to_num(per_module, nan=math.inf), k)
+            monitor.to_host("top_values", per_module[top.indices])
+            monitor.to_host("top_indices", top.indices)
 
-        def finish(closed: StepLedger) -> None:
-            total, per_module = size.finish()
-            closed.log("stability/update_ratio", total)
-            k = min(self.top_modules, per_module.numel())
-            if k:
-                top = torch.topk(torch.nan_to_num(per_module, nan=math.inf), k)
-                closed.log("_health/top_values", per_module[top.indices])
-                closed.log("_health/top_indices", top.indices)
-
-        ledger.on_close(finish)
-
-    def queue_rows(self, ledger: StepLedger) -> None:
-        """The rows since the last logging step ride the ledger's transfer."""
+    def send_rows(self, monitor: LedgerCallback) -> None:
+        """The rows since the last logging step ride the step's one transfer."""
         rows = self.history.pending()
         if rows is not None:
-            ledger.log("_health/rows", rows)
+            monitor.to_host("rows", rows)
 
     # ------------------------------------------------------------------ logging steps (host side: read)
     def read(self, values: FlushValues) -> dict[str, float]:
         """Take a transfer's rows and metrics; returns the extra metrics to log (per-module update ratios, the
         skip rate)."""
         extra: dict[str, float] = {}
-        top_i, top_v = values.get("_health/top_indices"), values.get("_health/top_values")
+        top_i, top_v = values.get("top_indices"), values.get("top_values")
         if isinstance(top_i, list) and isinstance(top_v, list):
             for i, v in zip(top_i, top_v, strict=True):
                 extra[f"stability/update_ratio/{self.names[int(i)]}"] = v
@@ -196,7 +186,7 @@ class HealthLog:
             for key, name in (("update_ratio", "stability/update_ratio"), ("memory_gb", "stability/memory_peak_gb"))
             if isinstance(value := values.get(name), float)
         }
-        rows = values.get("_health/rows")
+        rows = values.get("rows")
         extra.update(self.take_rows(rows if isinstance(rows, list) else [], sparse))
         self.check_memory(sparse.get("memory_gb"))
         return extra

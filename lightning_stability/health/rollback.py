@@ -1,9 +1,13 @@
 """PaLM's recovery from a loss spike: go back to the last good snapshot and skip the data that follows.
 
-:class:`Rollback` keeps the snapshot (:class:`~lightning_stability.health.rollback.Snapshot`, host memory, each rank
-its own shard), takes a new one every ``snapshot_every`` steps once the steps since the last one are known to be
-clean, restores it on demand, counts down the batches to skip, and bounds the retries. Every decision is taken
-from rank-consistent values, so every rank rolls back together.
+:class:`Rollback` keeps the snapshot, takes a new one every ``snapshot_every`` steps once the steps since the last
+one are known to be clean, restores it on demand, counts down the batches to skip, and bounds the retries. Every
+decision is taken from rank-consistent values, so every rank rolls back together.
+
+A :class:`Snapshot` is a copy of the weights and optimizer state in host memory. Each rank keeps its own local
+shard (a DTensor's local part under FSDP2), so it costs host memory of one shard of the model and its optimizer
+state per rank, and taking or restoring it needs no collective. Restoring writes into the existing tensors, so the
+optimizer, the strategy's wrappers and any reference to a parameter stay valid.
 """
 
 from __future__ import annotations
@@ -16,13 +20,6 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_stability.health.spike_stats import NEW_LEVEL_AFTER
-
-# MERGED-DOC: A copy of the weights and optimizer state in host memory, restored in place: the rollback of PaLM's recipe.
-# MERGED-DOC:
-# MERGED-DOC: Each rank keeps its own local shard (a DTensor's local part under FSDP2), so the copy costs host memory of one
-# MERGED-DOC: shard of the model and its optimizer state per rank, and taking or restoring it needs no collective. Restoring
-# MERGED-DOC: writes into the existing tensors, so the optimizer, the strategy's wrappers and any reference to a parameter
-# MERGED-DOC: stay valid.
 
 
 class TrainingDivergedError(RuntimeError):

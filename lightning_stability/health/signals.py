@@ -1,8 +1,12 @@
-"""The size of one optimizer update relative to the weights, ``‖Δθ‖ / ‖θ‖``, in total and per module.
+"""The health monitor's measurements: update size, peak memory and its capacity, means over ranks.
 
-Measured on logging steps only: :class:`UpdateSize` keeps one transient copy of the local shard of the
-parameters from before the update, turns it into the update in place afterwards, and takes the norms (sharded
-parameters are reduced across their mesh, as for gradient norms). Other steps get no extra memory.
+* Update size, ``‖Δθ‖ / ‖θ‖`` in total and per module, on logging steps only: :class:`UpdateSize` keeps one
+  transient copy of the local shard of the parameters from before the update, turns it into the update in place
+  afterwards, and takes the norms (sharded parameters are reduced across their mesh, as for gradient norms).
+  Other steps get no extra memory.
+* Peak memory of this process (:func:`peak_memory`) and the capacity it must fit in (:func:`capacity`): CUDA's
+  caching allocator statistics on a GPU, the RSS from ``resource.getrusage`` on a CPU. Host-side counters only,
+  no device sync; the monitor reads them on logging steps and takes the maximum over ranks.
 """
 
 from __future__ import annotations
@@ -17,12 +21,6 @@ from torch import Tensor
 
 from lightning_stability import _compat
 from lightning_stability.norms import DTensor, _is_dtensor, combine_norms, group_norms, per_tensor_norms
-
-# MERGED-DOC: Peak memory of this process and the capacity it must fit in: CUDA's allocator on a GPU, the RSS on a CPU.
-# MERGED-DOC:
-# MERGED-DOC: Host-side counters only (no device sync): ``torch.cuda.max_memory_allocated`` reads the caching allocator's
-# MERGED-DOC: statistics, ``resource.getrusage`` the kernel's. The health monitor reads them on logging steps and takes the
-# MERGED-DOC: maximum over ranks.
 
 
 def _local(t: Tensor) -> Tensor:

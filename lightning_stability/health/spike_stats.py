@@ -8,8 +8,7 @@ identically on every rank from the same reduced values.
 Both phases are one incremental update with a per-signal weight ``w``: ``1/n`` for the ``n``-th value of the
 warmup (Welford's running mean and population variance, equal to the plain moments when the warmup ends) and
 ``1 - alpha`` after it (ZClip's EMA, its variance taken around the new mean). The state is a few float32 rows
-updated in place, among them ``1/(std + eps)`` (0 during the warmup), so that a z-score costs two ops: an
-optimizer step pays ~25 small kernels for the whole estimator.
+updated in place, among them ``1/(std + eps)`` (0 during the warmup), so that a z-score needs no division.
 
 A spike is left out of the statistics, so a burst of bad batches leaves them as they were. A signal that stays
 above the threshold has settled at a new level (new data, layers unfrozen): a count per signal goes up by one
@@ -129,7 +128,7 @@ class SpikeStats:
 
     def zscore(self, values: Tensor) -> tuple[Tensor, Tensor]:
         """``(value - mean) / (std + eps)`` per signal (0 for a finite value still in its warmup), and
-        ``value - mean``, which :meth:`update` takes. Two ops."""
+        ``value - mean``, which :meth:`update` takes."""
         self._ensure(values.device)
         deviation = values - self._rows[_MEAN]
         return deviation * self._rows[_INV_STD], deviation
@@ -141,7 +140,7 @@ class SpikeStats:
         placeholder that is neither scored nor folded in.
         """
         z, deviation = self.zscore(values)
-        finite = (values - values) == 0  # torch.isfinite is four kernels on a CPU; inf - inf and NaN are NaN
+        finite = (values - values) == 0  # in place of torch.isfinite (cheaper on a CPU): inf - inf and NaN are NaN
         nonfinite = finite.all().logical_not()  # a placeholder is finite: it never counts here
         over = (z > spike_z) & finite
         assert self._run is not None
@@ -222,7 +221,7 @@ def _rows_of(rows: list[list[float]], warmup: int) -> list[list[float]]:
 
 class IntervalMean:
     """The mean of each signal's finite values since the last :meth:`reset` (the logging interval), on the
-    device: three small kernels per step and a division, no sync."""
+    device, with no sync."""
 
     def __init__(self) -> None:
         self._acc: Tensor | None = None  # rows: sum, count

@@ -1,12 +1,14 @@
 """The step ledger: one record of every optimizer step, shared by every ``lightning_stability`` callback.
 
 A callback author needs :class:`LedgerCallback` (the template: fill in ``on_step``), :class:`StepLedger` (what
-``on_step`` receives) and :class:`Outcome` (why a step was skipped).
+``on_step`` receives), :class:`OptimizerRecord` (one optimizer's counts) and :class:`Outcome` (why a step was
+skipped).
 
 * ``callback.py``: :class:`LedgerCallback`, the template every callback fills in.
 * ``step_ledger.py``: :class:`StepLedger`: opens and closes each optimizer step, takes skip votes, routes
   metrics; the update's loss.
-* ``track.py``: :class:`Outcome`; :class:`Track`, one optimizer's record (steps, outcome counts, window sums).
+* ``track.py``: :class:`Outcome`; :class:`OptimizerRecord`, one optimizer's record (steps, outcome counts,
+  window sums).
 * ``skips.py``: the skip decision of one step and how it is enforced at least cost (the fp16 scaler's own
   decision, ``found_inf`` for fused optimizers, dropped gradients otherwise).
 * ``gradients.py``: the step's gradient norms, computed once for every callback; shared clipping.
@@ -14,7 +16,19 @@ A callback author needs :class:`LedgerCallback` (the template: fill in ``on_step
 """
 
 from lightning_stability.ledger.callback import LedgerCallback
+from lightning_stability.ledger.gradients import StepGradients
+from lightning_stability.ledger.metrics import FlushValues
+from lightning_stability.ledger.skips import loss_scaler
 from lightning_stability.ledger.step_ledger import CHECKPOINT_KEY, StepLedger
-from lightning_stability.ledger.track import Outcome, Track
+from lightning_stability.ledger.track import OptimizerRecord, Outcome
 
-__all__ = ["CHECKPOINT_KEY", "LedgerCallback", "Outcome", "StepLedger", "Track"]
+__all__ = [
+    "CHECKPOINT_KEY",
+    "FlushValues",
+    "LedgerCallback",
+    "OptimizerRecord",
+    "Outcome",
+    "StepGradients",
+    "StepLedger",
+    "loss_scaler",
+]

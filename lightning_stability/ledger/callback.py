@@ -1,4 +1,4 @@
-"""LedgerCallback: the template every lightning_stability callback fills in."""
+"""LedgerCallback: the template every ``lightning_stability`` callback fills in."""
 
 from __future__ import annotations
 
@@ -12,19 +12,31 @@ from torch.optim import Optimizer
 from lightning_stability import _compat
 from lightning_stability.errors import StabilityConfigError, check_positive_int
 from lightning_stability.ledger.gradients import forget_layouts
+from lightning_stability.ledger.metrics import FlushValues
 from lightning_stability.ledger.step_ledger import StepLedger
+from lightning_stability.ledger.track import OptimizerRecord
 
 
 class LedgerCallback(Callback):
-    """Template of the callbacks that share the trainer's :class:`~lightning_stability.ledger.step_ledger.StepLedger`.
+    """Template of the callbacks that share the trainer's :class:`~lightning_stability.ledger.StepLedger`.
 
     A callback fills in (all optional):
 
-    * :meth:`state_fields`: the settings that identify it in a checkpoint (its ``state_key``);
-    * :meth:`on_setup`: its checks and installation at ``setup("fit")``;
-    * :meth:`on_step`: its work on each optimizer step, in ``on_before_optimizer_step``, with the step
-      already open in the ledger and ``logging`` telling whether this step logs;
-    * ``state_dict``/``load_state_dict`` for its own state, as for any Lightning callback.
+    * :meth:`on_step`: its work on each optimizer step, before the update: read ``ledger.gradients()`` and
+      ``ledger.values``, vote with ``ledger.mark_skip(reason, flag)``, record metrics with :meth:`record_metric`;
+    * :meth:`after_step`: its work once the update was applied or skipped (``ledger.outcome`` says which);
+    * :meth:`on_host`: on logging steps, after the step's one device-to-host transfer: what it sent with
+      :meth:`to_host` (and its metrics) as host numbers, to warn or to log more;
+    * :meth:`on_setup` (its checks at ``setup("fit")``), :meth:`state_fields` (the settings that identify it in
+      a checkpoint), and ``state_dict``/``load_state_dict`` as for any Lightning callback.
+
+    It records metrics with one verb, :meth:`record_metric` (not ``log``: Lightning attaches the module's ``log``
+    to every callback), which knows whether the step logs; :attr:`is_logging_step` tells it too, for work worth
+    doing on logging steps only.
+
+    Skip votes: the votes of all ``lightning_stability`` callbacks are enforced together, after the last of them
+    (in the Trainer's callback list) has run its ``on_step``, so that a step costs one host read of the votes at
+    most. A vote cast later (by a plain callback or the module) is enforced at once.
 
     The template does the rest, the same way for every callback:
 
@@ -44,6 +56,9 @@ class LedgerCallback(Callback):
 
     #: Why two callbacks of this kind cannot share a Trainer (completes the one-instance error).
     one_instance_reason: ClassVar[str] = "each would write the same ledger entries and metrics"
+    #: Set to ``True`` to have ``ledger.values["loss"]`` in ``on_step``: the update's loss (the mean over its
+    #: micro-batches, unscaled, on the device).
+    needs_loss: ClassVar[bool] = False
 
     def __init__(self, log_every_n_steps: int | None = None) -> None:
         if log_every_n_steps is not None:
@@ -53,6 +68,9 @@ class LedgerCallback(Callback):
         self._state_key: str | None = None
         self._alone = False  # setup has checked that this is the only callback of its kind
         self._last = True  # the last lightning_stability callback in the Trainer's list: enforces the votes
+        self._ledger: StepLedger | None = None
+        self._logging = False  # the current step logs
+        self._host_hooked: set[int] = set()  # records whose next flush runs on_host
 
     # ------------------------------------------------------------------ to fill in
     def state_fields(self) -> dict[str, Any]:
@@ -62,10 +80,68 @@ class LedgerCallback(Callback):
     def on_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Checks and installation at ``setup("fit")``, after the one-instance check."""
 
-    def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer, logging: bool) -> None:
-        """This callback's work on the optimizer step that ``ledger`` has open."""
+    def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer) -> None:
+        """This callback's work on the optimizer step that ``ledger`` has open, before the update."""
+
+    def after_step(self, trainer: pl.Trainer, ledger: StepLedger) -> None:
+        """This callback's work once the step closed: the update was applied or skipped (``ledger.outcome``)."""
+
+    def on_host(self, trainer: pl.Trainer, record: OptimizerRecord, values: FlushValues) -> dict[str, float] | None:
+        """On a logging step after the transfer, once per optimizer that stepped: what this callback sent with
+        :meth:`to_host` (under its keys) and the optimizer's metrics, as floats (lists for vectors). Return extra
+        metrics to log, or ``None``."""
+        return None
 
     # ------------------------------------------------------------------ provided
+    @property
+    def is_logging_step(self) -> bool:
+        """Whether the current step logs (by this callback's ``log_every_n_steps``)."""
+        return self._logging
+
+    def record_metric(self, key: str, value: Tensor | float) -> None:
+        """Record a metric of the current step (``"stability/..."``).
+
+        A scalar is in ``trainer.callback_metrics[key]`` at once, so ``ModelCheckpoint``/``EarlyStopping`` can
+        monitor it (a device tensor stays on the device: nothing moves until a monitor reads it). On logging
+        steps it also goes to every logger with the step's one transfer. With several optimizers the key ends
+        in ``/<optimizer>``.
+        """
+        ledger = self._ledger_now()
+        ledger._log(((key, value),), self._logging)
+        if self._logging:
+            self._hook_host(ledger)
+
+    def to_host(self, key: str, value: Tensor) -> None:
+        """Send ``value`` to the host with the logging step's one transfer; :meth:`on_host` receives it under
+        ``key``. Nothing else sees it (keys are this callback's own)."""
+        ledger = self._ledger_now()
+        ledger._log(((self._private(key), value),), True)
+        self._hook_host(ledger)
+
+    def _private(self, key: str) -> str:
+        return f"_{self.kind().__name__}/{key}"
+
+    def _ledger_now(self) -> StepLedger:
+        if self._ledger is None:
+            raise RuntimeError(f"{type(self).__name__}.record_metric() called before setup")
+        return self._ledger
+
+    def _hook_host(self, ledger: StepLedger) -> None:
+        if type(self).on_host is LedgerCallback.on_host:
+            return
+        index = ledger.record_of().index
+        if index not in self._host_hooked:
+            self._host_hooked.add(index)
+            ledger._on_flush(lambda values: self._run_on_host(index, values))
+
+    def _run_on_host(self, index: int, values: FlushValues) -> dict[str, float] | None:
+        self._host_hooked.discard(index)
+        prefix = self._private("")
+        own = {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in values.items()}
+        mine = {k: v for k, v in own.items() if not k.startswith("_")}
+        ledger = self._ledger_now()
+        return self.on_host(ledger.trainer, ledger._record_at(index), mine)  # type: ignore[arg-type]
+
     @classmethod
     def kind(cls) -> type[LedgerCallback]:
         """The family a callback belongs to: ``WarmupConstantCosineLR`` is a ``ScheduledLR``."""
@@ -100,43 +176,51 @@ class LedgerCallback(Callback):
         # the model's own callbacks are attached before setup, so the list is complete here
         ours = [cb for cb in trainer.callbacks if isinstance(cb, LedgerCallback)]  # type: ignore[attr-defined]
         self._last = ours[-1] is self
-        StepLedger.of(trainer).callbacks_enforce = True
+        ledger = self._ledger = StepLedger.of(trainer)
+        ledger._callbacks_enforce = True
+        if self.needs_loss:
+            ledger._want_loss()
+        self._host_hooked = set()
         forget_layouts()
         self.on_setup(trainer, pl_module)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
-        ledger = StepLedger.of(trainer)
+        ledger = self._ledger = StepLedger.of(trainer)
         ledger.open_step(optimizer)
-        self.on_step(trainer, ledger, optimizer, ledger.is_logging_step(self._every_n))
+        self._logging = ledger._is_logging_step(self._every_n)
+        self.on_step(trainer, ledger, optimizer)
+        if type(self).after_step is not LedgerCallback.after_step:
+            ledger._on_close(lambda closed: self.after_step(trainer, closed))
         if self._last:
             # Every lightning_stability callback has voted: enforce the skip votes together (one read at most).
-            ledger.enforce_votes()
+            ledger._enforce_votes()
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self._last:  # one of our callbacks records the loss (if any callback asked for it)
-            StepLedger.of(trainer).add_loss(loss)
+            StepLedger.of(trainer)._add_loss(loss)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         ledger = StepLedger.of(trainer)
         ledger.close_step()
-        ledger.flush()
+        ledger._flush()
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        StepLedger.of(trainer).save_into(checkpoint)
+        StepLedger.of(trainer)._save_into(checkpoint)
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        StepLedger.of(trainer).load_from(checkpoint)
+        StepLedger.of(trainer)._load_from(checkpoint)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
+        state.update({"_ledger": None, "_host_hooked": set()})
         state.update(self.transient_state())
         return state
 

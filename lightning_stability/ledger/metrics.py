@@ -20,7 +20,7 @@ from lightning_stability import _compat
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_stability.ledger.track import Track
+    from lightning_stability.ledger.track import OptimizerRecord
 
 
 FlushValues = dict[str, float | list[float]]
@@ -39,7 +39,7 @@ class MetricQueue:
     def route(
         self,
         trainer: pl.Trainer | None,
-        track: Track,
+        track: OptimizerRecord,
         several_optimizers: bool,
         metrics: Iterable[tuple[str, Tensor | float]],
         to_loggers: bool,
@@ -63,7 +63,7 @@ class MetricQueue:
         self,
         trainer: pl.Trainer | None,
         device: torch.device,
-        track_of: Callable[[int], Track],
+        track_of: Callable[[int], OptimizerRecord],
         several_optimizers: bool,
         step: int,
     ) -> dict[str, float]:
@@ -116,7 +116,7 @@ class MetricQueue:
         return result
 
 
-def metric_name(key: str, track: Track, several_optimizers: bool) -> str:
+def metric_name(key: str, track: OptimizerRecord, several_optimizers: bool) -> str:
     """``key``, or ``key/<optimizer>`` when the trainer has several optimizers."""
     return f"{key}/{track.name}" if several_optimizers else key
 
@@ -139,7 +139,7 @@ def monitor(trainer: pl.Trainer, name: str, value: Tensor | float) -> None:
 def publish(
     trainer: pl.Trainer | None,
     transferred: dict[int, tuple[FlushValues, dict[str, Tensor]]],
-    track_of: Callable[[int], Track],
+    track_of: Callable[[int], OptimizerRecord],
     several_optimizers: bool,
     step: int,
 ) -> dict[str, float]:

@@ -1,9 +1,17 @@
 """The skip decision of one optimizer step: the fp16 loss scaler's own, and the votes of any callback.
 
-:class:`StepVotes` lives from ``StepLedger.open_step`` to ``close_step``. It reuses the scaler's overflow
-decision, takes votes in any order (:meth:`StepVotes.vote`), enforces them together right before the update
-(:meth:`StepVotes.enforce`, see :func:`~lightning_stability.ledger.skips.enforce_skip`) and turns everything into one
-:class:`~lightning_stability.ledger.track.Outcome` when the step closes (:meth:`StepVotes.outcome`).
+:class:`SkipDecision` lives from ``StepLedger.open_step`` to ``close_step``. It reuses the scaler's overflow
+decision, takes votes in any order (:meth:`SkipDecision.vote`), enforces them together right before the update
+(:meth:`SkipDecision.enforce`) and turns everything into one :class:`~lightning_stability.ledger.track.Outcome`
+when the step closes (:meth:`SkipDecision.outcome`).
+
+How a skip is enforced at the least cost: torch's ``GradScaler`` records one overflow flag per device in
+``unscale_`` and decides the step from them in ``step``: on the host for ordinary optimizers (it calls
+``optimizer.step()`` only without overflow), as the ``found_inf`` tensor for fused ones. A vote is added to
+those flags, so the scaler's one decision covers it without another sync, and the flags as they were are handed
+back to the scaler's ``update``, so a vote neither lowers the scale nor counts as an overflow. Without a scaler,
+a fused optimizer takes the vote as ``found_inf``; any other optimizer loses its gradients for the step, after
+one host read of the votes.
 """
 
 from __future__ import annotations
@@ -22,17 +30,8 @@ from lightning_stability.ledger.track import Outcome
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-# MERGED-DOC: How a skipped step is enforced, at the least cost, and how the fp16 loss scaler's decision is reused.
-# MERGED-DOC:
-# MERGED-DOC: torch's ``GradScaler`` records one overflow flag per device in ``unscale_`` and decides the step from them
-# MERGED-DOC: in ``step``: on the host for ordinary optimizers (it calls ``optimizer.step()`` only without overflow), as
-# MERGED-DOC: the ``found_inf`` tensor for fused ones. The ledger reuses that decision instead of checking twice, and adds
-# MERGED-DOC: its own skip votes to those flags, so the scaler's one decision covers them without another sync. Without
-# MERGED-DOC: a scaler, a fused optimizer takes the vote as ``found_inf``; any other optimizer loses its gradients for the
-# MERGED-DOC: step, after one host read of the vote.
 
-
-class StepVotes:
+class SkipDecision:
     """Why the open step of ``optimizer`` is skipped, if it is.
 
     Args:

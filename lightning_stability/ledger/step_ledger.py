@@ -1,14 +1,15 @@
-"""The per-optimizer-step outcome ledger that every ``lightning_stability`` callback shares.
+"""StepLedger: the record of every optimizer step, shared by every ``lightning_stability`` callback.
 
-One :class:`StepLedger` exists per ``Trainer`` (:meth:`StepLedger.of`), with one :class:`Track` per
-optimizer. For each optimizer step it opens a record (:meth:`StepLedger.open_step`, which reuses the fp16
-scaler's overflow decision), takes values (:meth:`~StepLedger.put`) and skip votes from any callback
-(:meth:`~StepLedger.mark_skip`, enforced together by :meth:`~StepLedger.enforce_votes`), closes the step
-into one :class:`Outcome` counted on the device, and routes the step's metrics: into
-``trainer.callback_metrics`` at once, to the loggers in one transfer on logging steps. Nothing here adds a
-host sync to a step that does not log, except one read of the skip votes for a non-fused optimizer without
-a loss scaler. ``ARCHITECTURE.md`` walks through one step. The ledger is saved once in the checkpoint under
+One ledger exists per ``Trainer`` (:meth:`StepLedger.of`), with one :class:`OptimizerRecord` per optimizer. For
+each optimizer step it opens the step (reusing the fp16 scaler's overflow decision), holds the step's values and
+gradient norms, takes skip votes from any callback, closes the step into one :class:`Outcome` counted on the
+device, and routes the step's metrics: into ``trainer.callback_metrics`` at once, to the loggers in one transfer
+on logging steps. Nothing here adds a host sync to a step that does not log, except one read of the skip votes
+for a non-fused optimizer without a loss scaler. It is saved once in the checkpoint under
 ``checkpoint["lightning_stability"]["ledger"]``.
+
+What a callback reads and writes here is in the "For callbacks" part of :class:`StepLedger`; the rest is driven
+by :class:`~lightning_stability.ledger.callback.LedgerCallback`.
 """
 
 from __future__ import annotations
@@ -24,39 +25,35 @@ from torch.optim import Optimizer
 
 from lightning_stability import _compat
 from lightning_stability.ledger.gradients import ClipScale, StepGradients
-from lightning_stability.ledger.metrics import FlushHook, FlushValues, MetricQueue, metric_name
-from lightning_stability.ledger.skips import (
-    Flag,
-    StepVotes,
-    loss_scaler,
-)
-from lightning_stability.ledger.track import CurrentTrackView, Outcome, Track, device_of, optimizer_names
+from lightning_stability.ledger.metrics import FlushHook, MetricQueue
+from lightning_stability.ledger.skips import Flag, SkipDecision, loss_scaler
+from lightning_stability.ledger.track import OptimizerRecord, Outcome, device_of, optimizer_names
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-# MERGED-DOC: The loss of the coming optimizer update, on the device, before the update.
-# MERGED-DOC:
-# MERGED-DOC: What ``on_before_backward`` sees is not that loss: Lightning divides each micro-batch's loss by the
-# MERGED-DOC: accumulation factor (automatic optimization) and the fp16 scaler multiplies it by the loss scale. This
-# MERGED-DOC: undoes both and averages over the micro-batches of the update, with no host sync.
-
-
-__all__ = ["CHECKPOINT_KEY", "FlushHook", "FlushValues", "Outcome", "StepLedger", "Track", "loss_scaler"]
+__all__ = ["CHECKPOINT_KEY", "OptimizerRecord", "Outcome", "StepLedger"]
 
 CHECKPOINT_KEY = "lightning_stability"
 
 
-class StepLedger(CurrentTrackView):
+class StepLedger:
     """The record of every optimizer step: values and flags as tensors, outcome counts on the device.
 
-    ``steps``, ``counts``, ``applied_steps``, ... and the windows refer to the current optimizer's
-    :class:`Track` (the one stepping, or the last that stepped); :meth:`track` gives any optimizer's.
+    For callbacks (from ``on_step`` and ``after_step`` of a
+    :class:`~lightning_stability.ledger.callback.LedgerCallback`):
 
-    Attributes:
-        record: the current step's values, e.g. ``record["grad_norm"]`` (tensors).
-        outcome: the outcome of the last closed step (an :class:`Outcome`, or an int64 tensor
-            when the decision was never brought to the host).
+    * :attr:`values`: the open step's values, e.g. ``values["grad_norm"]``, ``values["loss"]`` (tensors);
+    * :meth:`gradients`: the open step's gradients and their global norm, computed once for all callbacks;
+    * :meth:`mark_skip`: the one way to skip the update, with its reason;
+    * :meth:`any_rank`: a flag made the same on every rank, for every decision that skips;
+    * :meth:`record_of`: one optimizer's :class:`OptimizerRecord` (steps, outcome counts, window sums);
+    * :attr:`outcome`: the outcome of the last closed step (read it in ``after_step``);
+    * :attr:`events` / :meth:`note`: events of the run (rollbacks), saved in checkpoints;
+    * :attr:`published`: the last logged value of every metric, as host numbers.
+
+    :meth:`open_step` and :meth:`close_step` are called by the callbacks' template (or by hand when the
+    ledger is driven without a Trainer).
     """
 
     _registry: ClassVar[weakref.WeakKeyDictionary[Any, StepLedger]] = weakref.WeakKeyDictionary()
@@ -64,26 +61,26 @@ class StepLedger(CurrentTrackView):
 
     def __init__(self, trainer: pl.Trainer | None = None) -> None:
         self._trainer_ref = weakref.ref(trainer) if trainer is not None else None
-        self.record: dict[str, Tensor] = {}
+        self.values: dict[str, Tensor] = {}
         self.outcome: Outcome | Tensor = Outcome.APPLIED
-        self._tracks: dict[int, Track] = {}
+        self.events: list[dict[str, Any]] = []  # rollbacks and other events, with their step labels
+        self.published: dict[str, float] = {}  # the last logged value of every metric (host numbers)
+        self._records: dict[int, OptimizerRecord] = {}
         self._loaded: dict[int, dict[str, Any]] = {}
-        self._current: Track | None = None
+        self._current: OptimizerRecord | None = None
         self._open: Optimizer | None = None
-        self._votes: StepVotes | None = None  # the open step's skip decision
+        self._decision: SkipDecision | None = None  # the open step's skip decision
         self._stepped = False  # the optimizer's step() ran for the open step
-        self._several: bool | None = None  # several_optimizers, as of the step open now (None between steps)
+        self._several: bool | None = None  # _several_optimizers, as of the step open now (None between steps)
         self._grads: dict[float, StepGradients] = {}  # the open step's gradient norms, by norm type
         self._clip = ClipScale()  # the clips applied to the open step's gradients, shared by all norm types
         self._close_hooks: list[Callable[[StepLedger], None]] = []
         self._queue = MetricQueue()
-        self.events: list[dict[str, Any]] = []  # rollbacks and other events, with their step labels
-        self.published: dict[str, float] = {}  # the last logged value of every metric (host numbers)
         # Set by the lightning_stability callbacks at setup: the last of them enforces the votes at the end of
         # its hook. Without any, a vote is enforced at once (one host read per vote for a non-fused optimizer).
-        self.callbacks_enforce = False
-        self._loss = UpdateLoss()
-        # id(optimizer) -> (weak reference, track index, hook handle); the reference tells a reused id apart
+        self._callbacks_enforce = False
+        self._loss = StepLoss()
+        # id(optimizer) -> (weak reference, record index, hook handle); the reference tells a reused id apart
         self._hooked: dict[int, tuple[weakref.ref[Optimizer], int, Any]] = {}
 
     # ------------------------------------------------------------------ lookup
@@ -108,45 +105,49 @@ class StepLedger(CurrentTrackView):
         return trainer.optimizers if trainer is not None else []
 
     @property
-    def several_optimizers(self) -> bool:
+    def _several_optimizers(self) -> bool:
         """Whether the trainer has more than one optimizer (metric keys then name the optimizer); read once per
         step while one is open (every metric asks), live between steps."""
         return self._several if self._several is not None else len(self._optimizers()) > 1
 
-    def _track_at(self, index: int, name: str | None = None) -> Track:
-        track = self._tracks.get(index)
-        if track is None:
-            track = Track(index, name or f"optimizer{index}", self._loaded.pop(index, None))
-            self._tracks[index] = track
-        return track
+    def _record_at(self, index: int, name: str | None = None) -> OptimizerRecord:
+        record = self._records.get(index)
+        if record is None:
+            record = OptimizerRecord(index, name or f"optimizer{index}", self._loaded.pop(index, None))
+            self._records[index] = record
+        return record
 
-    def track(self, optimizer: Optimizer | None = None) -> Track:
-        """The record of ``optimizer`` (default: the current one)."""
+    def record_of(self, optimizer: Optimizer | None = None) -> OptimizerRecord:
+        """The record of ``optimizer`` (default: the optimizer stepping now, or the last that stepped)."""
         if optimizer is None:
-            return self._current if self._current is not None else self._track_at(0)
+            return self._current if self._current is not None else self._record_at(0)
         hooked = self._hooked.get(id(optimizer))
         if hooked is not None and hooked[0]() is optimizer:
-            return self._tracks[hooked[1]]
+            return self._records[hooked[1]]
         optimizers = self._optimizers()
         index = next((i for i, o in enumerate(optimizers) if o is optimizer), None)
         if index is None:
-            # Without a trainer (the ledger driven by hand) every optimizer shares track 0; an optimizer the
-            # trainer does not know gets a track of its own.
-            index = 0 if not optimizers else max(len(optimizers), max(self._tracks, default=-1) + 1)
+            # Without a trainer (the ledger driven by hand) every optimizer shares record 0; an optimizer the
+            # trainer does not know gets a record of its own.
+            index = 0 if not optimizers else max(len(optimizers), max(self._records, default=-1) + 1)
         names = optimizer_names(optimizers)
-        track = self._track_at(index)
-        # named now, also when a metric logged before the first step made the track under a placeholder name
-        track.name = names[index] if index < len(names) else type(optimizer).__name__
-        track.place(device_of(optimizer))
+        record = self._record_at(index)
+        # named now, also when a metric logged before the first step made the record under a placeholder name
+        record.name = names[index] if index < len(names) else type(optimizer).__name__
+        record.place(device_of(optimizer))
         handle = optimizer.register_step_post_hook(self._after_optimizer_step)
         self._hooked[id(optimizer)] = (weakref.ref(optimizer), index, handle)
-        return track
+        return record
 
-    def select(self, optimizer: Optimizer) -> Track:
+    def _select(self, optimizer: Optimizer) -> OptimizerRecord:
         """Make ``optimizer``'s record the current one between steps (e.g. to queue an end-of-run report)."""
         if self._open is None:
-            self._current = self.track(optimizer)
-        return self.track()
+            self._current = self.record_of(optimizer)
+        return self.record_of()
+
+    @property
+    def _device(self) -> torch.device:
+        return self.record_of().device
 
     # ------------------------------------------------------------------ step lifecycle
     def open_step(self, optimizer: Optimizer) -> bool:
@@ -155,29 +156,30 @@ class StepLedger(CurrentTrackView):
             return False
         if self._open is not None:
             self.close_step()
-        track = self.track(optimizer)
-        self._current, self._open = track, optimizer
-        track.steps += 1
-        self.record, self._grads, self._clip = {}, {}, ClipScale()
+        record = self.record_of(optimizer)
+        self._current, self._open = record, optimizer
+        record.steps += 1
+        self.values, self._grads, self._clip = {}, {}, ClipScale()
         self._stepped = False
         loss = self._loss.take()
         if loss is not None:
-            self.record["loss"] = loss
+            self.values["loss"] = loss
         trainer = self.trainer
         self._several = len(self._optimizers()) > 1
-        self._votes = StepVotes(optimizer, loss_scaler(trainer) if trainer is not None else None, track.device)
+        self._decision = SkipDecision(optimizer, loss_scaler(trainer) if trainer is not None else None, record.device)
         return True
 
     @property
     def is_open(self) -> bool:
+        """Whether an optimizer step is open (between ``on_before_optimizer_step`` and the update)."""
         return self._open is not None
 
-    def want_update_loss(self) -> None:
-        """Ask for ``record["loss"]``: the update's loss, the mean over its micro-batches, unscaled, on the
-        device, available from ``open_step`` on (before the update)."""
+    def _want_loss(self) -> None:
+        """Make ``values["loss"]`` available from ``open_step`` on: the update's loss, the mean over its
+        micro-batches, unscaled, on the device."""
         self._loss.enabled = True
 
-    def add_loss(self, loss: Tensor) -> None:
+    def _add_loss(self, loss: Tensor) -> None:
         """Record a micro-batch's loss as ``on_before_backward`` sees it (the template does this)."""
         if not self._loss.enabled:
             return
@@ -198,33 +200,29 @@ class StepLedger(CurrentTrackView):
             raise RuntimeError("gradients() called outside an optimizer step; call open_step(optimizer) first")
         grads = self._grads.get(norm_type)
         if grads is None:
-            grads = self._grads[norm_type] = StepGradients(self._open, norm_type, self.device, self._clip)
+            grads = self._grads[norm_type] = StepGradients(self._open, norm_type, self._device, self._clip)
         return grads
 
-    def label(self) -> int:
+    def _label(self) -> int:
         """Lightning's step label for the current step: ``self.log`` and ``LearningRateMonitor`` use it too."""
         trainer = self.trainer
         if trainer is not None:
             return _compat.batches_that_stepped(trainer)
-        return max(self.steps - 1, 0)
+        return max(self.record_of().steps - 1, 0)
 
-    def is_logging_step(self, every_n_steps: int) -> bool:
+    def _is_logging_step(self, every_n_steps: int) -> bool:
         """Whether the current step logs by Lightning's rule for ``log_every_n_steps`` (0: never; the step on
         which the run is told to stop logs too)."""
         if every_n_steps <= 0:
             return False
         trainer = self.trainer
         # Lightning also logs the step on which the run is told to stop (`_LoggerConnector.should_update_logs`)
-        return (self.label() + 1) % every_n_steps == 0 or bool(trainer is not None and trainer.should_stop)
+        return (self._label() + 1) % every_n_steps == 0 or bool(trainer is not None and trainer.should_stop)
 
     def note(self, event: dict[str, Any]) -> None:
         """Record an event of the run (e.g. a rollback: ``{"step": 120, "kind": "rollback", ...}``); saved in
         checkpoints, so a resumed run keeps the whole record."""
         self.events.append(dict(event))
-
-    def put(self, key: str, value: Tensor) -> None:
-        """Record a value of the current step."""
-        self.record[key] = value
 
     def any_rank(self, flag: Tensor) -> Tensor:
         """``flag`` made rank-consistent: true on every rank when it is true on any (one 0-dim all-reduce
@@ -236,15 +234,15 @@ class StepLedger(CurrentTrackView):
         return value > 0
 
     def mark_skip(self, reason: Outcome, flag: Flag, optimizer: Optimizer | None = None) -> None:
-        """Skip the current update when ``flag`` is true, and say why. Any callback may vote, in any order.
+        """Skip the current update when ``flag`` (a host bool or a 0-dim device tensor) is true, and say why.
 
-        From a callback's ``on_before_optimizer_step``, pass the hook's ``optimizer``: it opens the step if no
-        ``lightning_stability`` callback has yet. The votes are enforced together by :meth:`enforce_votes`,
-        which the last ``lightning_stability`` callback calls at the end of its ``on_before_optimizer_step``:
-        one host read for all of them at most, none under fp16 or with a fused optimizer. A vote cast later
-        (a callback after it, the module's own hook) is enforced at once. Under fp16 a vote skips the step
-        without changing the loss scale. The decision must be identical on every rank: pass a flag from
-        globally reduced values, or through :meth:`any_rank`.
+        Any callback may vote, in any order; the update is skipped if any vote says so. Weights and optimizer
+        state are then left exactly as they were, and under fp16 the loss scale is not changed. The votes of the
+        ``lightning_stability`` callbacks are enforced together, once all of them have voted: one host read at
+        most, none under fp16 or with a fused optimizer. A vote from anywhere else (your own callback's hook,
+        the module's) is enforced at once. From a plain callback's ``on_before_optimizer_step``, pass that
+        hook's ``optimizer``: it opens the step if no ``lightning_stability`` callback has yet. The decision
+        must be the same on every rank: pass a flag from globally reduced values, or through :meth:`any_rank`.
         """
         if optimizer is not None:
             self.open_step(optimizer)
@@ -253,22 +251,22 @@ class StepLedger(CurrentTrackView):
                 "mark_skip() called outside an optimizer step. Fix: call it from `on_before_optimizer_step` and "
                 "pass that hook's optimizer: ledger.mark_skip(reason, flag, optimizer)."
             )
-        assert self._votes is not None
-        self._votes.vote(reason, flag)
-        if not self.callbacks_enforce:
-            self._votes.enforce()
+        assert self._decision is not None
+        self._decision.vote(reason, flag)
+        if not self._callbacks_enforce:
+            self._decision.enforce()
 
-    def enforce_votes(self) -> None:
+    def _enforce_votes(self) -> None:
         """Make the open step skip if any vote so far says so (see :meth:`mark_skip`)."""
-        if self._votes is not None:
-            self._votes.enforce()
+        if self._decision is not None:
+            self._decision.enforce()
 
     def _after_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         if self._open is optimizer:
             self._stepped = True
             self.close_step()
 
-    def on_close(self, hook: Callable[[StepLedger], None]) -> None:
+    def _on_close(self, hook: Callable[[StepLedger], None]) -> None:
         """Run ``hook(ledger)`` once when the current step closes (after the optimizer step)."""
         self._close_hooks.append(hook)
 
@@ -277,11 +275,10 @@ class StepLedger(CurrentTrackView):
         optimizer = self._open
         if optimizer is None:
             return
-        assert self._votes is not None
-        outcome = self._votes.outcome(self._stepped)
-        self._votes = None
-        track = self.track()
-        track.count(outcome)
+        assert self._decision is not None
+        outcome = self._decision.outcome(self._stepped)
+        self._decision = None
+        self.record_of().count(outcome)
         self.outcome = outcome
         self._open = None
         hooks, self._close_hooks = self._close_hooks, []
@@ -290,35 +287,18 @@ class StepLedger(CurrentTrackView):
         self._several = None  # read live between steps (another fit may have other optimizers)
 
     # ------------------------------------------------------------------ metrics
-    def metric_name(self, key: str, track: Track | None = None) -> str:
-        """``key``, or ``key/<optimizer>`` when the trainer has several optimizers."""
-        return metric_name(key, track or self.track(), self.several_optimizers)
+    def _log(self, metrics: Iterable[tuple[str, Tensor | float]], to_loggers: bool) -> None:
+        """Metrics of the current step (see ``LedgerCallback.log``). A scalar goes into
+        ``trainer.callback_metrics`` at once (a device tensor stays on the device); with ``to_loggers`` it is also
+        queued for the loggers. Keys starting with ``_`` are host values for flush hooks only."""
+        self._queue.route(self.trainer, self.record_of(), self._several_optimizers, metrics, to_loggers)
 
-    def log(self, key: str, value: Tensor | float, to_loggers: bool = True) -> None:
-        """A metric of the current step.
+    def _on_flush(self, hook: FlushHook) -> None:
+        """Run ``hook(values)`` once at the next flush, with the current optimizer's queued values on the host
+        (scalars as floats, vectors as lists); it may return extra metrics to log."""
+        self._queue.add_hook(self.record_of().index, hook)
 
-        A scalar goes into ``trainer.callback_metrics`` at once (a device tensor stays on the device: no
-        transfer until a monitor such as ``ModelCheckpoint`` reads it), so ``stability/`` keys are
-        monitorable after every step that computes them. With ``to_loggers`` (pass whether the step is a
-        logging step) it is also queued for the loggers: :meth:`flush` moves the queue to the host in one
-        transfer. Keys starting with ``_`` reach flush hooks only.
-        """
-        self.log_many(((key, value),), to_loggers)
-
-    def log_many(self, metrics: Iterable[tuple[str, Tensor | float]], to_loggers: bool = True) -> None:
-        """:meth:`log` for several metrics of the current step at once."""
-        self._queue.route(self.trainer, self.track(), self.several_optimizers, metrics, to_loggers)
-
-    def on_flush(self, hook: FlushHook) -> None:
-        """Run ``hook(values)`` once at the next flush, with the current optimizer's queued values on the host.
-
-        Scalars arrive as floats and vectors as lists of floats, under the keys they were queued with.
-        The hook may return extra metrics to log (e.g. per-layer norms under names resolved from
-        transferred indices).
-        """
-        self._queue.add_hook(self.track().index, hook)
-
-    def flush(self) -> dict[str, float]:
+    def _flush(self) -> dict[str, float]:
         """Move every queued tensor of every optimizer to the host in one transfer and log the metrics.
 
         Returns them, under their final names. Scalar metrics also land in ``trainer.callback_metrics``, as
@@ -326,37 +306,45 @@ class StepLedger(CurrentTrackView):
         """
         if not self._queue:
             return {}
-        metrics = self._queue.publish(self.trainer, self.device, self._track_at, self.several_optimizers, self.label())
+        metrics = self._queue.publish(
+            self.trainer, self._device, self._record_at, self._several_optimizers, self._label()
+        )
         self.published.update(metrics)
         return metrics
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        tracks = {i: t.state_dict() for i, t in self._tracks.items()}
-        tracks.update({i: s for i, s in self._loaded.items() if i not in tracks})
-        return {"version": 2, "tracks": {str(i): s for i, s in sorted(tracks.items())}, "events": list(self.events)}
+        records = {i: r.state_dict() for i, r in self._records.items()}
+        records.update({i: s for i, s in self._loaded.items() if i not in records})
+        return {"version": 2, "tracks": {str(i): s for i, s in sorted(records.items())}, "events": list(self.events)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # version 1 held one optimizer's record
         loaded = {int(i): s for i, s in state["tracks"].items()} if "tracks" in state else {0: state}
-        for index, track in self._tracks.items():
-            track.load_state_dict(loaded.pop(index, {}))
+        for index, record in self._records.items():
+            record.load_state_dict(loaded.pop(index, {}))
         self._loaded = loaded
         self.events = list(state.get("events", []))
 
-    def save_into(self, checkpoint: dict[str, Any]) -> None:
+    def _save_into(self, checkpoint: dict[str, Any]) -> None:
         """Write the ledger into a Lightning checkpoint dict (idempotent: every callback may call it)."""
         checkpoint.setdefault(CHECKPOINT_KEY, {})["ledger"] = self.state_dict()
 
-    def load_from(self, checkpoint: dict[str, Any]) -> None:
+    def _load_from(self, checkpoint: dict[str, Any]) -> None:
         """Restore from a Lightning checkpoint dict; a checkpoint without a ledger leaves it as is."""
         state = checkpoint.get(CHECKPOINT_KEY, {}).get("ledger")
         if state is not None:
             self.load_state_dict(state)
 
 
-class UpdateLoss:
-    """Collects the micro-batch losses of one update; :meth:`take` gives their mean and starts the next."""
+class StepLoss:
+    """The loss of the coming update, before the update.
+
+    What ``on_before_backward`` sees is not that loss: Lightning divides each micro-batch's loss by the
+    accumulation factor (automatic optimization) and the fp16 scaler multiplies it by the loss scale. This undoes
+    both and averages over the micro-batches of the update, on the device; :meth:`take` gives the mean and starts
+    the next.
+    """
 
     def __init__(self) -> None:
         self.enabled = False  # a callback that needs the loss turns it on (it costs ~3 small ops per micro-batch)

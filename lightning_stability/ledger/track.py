@@ -1,4 +1,4 @@
-"""One optimizer's record in the ledger: attempted steps, outcome counts on the device, window sums."""
+"""One optimizer's record in the ledger (:class:`OptimizerRecord`) and the :class:`Outcome` of a step."""
 
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ def device_of(optimizer: Optimizer) -> torch.device:
     return torch.device("cpu")
 
 
-class Track:
-    """One optimizer's record: attempted steps, outcome counts on the device, window sums.
+class OptimizerRecord:
+    """One optimizer's record in the ledger: attempted steps, outcome counts on the device, window sums.
 
     Attributes:
         index: the optimizer's position in ``trainer.optimizers``.
@@ -97,34 +97,28 @@ class Track:
         self._one = torch.ones(1, dtype=self._counts.dtype, device=self._counts.device)
 
     @property
-    def applied_steps(self) -> Tensor:
-        """Optimizer updates actually applied (0-dim int64 tensor on the device)."""
+    def counted_on_host(self) -> bool:
+        """Whether every outcome so far was decided on the host: :attr:`applied_steps` and :attr:`skipped_steps`
+        are then host ints (no device op to read them)."""
+        return self._host_counts is not None
+
+    @property
+    def applied_steps(self) -> int | Tensor:
+        """Optimizer updates actually applied: a host ``int`` while every outcome so far was decided on the host,
+        else a 0-dim int64 tensor on the device. ``int(record.applied_steps)`` gives a number either way (a
+        HOST SYNC when it is a tensor: for setup and checkpoints, not for the step)."""
+        if self._host_counts is not None:
+            return self._host_counts[Outcome.APPLIED]
         return self.counts[Outcome.APPLIED]
 
     @property
-    def skipped_steps(self) -> Tensor:
-        """Optimizer steps skipped for any reason (0-dim int64 tensor on the device)."""
+    def skipped_steps(self) -> int | Tensor:
+        """Optimizer steps skipped for any reason: a host ``int`` or a device tensor, as :attr:`applied_steps`."""
+        if self._host_counts is not None:
+            return sum(self._host_counts) - self._host_counts[Outcome.APPLIED]
         self.counts  # noqa: B018 -- brings the table up to date
         assert self._skipped_view is not None
         return self._skipped_view.sum()
-
-    def skipped_steps_now(self) -> Tensor | float:
-        """Skipped steps: a host number while every outcome so far was decided on the host (no device op),
-        else the device count."""
-        if self._host_counts is not None:
-            return float(sum(self._host_counts) - self._host_counts[Outcome.APPLIED])
-        return self.skipped_steps
-
-    @property
-    def applied_steps_host(self) -> int | None:
-        """Applied updates as a host integer, when every outcome so far was decided on the host."""
-        return None if self._host_counts is None else self._host_counts[Outcome.APPLIED]
-
-    def applied_steps_now(self) -> int:
-        """Applied updates as a host integer; reads the device counter when needed (a HOST SYNC: use it
-        for checkpoints and setup, not in the step)."""
-        host = self.applied_steps_host
-        return host if host is not None else int(self.applied_steps)
 
     def count(self, outcome: Outcome | Tensor) -> None:
         if isinstance(outcome, Tensor):
@@ -141,6 +135,7 @@ class Track:
                 self._host_counts[outcome] += 1
 
     def accumulate(self, key: str, value: Tensor | float) -> None:
+        """Add ``value`` to this optimizer's window sum ``key`` (on the device, saved in checkpoints)."""
         current = self._window.get(key)
         if isinstance(value, Tensor):
             value = value.to(torch.float32)
@@ -150,6 +145,7 @@ class Track:
         self._window[key] = current + value
 
     def pop_window(self, key: str) -> Tensor:
+        """The window sum ``key``, reset to zero."""
         value = self._window.pop(key, None)
         return value if value is not None else torch.zeros((), dtype=torch.float32, device=self.device)
 
@@ -181,46 +177,3 @@ def optimizer_names(optimizers: list[Optimizer]) -> list[str]:
         seen[base] = k + 1
         names.append(base if k == 0 else f"{base}-{k}")
     return names
-
-
-class CurrentTrackView:
-    """The record of the optimizer stepping now (or last): what callbacks read without naming an optimizer."""
-
-    def track(self, optimizer: Optimizer | None = None) -> Track:
-        raise NotImplementedError
-
-    @property
-    def device(self) -> torch.device:
-        return self.track().device
-
-    @property
-    def steps(self) -> int:
-        """Optimizer steps attempted so far by the current optimizer (skipped ones included)."""
-        return self.track().steps
-
-    @property
-    def counts(self) -> Tensor:
-        return self.track().counts
-
-    @property
-    def applied_steps(self) -> Tensor:
-        return self.track().applied_steps
-
-    @property
-    def skipped_steps(self) -> Tensor:
-        return self.track().skipped_steps
-
-    @property
-    def applied_steps_host(self) -> int | None:
-        return self.track().applied_steps_host
-
-    def applied_steps_now(self) -> int:
-        return self.track().applied_steps_now()
-
-    def accumulate(self, key: str, value: Tensor | float) -> None:
-        """Add ``value`` to the current optimizer's window sum ``key`` (on the device, saved in checkpoints)."""
-        self.track().accumulate(key, value)
-
-    def pop_window(self, key: str) -> Tensor:
-        """Return the current optimizer's window sum ``key`` and reset it to zero."""
-        return self.track().pop_window(key)

@@ -1,4 +1,10 @@
-"""ScheduledLR and WarmupConstantCosineLR: the learning rate as a function of applied optimizer updates."""
+"""ScheduledLR and WarmupConstantCosineLR: the learning rate as a function of applied optimizer updates.
+
+Also here, what :class:`ScheduledLR` reads from around it: a callback that scales the LR (:class:`LRScaleSource`),
+whether an optimizer takes a device tensor as its LR (:func:`supports_tensor_lr`), the schedule's name for the
+callback's ``state_key`` (:func:`schedule_name`), and how many updates a schedule runs over, per optimizer, from
+the Trainer's limits or ``total_steps`` (:func:`run_lengths`).
+"""
 
 from __future__ import annotations
 
@@ -22,11 +28,6 @@ from lightning_stability.schedules.specs import (
     check_multiplier,
     check_schedule_callable,
 )
-
-# MERGED-DOC: What :class:`~lightning_stability.schedules.callback.ScheduledLR` reads from around it: a callback that
-# MERGED-DOC: scales the LR (:class:`LRScaleSource`), whether an optimizer takes a device tensor as its LR, and the schedule's
-# MERGED-DOC: name for the callback's ``state_key``.
-# MERGED-DOC: How many updates an LR schedule runs over, per optimizer, from the Trainer's limits or ``total_steps``.
 
 
 class ScheduledLR(LedgerCallback):
@@ -184,11 +185,11 @@ class ScheduledLR(LedgerCallback):
         self._tables = {}
         ledger = StepLedger.of(trainer)
         for index, opt in enumerate(self._optimizers):
-            track = ledger.track(opt)
+            applied = ledger.record_of(opt).applied_steps
             # The LR's type follows the ledger: a float while counts are on the host, a device tensor once a
             # decision stayed on the device. A resumed run restores the ledger, hence the same type as before.
-            as_tensor = track.applied_steps_host is None and self._tensor_lr_ok(index)
-            self._set_host(index, track.applied_steps_now(), as_tensor)  # HOST SYNC (once) at most
+            as_tensor = isinstance(applied, Tensor) and self._tensor_lr_ok(index)
+            self._set_host(index, int(applied), as_tensor)  # HOST SYNC (once) at most
 
     def _resolve_totals(self, trainer: pl.Trainer) -> tuple[list[int | None], set[int]]:
         needs_total = self.schedule.needs_total_steps if isinstance(self.schedule, Schedule) else True
@@ -217,8 +218,9 @@ class ScheduledLR(LedgerCallback):
             table = self._tables[index] = torch.tensor(values, dtype=torch.float32, device=device)
         return table
 
-    def _set_from_ledger(self, ledger: StepLedger) -> None:
-        track = ledger.track()
+    def after_step(self, trainer: pl.Trainer, ledger: StepLedger) -> None:
+        """Write the LR of this optimizer's next update, from its own applied-update count."""
+        track = ledger.record_of()
         index = track.index
         if index >= len(self._optimizers):
             return
@@ -232,11 +234,10 @@ class ScheduledLR(LedgerCallback):
                 "number of updates.",
                 category=UserWarning,
             )
-        applied = track.applied_steps_host
-        if applied is not None:
-            self._set_host(index, applied)
-            return
         count = track.applied_steps
+        if not isinstance(count, Tensor):
+            self._set_host(index, count)
+            return
         if not self._tensor_lr_ok(index):
             # HOST SYNC: this optimizer cannot read a tensor LR without syncing once per parameter, or the
             # schedule has no end to tabulate; one sync per step is the cheaper choice.
@@ -252,15 +253,12 @@ class ScheduledLR(LedgerCallback):
             group["lr"] = mult * base
 
     # ------------------------------------------------------------------ the step
-    def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer, logging: bool) -> None:
+    def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer) -> None:
         for i, group in enumerate(optimizer.param_groups):
             lr = group["lr"]
-            ledger.log(
-                "stability/lr" if i == 0 else f"stability/lr/pg{i}",
-                lr if isinstance(lr, Tensor) else float(lr),
-                logging,
+            self.record_metric(
+                "stability/lr" if i == 0 else f"stability/lr/pg{i}", lr if isinstance(lr, Tensor) else float(lr)
             )
-        ledger.on_close(self._set_from_ledger)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._tables = {}
@@ -278,11 +276,11 @@ class ScheduledLR(LedgerCallback):
 
 
 class WarmupConstantCosineLR(ScheduledLR):
-    """The design card's LR schedule: linear warmup, constant, cosine decay at the end (seed rows 5-8).
+    """The presets' LR schedule: linear warmup, constant, cosine decay at the end (warmup-stable-decay).
 
     With the defaults (``warmup=0.05, decay=0.20``): 5% linear warmup, constant to 80% of the run,
-    cosine over the last 20% (the seed's mixed strategy for 100B-scale models). ``warmup=0.05,
-    decay=0.95`` is the 175B recipe's plain cosine with 5% warmup. Lengths ``< 1`` are fractions of
+    cosine over the last 20% (a common recipe for 100B-scale models). ``warmup=0.05,
+    decay=0.95`` is plain cosine with 5% warmup (the ``175b`` preset's schedule). Lengths ``< 1`` are fractions of
     the run, lengths ``>= 1`` step counts. Everything else is :class:`ScheduledLR`: the LR follows
     applied updates only, the first update uses ``base_lr / warmup_steps``, warmup and decay never
     overlap, each param group keeps its base LR, and a resumed run continues the curve exactly.

@@ -8,10 +8,10 @@ move the curve. Nothing here imports Lightning; the callbacks in
 
 Conventions, shared by every schedule:
 
-1. **Warmup** (seed row 5): ``lr = base * min(s / warmup, 1)`` with ``s = step + 1``, the 1-based
+1. **Warmup** (linear): ``lr = base * min(s / warmup, 1)`` with ``s = step + 1``, the 1-based
    number of the update. The first update therefore uses ``base / warmup`` (never 0) and the last
    warmup update uses the full base LR.
-2. **No overlap** (seed row 8): decay starts only after warmup (and the constant phase) ended.
+2. **No overlap**: decay starts only after warmup (and the constant phase) ended.
    Decay progress is ``p = (step - decay_start) / decay_steps``: the first decay update still uses
    the peak, and ``p`` reaches 1 at ``step == total_steps``, one past the last update.
 3. **Floor**: decays go from 1 down to ``min_lr_ratio``, never below. Warmup is not floored.
@@ -135,14 +135,14 @@ def _phases(total_steps: int, warmup: float, decay: float | None) -> tuple[int, 
 def warmup_constant_cosine(
     step: int, total_steps: int, warmup: float = 0.05, decay: float = 0.20, min_lr_ratio: float = 0.0
 ) -> float:
-    """The seed's mixed strategy (row 7): linear warmup, constant, cosine decay over the end of the run.
+    """Linear warmup, constant, cosine decay over the end of the run (a common recipe at 100B scale).
 
     Args:
         step: applied updates so far (0-based index of the next update).
         total_steps: number of updates in the run.
         warmup: warmup length (fraction of the run or step count); default 5%.
         decay: cosine-decay length at the end of the run; default 20%. ``warmup=0.05, decay=0.95``
-            is plain cosine with warmup (the 175B recipe, seed row 24).
+            is plain cosine with warmup (the ``175b`` preset).
         min_lr_ratio: the floor of the decay, as a fraction of the base LR.
 
     Raises:
@@ -212,7 +212,7 @@ def step_decay(
 
     ``every`` counts from the end of warmup (the first drop comes ``every`` updates after it);
     ``milestones`` are absolute update indices (or fractions of the run): from update ``m`` on, one
-    more factor ``gamma`` applies. Milestones inside the warmup are an error (seed row 8).
+    more factor ``gamma`` applies. Milestones inside the warmup are an error (no decay during warmup).
 
     Args:
         step: applied updates so far.

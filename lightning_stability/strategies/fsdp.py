@@ -61,7 +61,7 @@ class StableFSDPStrategy(ParallelStrategy):
       merges a sharded directory into one file for export;
     * runs on CPU with gloo, so it is tested for real in CI.
 
-    The seed's FairScale keywords are accepted as written. ``mixed_precision=True`` means what it means
+    FairScale's FSDP keywords are accepted as written. ``mixed_precision=True`` means what it means
     in FairScale: fp16 compute with fp32 master weights (here also fp32 reduction and a loss scaler).
     ``cpu_offload=True`` keeps sharded parameters, gradients and optimizer state in CPU memory
     (``CPUOffloadPolicy``). ``flatten_parameters`` has no FSDP2 equivalent: FSDP2 shards every

@@ -1,4 +1,4 @@
-"""``backend="fairscale"``: FairScale's own FSDP with the seed's keywords, for CUDA users who want it.
+"""``backend="fairscale"``: FairScale's own FSDP, with FairScale's keywords, for CUDA users who want it.
 
 FairScale needs CUDA streams, flattens each unit's parameters into one local shard (so gradients are
 plain tensors, not DTensors) and checkpoints whole state dicts gathered on every rank. The strategy

@@ -111,8 +111,8 @@ def test_scale_trace_under_forced_overflows(hysteresis: int, optimizer: str) -> 
     # every overflow step is skipped, whatever the hysteresis; every other step is applied
     assert rec.moved == [i not in INF_STEPS for i in range(12)]
     ledger = StepLedger.of(trainer)
-    assert int(ledger.applied_steps) == 12 - len(INF_STEPS)
-    assert ledger.counts.tolist() == [12 - len(INF_STEPS), len(INF_STEPS), 0, 0, 0]
+    assert int(ledger.record_of().applied_steps) == 12 - len(INF_STEPS)
+    assert ledger.record_of().counts.tolist() == [12 - len(INF_STEPS), len(INF_STEPS), 0, 0, 0]
     assert int(tuner.scaler.overflow_steps) == len(INF_STEPS)  # type: ignore[union-attr]
 
 
@@ -122,7 +122,7 @@ def test_accumulation_updates_once_per_optimizer_step() -> None:
     trainer = fit(TinyModule(inf_at_step=INF_STEPS), [tuner, rec], max_steps=12, accumulate_grad_batches=2)
     assert tuner.scaler is not None and tuner.scaler.updates == 12  # 24 micro-batches, 12 optimizer steps
     assert rec.scales[1::2] == TRACES[2]  # recorded after every micro-batch; the odd ones end a step
-    assert int(StepLedger.of(trainer).applied_steps) == 12 - len(INF_STEPS)
+    assert int(StepLedger.of(trainer).record_of().applied_steps) == 12 - len(INF_STEPS)
 
 
 def test_hysteresis_1_without_floor_equals_torch_gradscaler() -> None:
@@ -278,7 +278,7 @@ def test_auto_when_every_gradient_underflows_skips_the_probe_step() -> None:
     assert rec.first_peak == 0.0  # fp16 flushed everything to zero at scale 1
     assert rec.scales[0] == 2.0**24
     assert rec.moved == [False, True, True, True]
-    assert StepLedger.of(trainer).counts.tolist()[: Outcome.SKIPPED_SCALER + 1] == [3, 1]
+    assert StepLedger.of(trainer).record_of().counts.tolist()[: Outcome.SKIPPED_SCALER + 1] == [3, 1]
     assert int(tuner.scaler.overflow_steps) == 0  # type: ignore[union-attr]  # an empty probe is no overflow
 
 
@@ -308,7 +308,7 @@ def test_resume_continues_the_exact_trace(tmp_path: Path) -> None:
     full_state = full.trainer.precision_plugin.state_dict()
     assert t2.precision_plugin.state_dict() == full_state
     assert full_state["overflow_steps"] == len(inf)
-    assert StepLedger.of(t2).counts.tolist() == StepLedger.of(full.trainer).counts.tolist()
+    assert StepLedger.of(t2).record_of().counts.tolist() == StepLedger.of(full.trainer).record_of().counts.tolist()
 
 
 def test_a_torch_gradscaler_checkpoint_loads_into_the_tuner(tmp_path: Path) -> None:

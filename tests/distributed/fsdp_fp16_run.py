@@ -195,7 +195,7 @@ def run(
         "param_digests": record.param_digests,
         "opt_digests": record.opt_digests,
         "adam_steps": record.adam_steps,
-        "ledger_counts": ledger.counts.tolist(),
+        "ledger_counts": ledger.record_of().counts.tolist(),
         "global_step": trainer.global_step,
         "syncs_per_step": boundaries.per_step,
     }

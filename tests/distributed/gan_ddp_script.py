@@ -14,7 +14,7 @@ from lightning.pytorch.plugins import MixedPrecision
 
 from lightning_stability import GradientNormMonitor, LossScaleTuner, StepLedger, WarmupConstantCosineLR
 from tests.helpers import exit_worker, quiet_trainer
-from tests.test_several_optimizers import TwoOptimizerGAN
+from tests.ledger.test_several_optimizers import TwoOptimizerGAN
 
 warnings.simplefilter("ignore")
 out_dir = sys.argv[1]
@@ -34,7 +34,7 @@ pl.seed_everything(0)
 trainer.fit(TwoOptimizerGAN(nan_d_at=(3,)))
 ledger = StepLedger.of(trainer)
 result = {
-    "counts": [ledger.track(opt).counts.tolist() for opt in trainer.optimizers],
+    "counts": [ledger.record_of(opt).counts.tolist() for opt in trainer.optimizers],
     "lrs": [opt.param_groups[0]["lr"] for opt in trainer.optimizers],
     "weights": [p.detach().flatten().tolist() for p in trainer.lightning_module.parameters()],
 }

@@ -54,7 +54,7 @@ class Record(pl.Callback):
         self.state_before.append(self._state(trainer))
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, opt: Any) -> None:
-        self.norms.append(StepLedger.of(trainer).record["grad_norm"].item())
+        self.norms.append(StepLedger.of(trainer).values["grad_norm"].item())
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         ledger = StepLedger.of(trainer)
@@ -99,7 +99,7 @@ result = {
     ),
     "other_steps_changed": all(not torch.equal(record.before[s][0], record.after[s][0]) for s in range(6) if s != bad),
     "final_weights": [p.detach().flatten().tolist() for p in trainer.lightning_module.parameters()],
-    "applied": StepLedger.of(trainer).applied_steps.item(),
+    "applied": int(StepLedger.of(trainer).record_of().applied_steps),
     "nonfinite_warnings": sum("Non-finite gradient norm" in str(w.message) for w in caught),
     "replica_warnings": [str(w.message) for w in caught if "disagree across data-parallel replicas" in str(w.message)],
 }

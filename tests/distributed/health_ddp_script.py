@@ -52,7 +52,7 @@ pl.seed_everything(0)
 trainer.fit(Rank1Spikes(lr=0.01))
 result = {
     "outcomes": [int(o) for o in monitor.history.series["outcome"]],
-    "counts": StepLedger.of(trainer).counts.tolist(),
+    "counts": StepLedger.of(trainer).record_of().counts.tolist(),
     "rollbacks": monitor.rollback.rollbacks,
     "final_weights": [p.detach().flatten().tolist() for p in trainer.lightning_module.parameters()],
 }

@@ -91,7 +91,7 @@ def run(tuned: bool, optimizer: str, sharded: bool = False, init_scale: float | 
     return {
         "moved": record.moved,
         "scales": record.scales,
-        "applied": int(StepLedger.of(trainer).applied_steps),
+        "applied": int(StepLedger.of(trainer).record_of().applied_steps),
         "params": [p.detach().double().sum().item() for p in params],
     }
 

@@ -181,7 +181,7 @@ def test_skip_leaves_weights_and_optimizer_state_bit_identical(optimizer: str) -
         trainer.fit(Spiky(optimizer=optimizer))
     assert same(states.before[SPIKE], states.after[SPIKE])
     assert all(not same(states.before[i], states.after[i]) for i in range(16) if i != SPIKE)
-    assert StepLedger.of(trainer).counts.tolist() == [15, 0, 0, 1, 0]
+    assert StepLedger.of(trainer).record_of().counts.tolist() == [15, 0, 0, 1, 0]
 
 
 class SkipLabels(pl.Callback):
@@ -248,7 +248,7 @@ def test_a_non_finite_loss_is_never_applied_whatever_the_response() -> None:
     trainer = quiet_trainer(max_steps=8, callbacks=[monitor("warn"), states])
     trainer.fit(TinyModule(inf_at_step=3))
     assert same(states.before[3], states.after[3])
-    assert StepLedger.of(trainer).counts.tolist()[Outcome.SKIPPED_NONFINITE] == 1
+    assert StepLedger.of(trainer).record_of().counts.tolist()[Outcome.SKIPPED_NONFINITE] == 1
 
 
 def test_update_ratio_matches_a_hand_computation() -> None:
@@ -315,7 +315,11 @@ def test_resume_mid_run_with_spikes_gives_the_straight_runs_outcome(tmp_path: Pa
         assert torch.equal(a, b)
     assert resumed_monitor.history.series["outcome"] == straight.history.series["outcome"]
     assert resumed_monitor.history.series["loss"] == straight.history.series["loss"]
-    assert StepLedger.of(resumed).counts.tolist() == StepLedger.of(trainer).counts.tolist() == [22, 0, 0, 2, 0]
+    assert (
+        StepLedger.of(resumed).record_of().counts.tolist()
+        == StepLedger.of(trainer).record_of().counts.tolist()
+        == [22, 0, 0, 2, 0]
+    )
 
 
 def test_the_interval_loss_mean_continues_across_a_mid_interval_checkpoint(tmp_path: Path) -> None:
@@ -343,7 +347,7 @@ def test_works_beside_gradient_norm_monitor_in_any_order() -> None:
         trainer = quiet_trainer(max_steps=16, callbacks=[mon, gnm] if order == "first" else [gnm, mon])
         with pytest.warns(UserWarning):
             trainer.fit(Spiky())
-        assert StepLedger.of(trainer).counts.tolist() == [15, 0, 0, 1, 0]
+        assert StepLedger.of(trainer).record_of().counts.tolist() == [15, 0, 0, 1, 0]
 
 
 @pytest.mark.parametrize(
@@ -452,7 +456,7 @@ def test_with_the_callbacks_real_projects_combine(tmp_path: Path) -> None:
 
 
 def test_several_optimizers_are_refused_at_fit_start() -> None:
-    from tests.test_several_optimizers import TwoOptimizerGAN
+    from tests.ledger.test_several_optimizers import TwoOptimizerGAN
 
     trainer = quiet_trainer(max_steps=2, callbacks=[TrainingHealthMonitor(report=False)])
     with pytest.raises(StabilityConfigError, match=r"watches one optimizer's updates; this module has 2"):

@@ -55,7 +55,7 @@ def test_a_vote_counts_whatever_the_callback_order(optimizer: str, voter_first: 
     assert snaps.outcomes == [0, 0, int(Outcome.SKIPPED_SPIKE), 0, 0]
     assert all(torch.equal(a, b) for a, b in zip(snaps.before[BAD], snaps.after[BAD], strict=True))
     assert not torch.equal(snaps.before[BAD + 1][0], snaps.after[BAD + 1][0])
-    assert StepLedger.of(trainer).counts.tolist() == [4, 0, 0, 1, 0]
+    assert StepLedger.of(trainer).record_of().counts.tolist() == [4, 0, 0, 1, 0]
 
 
 def test_votes_from_several_callbacks_cost_one_host_read_together() -> None:
@@ -94,10 +94,10 @@ def test_the_template_gives_one_instance_check_and_cadence() -> None:
             super().__init__(log_every_n_steps=2)
             self.logging_steps: list[int] = []
 
-        def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Any, logging: bool) -> None:
-            ledger.log("stability/counter", float(ledger.steps), logging)
-            if logging:
-                self.logging_steps.append(ledger.steps)
+        def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Any) -> None:
+            self.record_metric("stability/counter", float(ledger.record_of().steps))
+            if self.is_logging_step:
+                self.logging_steps.append(ledger.record_of().steps)
 
     counter = Counter()
     trainer = quiet_trainer(max_steps=6, callbacks=[counter])
@@ -129,11 +129,10 @@ class LossProbe(LedgerCallback):
         super().__init__()
         self.losses: list[torch.Tensor] = []
 
-    def on_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        StepLedger.of(trainer).want_update_loss()
+    needs_loss = True
 
-    def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Any, logging: bool) -> None:
-        self.losses.append(ledger.record["loss"].clone())
+    def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Any) -> None:
+        self.losses.append(ledger.values["loss"].clone())
 
 
 class RecordsLosses(TinyModule):
@@ -262,9 +261,9 @@ class _TwoOptimizers(pl.LightningModule):
         return [torch.optim.SGD(self.a.parameters(), 0.1), torch.optim.Adam(self.b.parameters(), 0.1)]
 
 
-class _LogsAtTrainStart(pl.Callback):
+class _LogsAtTrainStart(LedgerCallback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        StepLedger.of(trainer).log("stability/custom", 1.0)
+        self.record_metric("stability/custom", 1.0)
 
 
 def test_metric_names_follow_the_optimizers_of_the_fit_under_way() -> None:
@@ -285,9 +284,9 @@ def test_metric_names_follow_the_optimizers_of_the_fit_under_way() -> None:
 def test_a_pickled_track_keeps_its_counts_consistent() -> None:
     import pickle
 
-    from lightning_stability.ledger.track import Track
+    from lightning_stability.ledger.track import OptimizerRecord
 
-    track = Track(0, "SGD")
+    track = OptimizerRecord(0, "SGD")
     track.place(torch.device("cpu"))
     track.count(Outcome.APPLIED)
     track.count(torch.tensor(int(Outcome.SKIPPED_SPIKE)))

@@ -112,8 +112,8 @@ def test_each_optimizer_has_its_own_norm_clock_schedule_and_keys(tmp_path: Path)
     trainer.fit(TwoOptimizerGAN())
     ledger = StepLedger.of(trainer)
     d, g = trainer.optimizers
-    assert ledger.track(d).steps == ledger.track(g).steps == 8
-    assert ledger.track(d).counts.tolist() == ledger.track(g).counts.tolist() == [8, 0, 0, 0, 0]
+    assert ledger.record_of(d).steps == ledger.record_of(g).steps == 8
+    assert ledger.record_of(d).counts.tolist() == ledger.record_of(g).counts.tolist() == [8, 0, 0, 0, 0]
 
     # each optimizer's run length is its own 8 updates: the LR decays over the whole epoch, never 0 early
     for name, base in (("SGD", 0.1), ("Adam", 0.01)):
@@ -151,8 +151,8 @@ def test_a_skip_belongs_to_the_optimizer_whose_gradient_was_bad() -> None:
         trainer.fit(model)
     ledger = StepLedger.of(trainer)
     d, g = trainer.optimizers
-    assert ledger.track(d).counts.tolist() == [7, 0, 1, 0, 0]
-    assert ledger.track(g).counts.tolist() == [8, 0, 0, 0, 0]
+    assert ledger.record_of(d).counts.tolist() == [7, 0, 1, 0, 0]
+    assert ledger.record_of(g).counts.tolist() == [8, 0, 0, 0, 0]
     # the discriminator's weights did not move on the bad step, and its clock did not advance
     assert all(torch.equal(a, b) for a, b in zip(model.d_before[3], model.d_after[3], strict=True))
     assert probe.lrs["SGD"][4] == probe.lrs["SGD"][3]
@@ -172,7 +172,7 @@ def test_fp16_loss_scaling_with_two_optimizers() -> None:
     trainer.fit(TwoOptimizerGAN())
     ledger = StepLedger.of(trainer)
     d, g = trainer.optimizers
-    assert ledger.track(d).steps == ledger.track(g).steps == 8
+    assert ledger.record_of(d).steps == ledger.record_of(g).steps == 8
     assert {"stability/loss_scale/SGD", "stability/loss_scale/Adam"} <= set(trainer.callback_metrics)
     assert all(torch.isfinite(p).all() for p in trainer.lightning_module.parameters())
 
@@ -228,7 +228,8 @@ def test_resume_mid_epoch_continues_every_optimizer_exactly(tmp_path: Path) -> N
         assert full.lrs[name][5:] == pytest.approx(rest.lrs[name], rel=1e-7), name
     for opt_a, opt_b in zip(straight.optimizers, resumed.optimizers, strict=True):
         assert (
-            StepLedger.of(straight).track(opt_a).counts.tolist() == StepLedger.of(resumed).track(opt_b).counts.tolist()
+            StepLedger.of(straight).record_of(opt_a).counts.tolist()
+            == StepLedger.of(resumed).record_of(opt_b).counts.tolist()
         )
     for a, b in zip(straight.lightning_module.parameters(), resumed.lightning_module.parameters(), strict=True):
         assert torch.equal(a, b)
