@@ -92,11 +92,6 @@ def accumulation_override(trainer: pl.Trainer) -> Callable[[], bool] | None:
     return decide
 
 
-def can_override_accumulation_decision(trainer: pl.Trainer) -> bool:
-    """Whether the epoch loop has the ``_accumulated_batches_reached`` method that the override replaces."""
-    return callable(getattr(trainer.fit_loop.epoch_loop, "_accumulated_batches_reached", None))
-
-
 def callback_state_key(callback: pl.Callback, **kwargs: Any) -> str:
     """A callback's checkpoint key built the way Lightning builds them: class name plus ``kwargs``."""
     key: str = callback._generate_state_key(**kwargs)
@@ -181,11 +176,6 @@ def foreach_norm(tensors: list[Tensor], ord: float = 2.0, dtype: torch.dtype | N
 def foreach_sub_(tensors: list[Tensor], others: list[Tensor]) -> None:
     """``tensors[i] -= others[i]`` for all i in one fused call (``torch._foreach_sub_``)."""
     torch._foreach_sub_(tensors, others)
-
-
-def foreach_add_(tensors: list[Tensor], others: list[Tensor]) -> None:
-    """``tensors[i] += others[i]`` for all i in one fused call (``torch._foreach_add_``)."""
-    torch._foreach_add_(tensors, others)
 
 
 def amp_update_scale_(

@@ -15,6 +15,22 @@ def config_error(argument: str, value: object, problem: str, fix: str) -> Stabil
     return StabilityConfigError(f"`{argument}={value!r}` {problem}. Fix: {fix}")
 
 
+FAIRSCALE_FIX = (
+    'install the extra: pip install "lightning-stability[fairscale]" (FairScale 0.4.13 ships as a source '
+    "package; `pip install --no-build-isolation fairscale==0.4.13` keeps the torch you already have)"
+)
+
+
+def require_fairscale(argument: str, value: object, alternative: str) -> None:
+    """Raise a :class:`StabilityConfigError` naming ``argument=value`` when FairScale is not installed."""
+    try:
+        import fairscale  # noqa: F401
+    except ImportError as err:
+        raise config_error(
+            argument, value, "needs FairScale, which is not installed", f"{FAIRSCALE_FIX}, or {alternative}"
+        ) from err
+
+
 def check_positive_int(argument: str, value: object, example: str) -> None:
     """Raise a :class:`StabilityConfigError` unless ``value`` is an int >= 1 (``bool`` is not accepted)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -26,8 +26,14 @@ except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
 
-def _is_dtensor(t: Tensor) -> bool:
+def is_dtensor(t: Tensor) -> bool:
+    """Whether ``t`` is a sharded (or replicated) ``DTensor``."""
     return DTensor is not None and isinstance(t, DTensor)
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """This rank's part of ``t``: a ``DTensor``'s local shard, any other tensor itself."""
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
 def _foreach_norm_fp32(tensors: list[Tensor], norm_type: float) -> tuple[Tensor, ...]:
@@ -49,7 +55,7 @@ def is_uniform(tensors: Sequence[Tensor]) -> bool:
         return False
     first = tensors[0]
     device, dtype = first.device, first.dtype
-    return all(not _is_dtensor(t) and t.numel() > 0 and t.dtype is dtype and t.device == device for t in tensors)
+    return all(not is_dtensor(t) and t.numel() > 0 and t.dtype is dtype and t.device == device for t in tensors)
 
 
 def _local_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor:
@@ -96,21 +102,21 @@ def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0, uniform:
         return torch.stack(_foreach_norm_fp32(list(tensors), norm_type))
     if not tensors:
         return torch.zeros(0, dtype=torch.float32)
-    plain_idx = [i for i, t in enumerate(tensors) if not _is_dtensor(t)]
+    plain_idx = [i for i, t in enumerate(tensors) if not is_dtensor(t)]
     if len(plain_idx) == len(tensors):
         return _local_norms(tensors, norm_type)
     sharded: dict[tuple[object, tuple[object, ...]], list[int]] = defaultdict(list)
     for i, t in enumerate(tensors):
-        if _is_dtensor(t):
+        if is_dtensor(t):
             sharded[(t.device_mesh, tuple(t.placements))].append(i)  # type: ignore[attr-defined]
     first = tensors[0]
-    device = first.to_local().device if _is_dtensor(first) else first.device  # type: ignore[attr-defined]
+    device = local_tensor(first).device
     ordered: list[Tensor] = [first] * len(tensors)  # placeholders, all overwritten below
     groups: list[tuple[list[int], Tensor]] = []
     if plain_idx:
         groups.append((plain_idx, _local_norms([tensors[i] for i in plain_idx], norm_type)))
     for (mesh, placements), idx in sharded.items():
-        local = _local_norms([tensors[i].to_local() for i in idx], norm_type)  # type: ignore[attr-defined]
+        local = _local_norms([local_tensor(tensors[i]) for i in idx], norm_type)
         groups.append((idx, _reduce_sharded(local, norm_type, mesh, placements)))
     for idx, norms in groups:
         for i, norm in zip(idx, norms.to(device, non_blocking=True).unbind(), strict=True):
@@ -155,7 +161,7 @@ def scale_(tensors: Sequence[Tensor], coef: Tensor, uniform: bool = False) -> No
         return
     buckets: dict[torch.device, list[Tensor]] = defaultdict(list)
     for t in tensors:
-        local = t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined]
+        local = local_tensor(t)
         buckets[local.device].append(local)
     for device, group in buckets.items():
         _compat.foreach_mul_(group, coef.to(device, non_blocking=True))

@@ -17,23 +17,7 @@ from typing import Any, cast
 
 from torch.optim import Optimizer
 
-from lightning_stability.errors import config_error
-
-__all__ = ["AdaScaleGain", "require_fairscale", "strip_from_checkpoint"]
-
-_FAIRSCALE_FIX = (
-    'install the extra: pip install "lightning-stability[fairscale]" (FairScale 0.4.13 ships as a source '
-    "package; `pip install --no-build-isolation fairscale==0.4.13` keeps the torch you already have), "
-    "or pick lr_scaling='linear', 'sqrt' or 'none'"
-)
-
-
-def require_fairscale(lr_scaling: str) -> None:
-    """Raise a ``StabilityConfigError`` naming the extra when FairScale is not installed."""
-    try:
-        import fairscale.optim  # noqa: F401
-    except ImportError as err:
-        raise config_error("lr_scaling", lr_scaling, "needs FairScale, which is not installed", _FAIRSCALE_FIX) from err
+__all__ = ["AdaScaleGain", "strip_from_checkpoint"]
 
 
 def _store(optimizer: Optimizer) -> dict[Any, Any]:

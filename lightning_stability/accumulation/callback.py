@@ -31,7 +31,7 @@ from lightning_stability import _compat
 from lightning_stability.accumulation import adascale
 from lightning_stability.accumulation.batchnorm import BATCHNORM_MODES, handle_batchnorm
 from lightning_stability.accumulation.schedule import LR_SCALINGS, AccumulationSchedule, lr_scale
-from lightning_stability.errors import StabilityConfigError, config_error
+from lightning_stability.errors import StabilityConfigError, config_error, require_fairscale
 from lightning_stability.ledger.callback import LedgerCallback
 from lightning_stability.ledger.step_ledger import StepLedger
 
@@ -123,7 +123,7 @@ class GradientAccumulation(LedgerCallback):
         if lr_scaling not in LR_SCALINGS:
             raise config_error("lr_scaling", lr_scaling, f"is not one of {LR_SCALINGS}", "pass e.g. 'sqrt' for AdamW")
         if lr_scaling == "adascale":
-            adascale.require_fairscale(lr_scaling)
+            require_fairscale("lr_scaling", lr_scaling, "pick lr_scaling='linear', 'sqrt' or 'none'")
         if batchnorm not in BATCHNORM_MODES:
             raise config_error(
                 "batchnorm", batchnorm, f"is not one of {BATCHNORM_MODES}", "pass 'warn' or 'group_norm'"

@@ -27,7 +27,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_stability import _compat
@@ -244,6 +244,14 @@ class TrainingStatus:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def lines(self) -> str:
+        """The two lines :func:`check_training_status` prints."""
+        return (
+            f"Grad norms: mean={self.grad_norm_mean:.4g} max={self.grad_norm_max:.4g} ({self.grad_norm_max_name}), "
+            f"total {self.grad_norm_total:.4g}, non-finite {self.nonfinite_grads}/{self.num_grads}\n"
+            f"Param norms: mean={self.param_norm_mean:.4g} max={self.param_norm_max:.4g} ({self.param_norm_max_name})"
+        )
+
     def __str__(self) -> str:
         return (
             f"grad norm: mean {self.grad_norm_mean:.4g}, max {self.grad_norm_max:.4g} "
@@ -262,8 +270,8 @@ def _stats(norms: Tensor) -> list[Tensor]:
     return [norms.mean(), norms.max(), torch.argmax(norms).to(torch.float32)]
 
 
-def check_training_status(model: nn.Module) -> TrainingStatus:
-    """Mean and max of the gradient norms and of the parameter norms of ``model``.
+def check_training_status(model: nn.Module, verbose: bool = True) -> TrainingStatus:
+    """Mean and max of the gradient norms and of the parameter norms of ``model``, printed as two lines.
 
     Call it after ``backward()`` (e.g. in ``on_before_optimizer_step``, where fp16 gradients are
     already unscaled) or at any time for parameter norms. Every value is computed on the device and
@@ -272,6 +280,7 @@ def check_training_status(model: nn.Module) -> TrainingStatus:
 
     Args:
         model: any module.
+        verbose: print the two lines (on global rank 0 only); ``False`` only returns the status.
 
     Returns:
         A :class:`TrainingStatus` (printable; ``.as_dict()`` for loggers).
@@ -279,8 +288,9 @@ def check_training_status(model: nn.Module) -> TrainingStatus:
     Example::
 
         loss.backward()
-        print(check_training_status(model))
-        # grad norm: mean 0.031, max 0.12 (net.0.weight), total 0.19, non-finite 0/6 | param norm: ...
+        check_training_status(model)
+        # Grad norms: mean=0.031 max=0.12 (net.0.weight), total 0.19, non-finite 0/6
+        # Param norms: mean=0.81 max=2.3 (net.0.weight)
     """
     named = [(n, p) for n, p in model.named_parameters()]
     if not named:
@@ -301,7 +311,7 @@ def check_training_status(model: nn.Module) -> TrainingStatus:
     # HOST SYNC: the one transfer of this function.
     host = torch.stack([v.to(torch.float64) for v in values]).to("cpu", copy=True).tolist()
     g_mean, g_max, g_arg, g_total, nonfinite, p_mean, p_max, p_arg = host
-    return TrainingStatus(
+    status = TrainingStatus(
         num_params=len(named),
         num_grads=len(with_grad),
         grad_norm_mean=g_mean,
@@ -313,3 +323,6 @@ def check_training_status(model: nn.Module) -> TrainingStatus:
         param_norm_max=p_max,
         param_norm_max_name=named[int(p_arg)][0],
     )
+    if verbose and getattr(rank_zero_only, "rank", 0) == 0:  # the rank Lightning set, 0 outside a run
+        print(status.lines())
+    return status

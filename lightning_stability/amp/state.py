@@ -47,6 +47,7 @@ from lightning_stability.amp.rule import (
     update_scale_,
     update_scale_host,
 )
+from lightning_stability.norms import local_tensor
 
 
 def overflow_read_on_host(
@@ -301,8 +302,7 @@ def _local_grads(optimizer: Optimizer) -> list[Tensor]:
             g = p.grad
             if g is None:
                 continue
-            if hasattr(g, "to_local"):  # a DTensor shard: this rank's part, reduced across ranks later
-                g = g.to_local()
+            g = local_tensor(g)  # a DTensor's shard: this rank's part, reduced across ranks later
             g = _compat.sparse_values(g) if g.is_sparse else g
             if g.numel():  # a rank's shard of a small tensor may be empty
                 grads.append(g)

@@ -23,7 +23,7 @@ from lightning_stability.health.rollback import Rollback, Snapshot
 from lightning_stability.health.signals import UpdateSize, capacity, mean_over_ranks, peak_memory_over_ranks
 from lightning_stability.health.spike_stats import NEW_LEVEL_AFTER, IntervalMean, SpikeStats, zclip_threshold
 from lightning_stability.ledger import FlushValues, LedgerCallback, OptimizerRecord, Outcome, StepLedger, loss_scaler
-from lightning_stability.norms import module_groups
+from lightning_stability.norms import local_tensor, module_groups
 
 Response = Literal["warn", "clip", "skip", "rollback"]
 _LOSS, _GRAD = 0, 1
@@ -263,7 +263,7 @@ class TrainingHealthMonitor(LedgerCallback):
         key = tuple(id(p) for p in params)
         if self._module_index is None or self._module_index[0] != key:
             index = [self._module_of.get(id(p), 0) for p in params]
-            device = params[0].to_local().device if hasattr(params[0], "to_local") else params[0].device
+            device = local_tensor(params[0]).device
             self._module_index = (key, torch.tensor(index, dtype=torch.int64, device=device))
         return self._module_index[1]
 

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_stability.health.spike_stats import NEW_LEVEL_AFTER
+from lightning_stability.norms import local_tensor
 
 
 class TrainingDivergedError(RuntimeError):
@@ -90,12 +91,8 @@ class Rollback:
         self.skip_left = int(state.get("skip_left", 0))
 
 
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _copy(t: Tensor) -> Tensor:
-    return _local(t).detach().to("cpu", copy=True)
+    return local_tensor(t).detach().to("cpu", copy=True)
 
 
 class Snapshot:
@@ -133,7 +130,7 @@ class Snapshot:
         """Write the copy back into ``module`` and ``optimizers`` in place."""
         with torch.no_grad():
             for target, saved in zip(_weights(module), self._tensors, strict=True):
-                _local(target).copy_(saved, non_blocking=False)
+                local_tensor(target).copy_(saved, non_blocking=False)
             for opt, states in zip(optimizers, self._optim, strict=True):
                 for index, p in enumerate(_params(opt)):
                     saved_state = states.get(index)
@@ -147,9 +144,11 @@ class Snapshot:
                     for key, value in saved_state.items():
                         current = state.get(key)
                         if isinstance(value, Tensor) and isinstance(current, Tensor):
-                            _local(current).copy_(value)
+                            local_tensor(current).copy_(value)
                         else:
-                            state[key] = value.to(_local(p).device, copy=True) if isinstance(value, Tensor) else value
+                            state[key] = (
+                                value.to(local_tensor(p).device, copy=True) if isinstance(value, Tensor) else value
+                            )
 
 
 def _weights(module: nn.Module) -> list[Tensor]:

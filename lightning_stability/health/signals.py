@@ -20,11 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_stability import _compat
-from lightning_stability.norms import DTensor, _is_dtensor, combine_norms, group_norms, per_tensor_norms
-
-
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined]
+from lightning_stability.norms import DTensor, combine_norms, group_norms, is_dtensor, local_tensor, per_tensor_norms
 
 
 class UpdateSize:
@@ -40,15 +36,15 @@ class UpdateSize:
         self.params, self.module_index, self.n_modules = params, module_index, n_modules
         with torch.no_grad():
             self.weight_norms = per_tensor_norms([p.detach() for p in params])
-            self._before = [_local(p).detach().clone() for p in params]  # the one transient copy
+            self._before = [local_tensor(p).detach().clone() for p in params]  # the one transient copy
 
     def finish(self) -> tuple[Tensor, Tensor]:
         """``(total, per_module)`` update-to-weight ratios (device tensors); frees the copy."""
         with torch.no_grad():
-            after = [_local(p).detach() for p in self.params]
+            after = [local_tensor(p).detach() for p in self.params]
             _compat.foreach_sub_(self._before, after)  # before - after: the update, negated, in place
             deltas = [
-                DTensor.from_local(d, p.device_mesh, p.placements, run_check=False) if _is_dtensor(p) else d  # type: ignore[attr-defined]
+                DTensor.from_local(d, p.device_mesh, p.placements, run_check=False) if is_dtensor(p) else d  # type: ignore[attr-defined]
                 for d, p in zip(self._before, self.params, strict=True)
             ]
             update_norms = per_tensor_norms(deltas)

@@ -9,6 +9,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_stability.norms import local_tensor
+
 
 class Outcome(IntEnum):
     """What happened to one optimizer step. Lower values win when several reasons apply."""
@@ -24,8 +26,7 @@ def device_of(optimizer: Optimizer) -> torch.device:
     """The device of the optimizer's first parameter (its local shard's, for a sharded one)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            local = p.to_local() if hasattr(p, "to_local") else p
-            return local.device
+            return local_tensor(p).device
     return torch.device("cpu")
 
 

@@ -166,23 +166,19 @@ def cosine(step: int, total_steps: int, warmup: float = 0.0, min_lr_ratio: float
         warmup: warmup length (fraction or step count).
         min_lr_ratio: the floor, as a fraction of the base LR.
     """
-    _check_floor(min_lr_ratio)
-    w, _, d = _phases(total_steps, warmup, None)
-    return _warmup(step, w) if step < w else _decay(step, w, d, "cosine", min_lr_ratio)
+    return _warmup_then_decay(step, total_steps, warmup, min_lr_ratio, "cosine")
 
 
 def linear(step: int, total_steps: int, warmup: float = 0.0, min_lr_ratio: float = 0.0) -> float:
-    """Linear warmup, then linear decay from the peak to ``min_lr_ratio`` over the rest of the run.
+    """Linear warmup, then linear decay from the peak to ``min_lr_ratio`` over the rest of the run (arguments as
+    :func:`cosine`)."""
+    return _warmup_then_decay(step, total_steps, warmup, min_lr_ratio, "linear")
 
-    Args:
-        step: applied updates so far.
-        total_steps: number of updates in the run.
-        warmup: warmup length (fraction or step count).
-        min_lr_ratio: the floor, as a fraction of the base LR.
-    """
+
+def _warmup_then_decay(step: int, total_steps: int, warmup: float, min_lr_ratio: float, shape: str) -> float:
     _check_floor(min_lr_ratio)
     w, _, d = _phases(total_steps, warmup, None)
-    return _warmup(step, w) if step < w else _decay(step, w, d, "linear", min_lr_ratio)
+    return _warmup(step, w) if step < w else _decay(step, w, d, shape, min_lr_ratio)
 
 
 def _check_step_args(gamma: float, every: float | None, milestones: Sequence[float], min_lr_ratio: float) -> None:

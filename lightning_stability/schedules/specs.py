@@ -71,8 +71,8 @@ class WarmupConstantCosineSchedule(Schedule):
 
 
 @dataclass(frozen=True)
-class CosineSchedule(Schedule):
-    """Warmup, then cosine decay to the floor. See :func:`cosine`.
+class _WarmupDecaySchedule(Schedule):
+    """Warmup, then a decay of :attr:`shape` down to the floor.
 
     Attributes:
         warmup: warmup length (fraction of the run or step count).
@@ -86,28 +86,26 @@ class CosineSchedule(Schedule):
         _check_lengths({"warmup": self.warmup})
         _check_floor(self.min_lr_ratio)
 
+    @staticmethod
+    def shape(step: int, total_steps: int, warmup: float, min_lr_ratio: float) -> float:
+        raise NotImplementedError
+
     def __call__(self, step: int, total_steps: int | None) -> float:
-        return cosine(step, _require_total(total_steps), self.warmup, self.min_lr_ratio)
+        return self.shape(step, _require_total(total_steps), self.warmup, self.min_lr_ratio)
 
 
 @dataclass(frozen=True)
-class LinearSchedule(Schedule):
-    """Warmup, then linear decay to the floor. See :func:`linear`.
+class CosineSchedule(_WarmupDecaySchedule):
+    """Warmup, then cosine decay to the floor (``warmup``, ``min_lr_ratio``). See :func:`cosine`."""
 
-    Attributes:
-        warmup: warmup length (fraction of the run or step count).
-        min_lr_ratio: the floor of the decay.
-    """
+    shape = staticmethod(cosine)
 
-    warmup: float = 0.0
-    min_lr_ratio: float = 0.0
 
-    def __post_init__(self) -> None:
-        _check_lengths({"warmup": self.warmup})
-        _check_floor(self.min_lr_ratio)
+@dataclass(frozen=True)
+class LinearSchedule(_WarmupDecaySchedule):
+    """Warmup, then linear decay to the floor (``warmup``, ``min_lr_ratio``). See :func:`linear`."""
 
-    def __call__(self, step: int, total_steps: int | None) -> float:
-        return linear(step, _require_total(total_steps), self.warmup, self.min_lr_ratio)
+    shape = staticmethod(linear)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_stability.errors import StabilityConfigError, config_error
+from lightning_stability.errors import StabilityConfigError, config_error, require_fairscale
 from lightning_stability.strategies import fsdp_fairscale as fs
 from lightning_stability.strategies import fsdp_wrap as wrap
 from lightning_stability.strategies.fsdp_precision import PRECISIONS, StableFSDPPrecision
@@ -240,7 +240,7 @@ def check_device(cfg: FSDPConfig, device: torch.device) -> None:
                 f"{device.type!r}. Fix: use the native backend, StableFSDPStrategy(backend='native') (PyTorch FSDP2), "
                 "which runs on CPU with gloo and on GPUs with NCCL."
             )
-        fs.require_fairscale()
+        require_fairscale("backend", "fairscale", "use the default backend='native' (PyTorch FSDP2)")
     if cfg.cpu_offload and device.type == "cpu":
         raise config_error(
             "cpu_offload",

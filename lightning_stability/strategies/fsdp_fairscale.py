@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_stability.errors import StabilityConfigError
+from lightning_stability.errors import StabilityConfigError, require_fairscale
 from lightning_stability.strategies.fsdp_wrap import ShardedRoot, WrapPlan
 
 #: every keyword of ``fairscale.nn.FullyShardedDataParallel`` (FairScale 0.4.13)
@@ -56,15 +56,11 @@ NATIVE_EQUIVALENT = {
 }
 
 
-def require_fairscale() -> Any:
-    """Import FairScale's FSDP class, or explain how to install it."""
-    try:
-        from fairscale.nn.data_parallel import FullyShardedDataParallel
-    except ImportError as err:
-        raise StabilityConfigError(
-            "`backend='fairscale'` needs FairScale, which is not installed. Fix: "
-            "`pip install 'lightning-stability[fairscale]'`, or use the default `backend='native'` (PyTorch FSDP2)."
-        ) from err
+def fairscale_fsdp_class() -> Any:
+    """FairScale's FSDP class, or a clear error naming the extra when FairScale is not installed."""
+    require_fairscale("backend", "fairscale", "use the default backend='native' (PyTorch FSDP2)")
+    from fairscale.nn.data_parallel import FullyShardedDataParallel
+
     return FullyShardedDataParallel
 
 
@@ -102,7 +98,7 @@ def _replace(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
 
 def wrap_fairscale(module: nn.Module, plan: WrapPlan, kwargs: dict[str, Any]) -> nn.Module:
     """Wrap blocks, then top-level units, then a root around ``module`` in FairScale FSDP (not in place)."""
-    fsdp_cls = require_fairscale()
+    fsdp_cls = fairscale_fsdp_class()
     from fairscale.nn.checkpoint import checkpoint_wrapper
 
     checkpointed = {id(m) for m in plan.checkpointed}

@@ -279,13 +279,6 @@ def is_fsdp_module(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def unsharded_params(module: nn.Module) -> list[str]:
-    """Names of parameters that are not ``DTensor`` s (left unsharded)."""
-    from torch.distributed.tensor import DTensor
-
-    return [n for n, p in module.named_parameters() if not isinstance(p, DTensor)]
-
-
 def check_wraps_something(policy: WrapPolicy, blocks: list[nn.Module], model: nn.Module) -> None:
     """A user policy that selects no module is a configuration error (the default may select none)."""
     if policy is not None and not blocks:

@@ -222,3 +222,15 @@ def test_check_training_status_names_a_nan_gradient_and_handles_no_gradients() -
 def test_check_training_status_rejects_a_model_without_parameters() -> None:
     with pytest.raises(StabilityConfigError, match=r"`model='ReLU'` has no parameters"):
         check_training_status(nn.ReLU())
+
+
+def test_check_training_status_called_as_a_statement_prints_its_two_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
+    model(torch.ones(4, 2)).sum().backward()
+    status = check_training_status(model)
+    out = capsys.readouterr().out.splitlines()
+    assert out == status.lines().splitlines()
+    assert out[0].startswith(f"Grad norms: mean={status.grad_norm_mean:.4g} max={status.grad_norm_max:.4g} (")
+    assert out[1].startswith(f"Param norms: mean={status.param_norm_mean:.4g} max={status.param_norm_max:.4g} (")
+    check_training_status(model, verbose=False)
+    assert capsys.readouterr().out == ""
