@@ -1,6 +1,8 @@
-"""The one exception type for bad configuration."""
+"""The one exception type for bad configuration, its message layout, and the argument checks every feature uses."""
 
 from __future__ import annotations
+
+import math
 
 
 class StabilityConfigError(ValueError):
@@ -31,7 +33,24 @@ def require_fairscale(argument: str, value: object, alternative: str) -> None:
         ) from err
 
 
-def check_positive_int(argument: str, value: object, example: str) -> None:
-    """Raise a :class:`StabilityConfigError` unless ``value`` is an int >= 1 (``bool`` is not accepted)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise config_error(argument, value, "must be an int >= 1", f"pass e.g. {example}")
+def check_int(argument: str, value: object, minimum: int = 1, example: str | None = None) -> int:
+    """``value`` if it is an int >= ``minimum`` (``bool`` is not accepted), else a config error naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        fix = f"pass e.g. {example if example is not None else f'{argument}={max(minimum, 1)}'}"
+        raise config_error(argument, value, f"must be an int >= {minimum}", fix)
+    return value
+
+
+def check_number(argument: str, value: object, low: float = 0.0, high: float = math.inf, example: str = "1") -> float:
+    """``value`` as a float if it is a finite number in ``(low, high)`` (``low`` excluded), else a config error."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low < value < high and value < math.inf):
+        bounds = f"> {low}" if high == math.inf else f"in ({low}, {high})"
+        raise config_error(argument, value, f"must be a finite number {bounds}", f"pass e.g. {argument}={example}")
+    return float(value)
+
+
+def check_bool(argument: str, value: object) -> bool:
+    """``value`` if it is a bool, else a config error naming it."""
+    if not isinstance(value, bool):
+        raise config_error(argument, value, "must be a bool", "pass True or False")
+    return value

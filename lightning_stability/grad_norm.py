@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_stability.errors import StabilityConfigError, config_error
+from lightning_stability.errors import StabilityConfigError, check_bool, check_int, config_error
 from lightning_stability.ledger import (
     FlushValues,
     LedgerCallback,
@@ -139,11 +139,9 @@ class GradientNormMonitor(LedgerCallback):
                 )
         if not isinstance(per_layer, (bool, int)) or (not isinstance(per_layer, bool) and per_layer < 1):
             raise config_error("per_layer", per_layer, "is not False, True or a positive int", "pass True or e.g. 5")
-        for name, flag in (("skip_nonfinite", skip_nonfinite), ("check_replicas", check_replicas)):
-            if not isinstance(flag, bool):
-                raise config_error(name, flag, "must be a bool", "pass True or False")
-        if isinstance(warn_top_k, bool) or not isinstance(warn_top_k, int) or warn_top_k < 0:
-            raise config_error("warn_top_k", warn_top_k, "must be an int >= 0", "pass e.g. 3")
+        check_bool("skip_nonfinite", skip_nonfinite)
+        check_bool("check_replicas", check_replicas)
+        check_int("warn_top_k", warn_top_k, 0, "3")
         self.max_norm = None if max_norm is None else float(max_norm)
         self.norm_type = _parse_norm_type(norm_type)
         self.per_layer = per_layer

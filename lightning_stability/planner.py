@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from lightning_stability.errors import config_error
+from lightning_stability.errors import check_int, check_number, config_error
 
 if TYPE_CHECKING:
     from torch import nn
@@ -337,21 +337,6 @@ def parse_memory(argument: str, value: object) -> int:
     if not math.isfinite(number) or number < 0:
         raise config_error(argument, value, "must be a finite size >= 0", fix)
     return int(number)
-
-
-def check_int(argument: str, value: object, minimum: int = 1) -> int:
-    """``value`` if it is an int >= ``minimum`` (``bool`` is not accepted), else a config error naming it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise config_error(argument, value, f"must be an int >= {minimum}", f"pass e.g. {argument}={max(minimum, 1)}")
-    return value
-
-
-def check_number(argument: str, value: object, low: float = 0.0, high: float = math.inf, example: str = "1") -> float:
-    """``value`` as a float if it is a finite number in ``(low, high)`` (``low`` excluded), else a config error."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low < value < high and value < math.inf):
-        bounds = f"> {low}" if high == math.inf else f"in ({low}, {high})"
-        raise config_error(argument, value, f"must be a finite number {bounds}", f"pass e.g. {argument}={example}")
-    return float(value)
 
 
 @dataclass(frozen=True)

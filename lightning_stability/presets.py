@@ -13,7 +13,7 @@ import difflib
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
-from lightning_stability.errors import StabilityConfigError, config_error
+from lightning_stability.errors import StabilityConfigError, check_int, config_error
 
 Precision = Literal["16-mixed", "bf16-mixed", "32-true"]
 Response = Literal["warn", "clip", "skip", "rollback"]
@@ -65,8 +65,7 @@ class Preset:
             )
         for key in ("accumulation", "num_nodes"):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise config_error(key, value, "must be an int >= 1", "pass e.g. 1 or 32")
+            check_int(key, value, 1, "1 or 32")
         for key in ("fsdp", "activation_checkpointing"):
             if not isinstance(getattr(self, key), bool):
                 raise config_error(key, getattr(self, key), "must be True or False", "pass a bool")

@@ -19,7 +19,7 @@ from lightning_stability import _compat
 from lightning_stability.amp.diagnostics import PrecisionDiagnostics, check_loss, run_fit_start_checks
 from lightning_stability.amp.rule import ScaleRule
 from lightning_stability.amp.scaler import TunedGradScaler, check_scaler_arguments
-from lightning_stability.errors import config_error
+from lightning_stability.errors import check_bool, config_error
 from lightning_stability.ledger import FlushValues, OptimizerRecord, StepLedger
 from lightning_stability.ledger.callback import LedgerCallback
 from lightning_stability.ledger.skips import unscale_if_deferred
@@ -156,8 +156,7 @@ class LossScaleTuner(LedgerCallback):
             or not 0 < max_overflow_rate <= 1
         ):
             raise config_error("max_overflow_rate", max_overflow_rate, "must be a number in (0, 1]", "pass e.g. 0.05")
-        if not isinstance(fit_start_checks, bool):
-            raise config_error("fit_start_checks", fit_start_checks, "must be a bool", "pass True or False")
+        check_bool("fit_start_checks", fit_start_checks)
         self.on_min_scale = on_min_scale
         self.max_overflow_rate = float(max_overflow_rate)
         self.fit_start_checks = fit_start_checks

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from lightning_stability import _compat
-from lightning_stability.errors import config_error
+from lightning_stability.errors import check_int, config_error
 
 FP16_MAX = 65504.0
 """The largest finite float16 value (IEEE 754 half precision: the fp16 range is ±65504)."""
@@ -83,9 +83,8 @@ class ScaleRule:
             raise config_error("backoff_factor", self.backoff_factor, "must be a number in (0, 1)", "pass e.g. 0.5")
         for name in ("growth_interval", "hysteresis"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                example = "2000 (torch) or 1000 (Megatron-LM, DeepSpeed)" if name == "growth_interval" else "2"
-                raise config_error(name, value, "must be an int >= 1", f"pass e.g. {example}")
+            example = "2000 (torch) or 1000 (Megatron-LM, DeepSpeed)" if name == "growth_interval" else "2"
+            check_int(name, value, 1, example)
         if self.min_scale is not None and (
             not _is_number(self.min_scale) or not math.isfinite(self.min_scale) or self.min_scale <= 0
         ):

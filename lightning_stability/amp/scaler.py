@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from lightning_stability import _compat
 from lightning_stability.amp.rule import HostScaleState, ScaleRule
 from lightning_stability.amp.state import OverflowCounts, RuleState, ScaleProbe, overflow_read_on_host
-from lightning_stability.errors import check_positive_int, config_error
+from lightning_stability.errors import check_int, config_error
 from lightning_stability.ledger.skips import has_votes_in_flags, restore_overflow_flags
 
 if TYPE_CHECKING:
@@ -414,5 +414,5 @@ def check_scaler_arguments(
     """Every argument check of :class:`TunedGradScaler`, also run by ``LossScaleTuner`` at construction."""
     ScaleRule(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, consecutive_hysteresis)
     _check_init_scale(init_scale, min_scale)
-    check_positive_int("overflow_window", overflow_window, "1000")
+    check_int("overflow_window", overflow_window, 1, "1000")
     _check_headroom(auto_headroom)

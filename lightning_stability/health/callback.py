@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_stability.errors import StabilityConfigError, check_positive_int, config_error
+from lightning_stability.errors import StabilityConfigError, check_int, config_error
 from lightning_stability.grad_norm import GradientNormMonitor
 from lightning_stability.health.history import HealthHistory, HealthReporter
 from lightning_stability.health.rollback import Rollback, Snapshot
@@ -374,7 +374,7 @@ def check_health_arguments(
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
         raise config_error("alpha", alpha, "must be in (0, 1)", "pass e.g. 0.97 (ZClip's default)")
     for name, value in (("warmup_steps", warmup_steps), ("snapshot_every", snapshot_every)):
-        check_positive_int(name, value, "25 or 100")
+        check_int(name, value, 1, "25 or 100")
     if warmup_steps < 2:
         # one value has no spread: every later value would score as a spike, and "skip" would skip them all
         raise config_error(
@@ -385,7 +385,6 @@ def check_health_arguments(
         ("max_rollbacks", max_rollbacks),
         ("top_modules", top_modules),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise config_error(name, value, "must be an int >= 0", "pass e.g. 200, 3 or 5")
+        check_int(name, value, 0, "200, 3 or 5")
     if not 0 < memory_warn_fraction <= 1:
         raise config_error("memory_warn_fraction", memory_warn_fraction, "must be in (0, 1]", "pass e.g. 0.9")

@@ -10,7 +10,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stability import _compat
-from lightning_stability.errors import StabilityConfigError, check_positive_int
+from lightning_stability.errors import StabilityConfigError, check_int
 from lightning_stability.ledger.gradients import forget_layouts
 from lightning_stability.ledger.metrics import FlushValues
 from lightning_stability.ledger.step_ledger import StepLedger
@@ -62,7 +62,7 @@ class LedgerCallback(Callback):
 
     def __init__(self, log_every_n_steps: int | None = None) -> None:
         if log_every_n_steps is not None:
-            check_positive_int("log_every_n_steps", log_every_n_steps, "50, or None for the Trainer's")
+            check_int("log_every_n_steps", log_every_n_steps, 1, "50, or None for the Trainer's")
         self.log_every_n_steps = log_every_n_steps
         self._every_n = log_every_n_steps or 50
         self._state_key: str | None = None
