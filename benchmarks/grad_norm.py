@@ -3,7 +3,7 @@
 On the gradients of a 12-layer transformer, times:
 
 * ``ours``      -- ``lightning_stability.norms.total_norm`` (fused per-tensor norms, one reduction);
-* ``seed``      -- the seed's loop: ``p.grad.norm(2).item() ** 2`` per parameter (one host sync each);
+* ``seed``      -- the source article's loop: ``p.grad.norm(2).item() ** 2`` per parameter (one host sync each);
 * ``lightning`` -- Lightning's ``lightning.pytorch.utilities.grad_norm`` utility;
 * ``floor``     -- one copy of every gradient byte: the memory-bandwidth floor, taken as the faster of
   ``torch._foreach_copy_`` and a per-tensor ``copy_`` loop (on some CPUs the loop is faster).

@@ -1,6 +1,6 @@
 """The LR sweep of ``benchmarks.stability``: convergence at each arm's fastest reliable learning rate.
 
-The seed's "convergence 3x faster" is a claim about what stability buys: a run that does not break can be
+The source article's "convergence 3x faster" is a claim about what stability buys: a run that does not break can be
 driven harder. Comparing the two arms at one learning rate cannot show it (where the bare Trainer trains, the
 preset's warmup costs it a few steps; where it does not, there is nothing to compare), so the Post-LN task is
 also trained at several learning rates, both arms on the same seeds, data and initial weights. For each arm the

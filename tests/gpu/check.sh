@@ -12,5 +12,5 @@ pip install --quiet -e ".[test,fairscale]" 2>&1 | tail -1
 python -m pytest -q tests/gpu tests/test_diagnostics.py -rs 2>&1 | tee "$out/pytest_gpu.txt" | tail -5
 # 2. the whole suite on a machine with CUDA (GPU-aware paths switch on where tests pick the device)
 python -m pytest -q -x tests 2>&1 | tee "$out/pytest_all.txt" | tail -3
-# 3. the norm benchmark on the GPU, where the seed's per-tensor .item() loop pays a device sync each
+# 3. the norm benchmark on the GPU, where a per-tensor .item() loop pays a device sync each
 python -m benchmarks.grad_norm --device cuda --d-model 1024 2>&1 | tee "$out/bench_grad_norm_cuda.txt" | tail -8

@@ -46,7 +46,7 @@ HALF_COS_095 = 0.5 * (1 + math.cos(math.pi * 0.95))
     ],
 )
 def test_warmup_constant_cosine_defaults(step: int, expected: float) -> None:
-    # total 100: warmup 5 (5%), constant 75, cosine over the last 20 (seed row 7)
+    # total 100: warmup 5 (5%), constant 75, cosine over the last 20 (the 100B-scale recipe)
     assert warmup_constant_cosine(step, 100) == pytest.approx(expected, abs=1e-12)
 
 
@@ -59,7 +59,7 @@ def test_warmup_constant_cosine_floor(step: int, expected: float) -> None:
 
 @pytest.mark.parametrize(("step", "expected"), [(0, 0.1), (9, 1.0), (10, 1.0), (105, 0.5), (200, 0.0)])
 def test_175b_recipe_is_cosine_with_warmup(step: int, expected: float) -> None:
-    # warmup=0.05, decay=0.95 of 200 steps: 10 warmup, no constant phase, 190 cosine steps (seed row 24)
+    # warmup=0.05, decay=0.95 of 200 steps: 10 warmup, no constant phase, 190 cosine steps (the 175b preset)
     assert warmup_constant_cosine(step, 200, warmup=0.05, decay=0.95) == pytest.approx(expected, abs=1e-12)
     assert warmup_constant_cosine(step, 200, warmup=0.05, decay=0.95) == pytest.approx(
         cosine(step, 200, warmup=0.05), abs=1e-15
