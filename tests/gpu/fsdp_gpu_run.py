@@ -73,7 +73,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     results: dict[str, Any] = {}
 
-    # FairScale's FSDP with its own keywords (mixed_precision, flatten_parameters, cpu_offload); Trainer clipping goes through FairScale's clip_grad_norm_
+    # FairScale's FSDP with its own keywords; Trainer clipping goes through FairScale's clip_grad_norm_
     seed_keywords = {"backend": "fairscale", "mixed_precision": True, "flatten_parameters": True, "cpu_offload": True}
     first = fit(seed_keywords, max_epochs=1, gradient_clip_val=0.5)
     first["trainer"].save_checkpoint(out / "fairscale.ckpt")
