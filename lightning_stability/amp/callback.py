@@ -46,7 +46,7 @@ class LossScaleTuner(LedgerCallback):
     ``16-true`` or fp32 there is nothing to scale: it says so once (info) and stays inactive.
 
     Every overflow skips the update; the shared :class:`~lightning_stability.ledger.step_ledger.StepLedger` records
-    it as ``Outcome.SKIPPED_SCALER`` (so ``ledger.applied_steps`` and the LR schedule skip it too). The
+    it as ``Outcome.SKIPPED_SCALER`` (so ``ledger.record_of().applied_steps`` and the LR schedule skip it too). The
     scale changes by the rule of :mod:`lightning_stability.amp.rule`. Nothing here adds a host sync to a
     step that does not log; on logging steps the values ride the ledger's one batched transfer, and the
     decisions below are made from those host values:

@@ -123,7 +123,7 @@ class LedgerCallback(Callback):
 
     def _ledger_now(self) -> StepLedger:
         if self._ledger is None:
-            raise RuntimeError(f"{type(self).__name__}.record_metric() called before setup")
+            raise RuntimeError(f"{type(self).__name__}: record_metric() or to_host() called before setup")
         return self._ledger
 
     def _hook_host(self, ledger: StepLedger) -> None:

@@ -288,7 +288,7 @@ class StepLedger:
 
     # ------------------------------------------------------------------ metrics
     def _log(self, metrics: Iterable[tuple[str, Tensor | float]], to_loggers: bool) -> None:
-        """Metrics of the current step (see ``LedgerCallback.log``). A scalar goes into
+        """Metrics of the current step (see ``LedgerCallback.record_metric``). A scalar goes into
         ``trainer.callback_metrics`` at once (a device tensor stays on the device); with ``to_loggers`` it is also
         queued for the loggers. Keys starting with ``_`` are host values for flush hooks only."""
         self._queue.route(self.trainer, self.record_of(), self._several_optimizers, metrics, to_loggers)
