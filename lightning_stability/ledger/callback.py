@@ -71,6 +71,9 @@ class LedgerCallback(Callback):
         self._ledger: StepLedger | None = None
         self._logging = False  # the current step logs
         self._host_hooked: set[int] = set()  # records whose next flush runs on_host
+        # which optional hooks this class fills in (the template registers only those)
+        self._has_after_step = type(self).after_step is not LedgerCallback.after_step
+        self._has_on_host = type(self).on_host is not LedgerCallback.on_host
 
     # ------------------------------------------------------------------ to fill in
     def state_fields(self) -> dict[str, Any]:
@@ -112,8 +115,9 @@ class LedgerCallback(Callback):
             self._hook_host(ledger)
 
     def to_host(self, key: str, value: Tensor) -> None:
-        """Send ``value`` to the host with the logging step's one transfer; :meth:`on_host` receives it under
-        ``key``. Nothing else sees it (keys are this callback's own)."""
+        """Send ``value`` to the host with the step's transfer; :meth:`on_host` receives it under ``key``. Nothing
+        else sees it (keys are this callback's own). Call it on logging steps (:attr:`is_logging_step`) or after
+        training: on any other step it makes that step transfer too (a host sync)."""
         ledger = self._ledger_now()
         ledger._log(((self._private(key), value),), True)
         self._hook_host(ledger)
@@ -127,7 +131,7 @@ class LedgerCallback(Callback):
         return self._ledger
 
     def _hook_host(self, ledger: StepLedger) -> None:
-        if type(self).on_host is LedgerCallback.on_host:
+        if not self._has_on_host:
             return
         index = ledger.record_of().index
         if index not in self._host_hooked:
@@ -191,7 +195,7 @@ class LedgerCallback(Callback):
         ledger.open_step(optimizer)
         self._logging = ledger._is_logging_step(self._every_n)
         self.on_step(trainer, ledger, optimizer)
-        if type(self).after_step is not LedgerCallback.after_step:
+        if self._has_after_step:
             ledger._on_close(lambda closed: self.after_step(trainer, closed))
         if self._last:
             # Every lightning_stability callback has voted: enforce the skip votes together (one read at most).
