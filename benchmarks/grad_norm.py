@@ -3,7 +3,7 @@
 On the gradients of a 12-layer transformer, times:
 
 * ``ours``      -- ``lightning_stability.norms.total_norm`` (fused per-tensor norms, one reduction);
-* ``seed``      -- the source article's loop: ``p.grad.norm(2).item() ** 2`` per parameter (one host sync each);
+* ``item-loop`` -- a common hand-written loop: ``p.grad.norm(2).item() ** 2`` per parameter (one host sync each);
 * ``lightning`` -- Lightning's ``lightning.pytorch.utilities.grad_norm`` utility;
 * ``floor``     -- one copy of every gradient byte: the memory-bandwidth floor, taken as the faster of
   ``torch._foreach_copy_`` and a per-tensor ``copy_`` loop (on some CPUs the loop is faster).
@@ -38,7 +38,7 @@ def build_gradients(d_model: int, layers: int, device: str) -> nn.Module:
     return model
 
 
-def seed_loop(model: nn.Module) -> float:
+def item_loop(model: nn.Module) -> float:
     total = 0.0
     for p in model.parameters():
         if p.grad is not None:
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     methods: dict[str, Callable[[], float]] = {
         "ours": lambda: total_norm(grads).item(),
-        "seed": lambda: seed_loop(model),
+        "item-loop": lambda: item_loop(model),
         "lightning": lambda: lightning_grad_norm(model, norm_type=2)["grad_2.0_norm_total"].item(),
         "copy_foreach": lambda: (torch._foreach_copy_(buffers, grads), buffers[-1].reshape(-1)[0].item())[1],
         "copy_loop": lambda: (
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         )[1],
     }
     reference = torch.nn.utils.get_total_norm(grads).item()
-    for name in ("ours", "seed", "lightning"):
+    for name in ("ours", "item-loop", "lightning"):
         value = methods[name]()
         # Lightning's utility rounds through float32 the same way; all must agree to fp32 precision
         assert abs(value - reference) <= 1e-4 * reference, (name, value, reference)
@@ -104,11 +104,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         print(f"{name:<10} {median[name] / median['floor']:>8.2f} {median[name] / median['ours']:>8.2f}")
     ratios = {
         "ours_vs_floor": median["ours"] / median["floor"],
-        "seed_vs_ours": median["seed"] / median["ours"],
+        "item_loop_vs_ours": median["item-loop"] / median["ours"],
         "lightning_vs_ours": median["lightning"] / median["ours"],
     }
-    verdict = ratios["ours_vs_floor"] <= 1.5 and ratios["seed_vs_ours"] >= 1.0 and ratios["lightning_vs_ours"] >= 1.0
-    print(f"target (ours <= 1.5x floor, no slower than seed or lightning): {'met' if verdict else 'NOT met'}")
+    verdict = (
+        ratios["ours_vs_floor"] <= 1.5 and ratios["item_loop_vs_ours"] >= 1.0 and ratios["lightning_vs_ours"] >= 1.0
+    )
+    print(f"target (ours <= 1.5x floor, no slower than the item loop or lightning): {'met' if verdict else 'NOT met'}")
     return ratios
 
 

@@ -40,6 +40,10 @@ _EXPORTS = {
     "LedgerCallback": "lightning_stability.ledger.callback",
     "Outcome": "lightning_stability.ledger.track",
     "StepLedger": "lightning_stability.ledger.step_ledger",
+    # checkpoints a crash cannot half-write
+    "AtomicCheckpointIO": "lightning_stability.checkpoint.io",
+    "CheckpointError": "lightning_stability.checkpoint.atomic",
+    "verify_checkpoint": "lightning_stability.checkpoint.atomic",
     # the strategy
     "StableFSDPStrategy": "lightning_stability.strategies.fsdp",
     "consolidate_checkpoint": "lightning_stability.strategies.fsdp_checkpoint",
@@ -101,6 +105,8 @@ if TYPE_CHECKING:
     from lightning_stability.amp.callback import LossScaleFloorError, LossScaleTuner
     from lightning_stability.amp.diagnostics import PrecisionDiagnostics, TrainingStatus, check_training_status
     from lightning_stability.amp.scaler import TunedGradScaler
+    from lightning_stability.checkpoint.atomic import CheckpointError, verify_checkpoint
+    from lightning_stability.checkpoint.io import AtomicCheckpointIO
     from lightning_stability.errors import StabilityConfigError
     from lightning_stability.grad_norm import GradientNormMonitor
     from lightning_stability.health.callback import TrainingHealthMonitor

@@ -28,7 +28,9 @@ if TYPE_CHECKING:
 
     from lightning.pytorch.plugins.precision import Precision
 
-SUPPORTED = "lightning>=2.5,<2.7 with torch>=2.13,<2.14"
+#: the oldest and newest (major, minor) of torch that the tests ran on; setup.cfg declares the oldest and no cap
+TORCH_TESTED = ((2, 13), (2, 15))
+SUPPORTED = "lightning>=2.5,<2.7 with torch>=2.13 (tested: torch 2.13 to 2.15)"
 
 
 def _unsupported(what: str) -> StabilityConfigError:
@@ -45,6 +47,33 @@ def _private(module: str, name: str) -> Any:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as err:
         raise _unsupported(f"`{module}.{name}`") from err
+
+
+def torch_minor(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a torch version string such as ``"2.14.1+cu128"`` or ``"2.16.0a0+git1234"``."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+@functools.cache
+def warn_if_untested(version: str | None = None) -> bool:
+    """Warn once, on rank 0, when torch is newer than the newest version the tests ran on.
+
+    Nothing is refused for being newer: a private name that is really missing fails on its own, in the checks
+    below, with the fix. Returns whether it warned.
+    """
+    version = version or str(torch.__version__)
+    if torch_minor(version) <= TORCH_TESTED[1]:
+        return False
+    from lightning.pytorch.utilities import rank_zero_warn
+
+    oldest, newest = (".".join(map(str, v)) for v in TORCH_TESTED)
+    rank_zero_warn(
+        f"lightning_stability was tested with torch {oldest} to {newest}; this is torch {version}. It checked the "
+        "torch and Lightning internals it needs and found them, so training goes on; if a step misbehaves, "
+        f"report it with this version, or install torch {newest}."
+    )
+    return True
 
 
 def _require_attr(obj: Any, name: str, what: str) -> None:
@@ -313,6 +342,7 @@ def check_supported(trainer: pl.Trainer) -> None:
     _private("torch.nn.modules.batchnorm", "_BatchNorm")
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     _check_scaler(scaler)
+    warn_if_untested()
 
 
 def check_strategy_supported(strategy: Any) -> None:
@@ -343,3 +373,26 @@ def check_strategy_supported(strategy: Any) -> None:
         raise _unsupported(f"`{DCP_METADATA_FILE}` as the metadata file of torch.distributed.checkpoint")
     _check_torch_ops()
     _check_scaler(getattr(strategy_precision_plugin(strategy), "scaler", None))
+    warn_if_untested()
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def dcp_file_extents(metadata: Any) -> dict[str, int]:
+    """The files a ``torch.distributed.checkpoint`` directory's metadata references, each with the size it needs.
+
+    ``FileSystemWriter`` records where every item lies in ``metadata.storage_data`` (torch's private
+    ``_StorageInfo``: ``relative_path``, ``offset``, ``length``); a file shorter than its last item's end was
+    cut short.
+    """
+    extents: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        if not all(hasattr(info, name) for name in ("relative_path", "offset", "length")):
+            raise _unsupported("torch.distributed.checkpoint's per-item storage info (relative_path, offset, length)")
+        end = int(info.offset) + int(info.length)
+        extents[info.relative_path] = max(extents.get(info.relative_path, 0), end)
+    return extents
+
+
+def strategy_checkpoint_io(strategy: Any) -> Any:
+    """The CheckpointIO a user gave ``strategy`` (``None`` if none: the ``checkpoint_io`` property would make one)."""
+    return getattr(strategy, "_checkpoint_io", None)

@@ -7,6 +7,12 @@ Pure functions: they take lists of tensors and return tensors. Nothing here call
 * Sharded tensors (``DTensor``, e.g. FSDP2 parameters) are measured on their local shard and the
   per-tensor results are reduced across the shard dimensions of their mesh with **one** collective
   per (mesh, placements) group, so the norm is the norm of the whole gradient, never of one shard.
+  Every placement that splits a tensor counts as a shard dimension, also torch's ``_StridedShard`` (what
+  FSDP2 gives a tensor-parallel parameter when both shard the same dim; not a ``Shard`` subclass in torch
+  2.13). ``Replicate`` dimensions are not reduced: a replicated tensor counts once, not once per rank.
+* A ``Partial`` tensor (a sequence-parallel norm's gradient, still a sum pending over the tensor-parallel
+  ranks) is first reduced to what it stands for, one collective per tensor; its local part is not the
+  gradient, and its norm would differ from rank to rank.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from torch import Tensor
 from lightning_stability import _compat
 
 try:  # DTensor is public from torch 2.5
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Partial, Replicate
 except ImportError:  # pragma: no cover - torch built without distributed
     DTensor = None  # type: ignore[assignment,misc]
 
@@ -77,6 +83,20 @@ def _local_norms(tensors: Sequence[Tensor], norm_type: float) -> Tensor:
     return torch.stack(ordered)
 
 
+def _splits(placement: object) -> bool:
+    """Whether a placement splits the tensor along its mesh dimension (``Shard``, ``_StridedShard``, ...)."""
+    return not placement.is_replicate() and not placement.is_partial()  # type: ignore[attr-defined]
+
+
+def _reduce_pending(t: Tensor) -> Tensor:
+    """A ``DTensor`` with ``Partial`` placements redistributed to ``Replicate`` there (one collective); else ``t``."""
+    placements = t.placements  # type: ignore[attr-defined]
+    if not any(p.is_partial() for p in placements):
+        return t
+    target = [Replicate() if p.is_partial() else p for p in placements]
+    return t.redistribute(t.device_mesh, target)  # type: ignore[attr-defined]
+
+
 def _reduce_sharded(local: Tensor, norm_type: float, mesh: object, placements: tuple[object, ...]) -> Tensor:
     """Combine per-shard norms into global per-tensor norms with one collective."""
     if math.isinf(norm_type):
@@ -85,7 +105,7 @@ def _reduce_sharded(local: Tensor, norm_type: float, mesh: object, placements: t
     else:
         partial = Partial("sum")
         value = local.pow(norm_type)
-    reduced_placements = [partial if isinstance(p, Shard) else Replicate() for p in placements]
+    reduced_placements = [partial if _splits(p) else Replicate() for p in placements]
     if not any(isinstance(p, Partial) for p in reduced_placements):
         return local
     full = DTensor.from_local(value, mesh, reduced_placements, run_check=False).full_tensor()  # type: ignore[arg-type]
@@ -105,6 +125,7 @@ def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0, uniform:
     plain_idx = [i for i, t in enumerate(tensors) if not is_dtensor(t)]
     if len(plain_idx) == len(tensors):
         return _local_norms(tensors, norm_type)
+    tensors = [_reduce_pending(t) if is_dtensor(t) else t for t in tensors]
     sharded: dict[tuple[object, tuple[object, ...]], list[int]] = defaultdict(list)
     for i, t in enumerate(tensors):
         if is_dtensor(t):

@@ -16,11 +16,14 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ProgressBar
-from lightning.pytorch.plugins import MixedPrecision
+from lightning.pytorch.plugins import CheckpointIO, MixedPrecision
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_stability import _compat
 from lightning_stability.accumulation.callback import GradientAccumulation
 from lightning_stability.amp.callback import LossScaleTuner
+from lightning_stability.checkpoint.io import AtomicCheckpointIO
 from lightning_stability.errors import StabilityConfigError
 from lightning_stability.grad_norm import GradientNormMonitor
 from lightning_stability.health.callback import TrainingHealthMonitor
@@ -163,18 +166,45 @@ def _hardware(preset: Preset, args: dict[str, Any], notes: list[str]) -> dict[st
     elif preset.activation_checkpointing:
         where = "your strategy= replaces the preset's" if "strategy" in args else "it comes with FSDP here"
         notes.append(f"activation checkpointing off ({where})")
+    if _wants_atomic_io(args, fsdp):
+        out["plugins"] = [*_plugins(args), AtomicCheckpointIO()]  # saves a crash cannot half-write
     if user_precision or fsdp:
         return out
     if preset.precision == "16-mixed" and not gpu:
         # Lightning turns precision="16-mixed" on a CPU into bf16; an explicit scaler plugin keeps fp16
         out["plugins"] = [
-            *(args.get("plugins") or []),
+            *out.get("plugins", _plugins(args)),
             MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu")),
         ]
         notes.append("fp16 on the CPU through an explicit loss-scaler plugin")
     else:
         out["precision"] = preset.precision
     return out
+
+
+def _plugins(args: dict[str, Any]) -> list[Any]:
+    """The user's ``plugins=`` as a list (Lightning also takes one plugin on its own)."""
+    plugins = args.get("plugins") or []
+    return list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+
+
+def _wants_atomic_io(args: dict[str, Any], fsdp: bool) -> bool:
+    """Whether to attach ``AtomicCheckpointIO``: a single-device or DDP strategy, and no CheckpointIO of the user's.
+
+    ``StableFSDPStrategy`` saves atomically itself; other strategies (Lightning's FSDP, DeepSpeed) write
+    their own layouts and are left as they are.
+    """
+    if fsdp or any(isinstance(p, CheckpointIO) for p in _plugins(args)):
+        return False
+    strategy = args.get("strategy", "auto")
+    if isinstance(strategy, Strategy):
+        plain = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy))
+        return plain and _compat.strategy_checkpoint_io(strategy) is None
+    if strategy == "auto":
+        return True
+    entry = StrategyRegistry[strategy] if isinstance(strategy, str) and strategy in StrategyRegistry else None
+    cls = entry["strategy"] if entry else None
+    return isinstance(cls, type) and issubclass(cls, (SingleDeviceStrategy, DDPStrategy))
 
 
 def _fp16(preset: Preset, args: dict[str, Any]) -> bool:

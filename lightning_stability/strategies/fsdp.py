@@ -21,6 +21,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_stability import _compat
+from lightning_stability.checkpoint import atomic
+from lightning_stability.checkpoint.atomic import CheckpointError
 from lightning_stability.errors import StabilityConfigError
 from lightning_stability.strategies import fsdp_checkpoint as ckpt
 from lightning_stability.strategies import fsdp_fairscale as fs
@@ -56,7 +58,9 @@ class StableFSDPStrategy(ParallelStrategy):
     * fp16 uses a rank-consistent loss scaler (``trainer.precision_plugin.scaler``): an inf in one
       rank's shard skips the step on every rank;
     * gradient accumulation does not reduce-scatter on non-final micro-batches;
-    * checkpoints are sharded directories (each rank writes its shard) that load at any world size;
+    * checkpoints are sharded directories (each rank writes its shard) that load at any world size,
+      written aside and published by one rename (a crash leaves the previous checkpoint or the new one,
+      whole), and checked for completeness before they load;
       ``state_dict_type="full"`` writes one file; :func:`~lightning_stability.strategies.consolidate_checkpoint`
       merges a sharded directory into one file for export;
     * runs on CPU with gloo, so it is tested for real in CI.
@@ -146,6 +150,7 @@ class StableFSDPStrategy(ParallelStrategy):
         self._device_mesh: DeviceMesh | None = None
         self._root: nn.Module | None = None
         self._wrapped: nn.Module | None = None
+        self._cleaned_dirs: set[Path] = set()  # rank 0: directories cleared of what a crashed save left
         self.num_nodes = 1
         super().__init__()
         explain_flatten_parameters(self._cfg)
@@ -357,27 +362,101 @@ class StableFSDPStrategy(ParallelStrategy):
         return ckpt.optimizer_state(self.lightning_module, optimizer, self._full)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write the checkpoint into a hidden sibling of ``filepath``, then publish it with one rename (rank 0).
+
+        Every rank writes its shards into ``.lsckpt-partial-<token>`` (the token drawn by rank 0 and broadcast);
+        rank 0 adds ``meta.pt``; once every rank reports success, rank 0 swaps the directory in (or replaces the
+        file, ``state_dict_type="full"``) and only then deletes the previous checkpoint. A failure on any rank
+        is raised on every rank, and the previous checkpoint stays in place.
+        """
         if storage_options is not None:
             raise StabilityConfigError(
                 "StableFSDPStrategy.save_checkpoint(storage_options=...) is not supported: checkpoints are "
                 "written by torch.distributed.checkpoint, not a CheckpointIO. Fix: drop storage_options."
             )
-        path = Path(self.broadcast(str(filepath)))
+        prepared: tuple[str, str, str | None] | None = None
         if self.is_global_zero:
-            ckpt.prepare_path(path, full=self._full)
-        self.barrier()
-        ckpt.save(checkpoint, path, full=self._full, is_global_zero=self.is_global_zero)
-        self.barrier()
+            prepared = self._prepare_save(Path(filepath))
+        where, token, error = self.broadcast(prepared)
+        path = Path(where)
+        partial = atomic.partial_path(path, token)
+        if error is not None:
+            raise self._save_failed({0: error}, f"preparing {partial}", path, partial)
+        try:
+            ckpt.save(checkpoint, partial, full=self._full, is_global_zero=self.is_global_zero)
+            error = None
+        except Exception as err:
+            error = f"{type(err).__name__}: {err}"
+        failed = self._gather_errors(error)  # also the barrier before publishing
+        if failed:
+            raise self._save_failed(failed, f"writing {partial}", path, partial)
+        if self.is_global_zero:
+            try:
+                atomic.publish(partial, path)
+            except Exception as err:
+                error = f"{type(err).__name__}: {err}"
+        error = self.broadcast(error)
+        if error is not None:
+            raise self._save_failed({0: error}, f"publishing {partial} at {path}", path, partial)
+
+    def _prepare_save(self, path: Path) -> tuple[str, str, str | None]:
+        """Rank 0: clear what a crash left in the directory (once), make the hidden sibling of a sharded save."""
+        token = atomic.new_token()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.parent.resolve() not in self._cleaned_dirs:
+                atomic.clean_directory(path.parent)
+                self._cleaned_dirs.add(path.parent.resolve())
+            if not self._full:
+                atomic.partial_path(path, token).mkdir()
+        except OSError as err:
+            return str(path), token, f"{type(err).__name__}: {err}"
+        return str(path), token, None
+
+    def _gather_errors(self, error: str | None) -> dict[int, str]:
+        """Every rank's error (``None`` for success), known to every rank: one all-gather, also a barrier."""
+        errors = [error]
+        if _compat.distributed_is_initialized():
+            errors = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(errors, error)
+        return {rank: e for rank, e in enumerate(errors) if e is not None}
+
+    def _save_failed(self, failed: dict[int, str], stage: str, path: Path, partial: Path) -> CheckpointError:
+        """The error every rank raises when a save failed on some rank; rank 0 deletes the hidden sibling."""
+        if self.is_global_zero:
+            atomic.delete(partial)
+        rank, first = next(iter(failed.items()))
+        return CheckpointError(
+            f"Saving the checkpoint {path} failed on rank(s) {sorted(failed)} while {stage}: rank {rank}: {first}. "
+            f"The previous checkpoint at {path}, if any, is untouched. Fix: the cause above (disk space, "
+            "permissions, a path every rank can reach), then save again."
+        )
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Rank 0 renames the checkpoint (file or sharded directory) away, then deletes it: never half-removed."""
+        if self.is_global_zero:
+            atomic.remove(Path(filepath))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Check the checkpoint is complete on every rank, then load it (a clear error otherwise, on every rank)."""
         path = Path(self.broadcast(str(checkpoint_path)))
+        try:
+            found = atomic.verify_checkpoint(path, meta_file=ckpt.META_FILE)
+            error = None
+        except (atomic.CheckpointError, FileNotFoundError) as err:
+            found, error = path, str(err)
+        failed = self._gather_errors(error)
+        if failed:
+            first = next(iter(failed.values()))
+            where = f" (found on rank(s) {sorted(failed)})" if self.world_size > 1 else ""
+            raise CheckpointError(f"{first}{where}")
         module = self.lightning_module
         assert module is not None
         if self._cfg.backend == "fairscale":
-            checkpoint: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
+            checkpoint: dict[str, Any] = torch.load(found, map_location="cpu", weights_only=False)
             fs.load_full(self._root, self.optimizers, checkpoint, strict=module.strict_loading)
             return checkpoint
-        return ckpt.load(path, module, self.optimizers, strict=module.strict_loading)
+        return ckpt.load(found, module, self.optimizers, strict=module.strict_loading)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         pass  # done in load_checkpoint, which knows the sharding

@@ -12,11 +12,14 @@ Layouts:
   A plain single-device Lightning run or ``LightningModule.load_from_checkpoint`` can read it.
 
 :func:`consolidate_checkpoint` turns a sharded directory into the full file, without processes.
+
+Both layouts are written into a hidden sibling of the path and published with one rename by
+``StableFSDPStrategy.save_checkpoint`` (see ``lightning_stability/checkpoint/atomic.py``); :func:`save` writes
+that sibling, :func:`load` reads a checkpoint the strategy has verified.
 """
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_stability import _compat
+from lightning_stability.checkpoint import atomic
 
 META_FILE = "meta.pt"
 _MODEL_KEY = "state_dict"
@@ -89,23 +93,16 @@ def optimizer_state(module: nn.Module, optimizer: Optimizer, full: bool) -> dict
 
 
 # ---------------------------------------------------------------------- save (all ranks call)
-def prepare_path(path: Path, *, full: bool) -> None:
-    """Remove a checkpoint of the other layout at ``path`` (rank 0 only, before a barrier)."""
-    if full and path.is_dir():
-        shutil.rmtree(path)
-    elif not full and path.is_file():
-        path.unlink()
-    (path.parent if full else path).mkdir(parents=True, exist_ok=True)
+def save(checkpoint: dict[str, Any], partial: Path, *, full: bool, is_global_zero: bool) -> None:
+    """Write a Lightning checkpoint dict gathered by :func:`model_state` / :func:`optimizer_state` into ``partial``.
 
-
-def save(checkpoint: dict[str, Any], path: Path, *, full: bool, is_global_zero: bool) -> None:
-    """Write a Lightning checkpoint dict gathered by :func:`model_state` / :func:`optimizer_state`.
-
-    Call :func:`prepare_path` on rank 0 and a barrier first.
+    ``partial`` is the hidden sibling the strategy publishes afterwards: a new file (``full``, written by rank
+    0) or an existing empty directory (sharded: every rank writes its shards, rank 0 adds ``meta.pt``). Every
+    file is ``fsync``-ed before this returns.
     """
     if full:
         if is_global_zero:
-            torch.save(checkpoint, path)
+            atomic.write_durably(partial, lambda f: torch.save(checkpoint, f))
         return
     import torch.distributed.checkpoint as dcp
 
@@ -113,9 +110,9 @@ def save(checkpoint: dict[str, Any], path: Path, *, full: bool, is_global_zero: 
     tensors: dict[str, Any] = {_MODEL_KEY: rest.pop(_MODEL_KEY)}
     for i, osd in enumerate(rest.pop("optimizer_states", [])):
         tensors[_OPTIM_KEY.format(i)] = osd
-    dcp.save(tensors, checkpoint_id=path)
+    dcp.save(tensors, checkpoint_id=partial)  # FileSystemWriter fsyncs each shard file and .metadata
     if is_global_zero:
-        torch.save(rest, path / META_FILE)
+        atomic.write_durably(partial / META_FILE, lambda f: torch.save(rest, f))
 
 
 # ---------------------------------------------------------------------- load (all ranks call)
@@ -129,7 +126,8 @@ def _saved_optimizer_keys(path: Path) -> set[str]:
 def load(path: Path, module: nn.Module, optimizers: list[Optimizer], *, strict: bool = True) -> dict[str, Any]:
     """Load weights and optimizer states into the sharded ``module`` in place, at any world size.
 
-    Returns the rest of the checkpoint (loops, callbacks, ...), as Lightning expects.
+    ``path`` is a checkpoint :func:`~lightning_stability.checkpoint.verify_checkpoint` found complete. Returns
+    the rest of the checkpoint (loops, callbacks, ...), as Lightning expects.
     """
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -154,8 +152,6 @@ def load(path: Path, module: nn.Module, optimizers: list[Optimizer], *, strict: 
                 set_optimizer_state_dict(module, optimizer, target[_OPTIM_KEY.format(i)])
         meta: dict[str, Any] = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
         return meta
-    if not path.is_file():
-        raise FileNotFoundError(f"No checkpoint at {path} (neither a sharded directory nor a file).")
     checkpoint: dict[str, Any] = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     full = StateDictOptions(full_state_dict=True, strict=strict)
     set_model_state_dict(module, checkpoint.pop(_MODEL_KEY), options=full)
@@ -179,7 +175,8 @@ def consolidate_checkpoint(sharded_dir: str | Path, out_file: str | Path, *, wei
         ``Path(out_file)``.
 
     Raises:
-        FileNotFoundError: if ``sharded_dir`` is not a sharded checkpoint.
+        FileNotFoundError: if ``sharded_dir`` is not a sharded checkpoint directory.
+        CheckpointError: if it is incomplete (a shard, ``.metadata`` or ``meta.pt`` missing or cut short).
 
     Example::
 
@@ -188,9 +185,10 @@ def consolidate_checkpoint(sharded_dir: str | Path, out_file: str | Path, *, wei
     """
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    src, out = Path(sharded_dir), Path(out_file)
-    if not is_sharded_checkpoint(src):
-        raise FileNotFoundError(f"{src} is not a sharded checkpoint directory (no {_DCP_METADATA} inside).")
+    src, out = atomic.resolve(Path(sharded_dir)), Path(out_file)
+    if not src.is_dir():
+        raise FileNotFoundError(f"{sharded_dir} is not a sharded checkpoint directory (it is a file).")
+    atomic.verify_sharded(src, META_FILE)
     with tempfile.TemporaryDirectory(dir=out.parent if out.parent.exists() else None) as tmp:
         merged_file = Path(tmp) / "merged.pt"
         dcp_to_torch_save(src, merged_file)
@@ -198,11 +196,11 @@ def consolidate_checkpoint(sharded_dir: str | Path, out_file: str | Path, *, wei
     model = merged.pop(_MODEL_KEY)
     out.parent.mkdir(parents=True, exist_ok=True)
     if weights_only:
-        torch.save(model, out)
+        atomic.save_file(out, lambda f: torch.save(model, f))
         return out
     checkpoint: dict[str, Any] = torch.load(src / META_FILE, map_location="cpu", weights_only=False)
     checkpoint[_MODEL_KEY] = model
     optimizer_keys = sorted((k for k in merged if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
     checkpoint["optimizer_states"] = [index_keyed(merged[k]) for k in optimizer_keys]
-    torch.save(checkpoint, out)
+    atomic.save_file(out, lambda f: torch.save(checkpoint, f))
     return out

@@ -8,7 +8,8 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard  # what FSDP2 x TP makes; built here directly
 
 from lightning_stability.norms import per_tensor_norms, total_norm
 from tests.helpers import HostDataCounter, exit_worker
@@ -41,6 +42,19 @@ for p in (2.0, 1.0, math.inf):
     if mesh2 is not None:
         hsdp = [distribute_tensor(t, mesh2, [Replicate(), Shard(0)]) for t in full]
         result[str(p)]["hsdp"] = per_tensor_norms(hsdp, p).tolist()
+        # FSDP2 over tensor parallelism, both on dim 0: the data-parallel dim becomes a _StridedShard
+        strided_dp = _StridedShard(0, split_factor=mesh2.size(1))
+        # every rank holds the full tensors: split locally (uneven shards need no padded scatter)
+        strided = [distribute_tensor(t, mesh2, [strided_dp, Shard(0)], src_data_rank=None) for t in full]
+        result[str(p)]["strided"] = per_tensor_norms(strided, p).tolist()
+        # a sequence-parallel gradient: a sum still pending over the second mesh dim, beside a replicated one
+        parts = [
+            torch.randn(mesh2.size(1), *t.shape, generator=torch.Generator().manual_seed(i)) for i, t in enumerate(full)
+        ]
+        tp_rank = mesh2.get_local_rank(1)
+        pending = [DTensor.from_local(part[tp_rank], mesh2, [Replicate(), Partial()]) for part in parts]
+        result[str(p)]["partial"] = per_tensor_norms(pending, p).tolist()
+        result[str(p)]["partial_expected"] = [torch.linalg.vector_norm(part.sum(0), p).item() for part in parts]
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     json.dump(result, f)
 dist.destroy_process_group()

@@ -1,0 +1,14 @@
+"""Checkpoints that a crash cannot half-write, and loads that name what is missing.
+
+* ``atomic.py``: pure file-system work: the hidden sibling, ``fsync``, publish by rename (a directory swapped in
+  with ``renameat2(RENAME_EXCHANGE)``, or two renames and a record to recover from), removal, the clean-up of
+  what a crash left, and the completeness checks of a file or a sharded directory (:class:`CheckpointError`).
+* ``io.py``: :class:`AtomicCheckpointIO`, the ``CheckpointIO`` for single-device and DDP runs.
+
+``StableFSDPStrategy`` (``strategies/fsdp.py``) uses ``atomic`` for both of its layouts.
+"""
+
+from lightning_stability.checkpoint.atomic import CheckpointError, clean_directory, verify_checkpoint
+from lightning_stability.checkpoint.io import AtomicCheckpointIO
+
+__all__ = ["AtomicCheckpointIO", "CheckpointError", "clean_directory", "verify_checkpoint"]

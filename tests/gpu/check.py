@@ -1,0 +1,320 @@
+"""The GPU questions, one section at a time: ``python -m tests.gpu.check SECTION [--device cuda] [--summary FILE]``.
+
+Each section prints its details and appends one line to ``--summary`` (``SECTION: PASS|FAIL|INFO ...``), so a
+run cut short still reports what finished. ``tests/gpu/check.sh`` runs every section on a lent GPU, each under
+its own time limit; ``tests/gpu/test_check.py`` runs them on the CPU with tiny sizes so this file cannot rot.
+
+Sections:
+
+* ``syncs``    the full ``from_preset("gpt")`` stack against a bare Trainer (no clipping: see ``overhead``), bf16
+  with fused AdamW and fp16 with ``LossScaleTuner``, ``log_every_n_steps=10``: host syncs per step, split into
+  logging and other steps. Counted three ways: torch's own CUDA sync detector
+  (``torch.cuda.set_sync_debug_mode("warn")``, CUDA only), ``.item()``-like ops and copies to the host, and
+  tensors made from host data (a blocking host-to-device copy on a GPU). PASS: no extra on non-logging steps,
+  at most one on logging steps.
+* ``overhead`` the step-time ratio, preset against a bare Trainer, over paired runs on a GPT-style model whose
+  bare step takes ~20-50 ms on an H100, and the kernel launches per step of each (torch's profiler; on a CPU
+  the dispatched ops). With torch's default AdamW the bare Trainer clips (``gradient_clip_val=1.0``); with the
+  fused one it cannot (Lightning's mixed precision refuses to clip a fused optimizer).
+* ``fp16auto`` fp16 on tensor cores with gradients 1000x too large for torch's default scale: torch's
+  ``GradScaler(65536)`` against ``LossScaleTuner(init_scale="auto")``: updates lost before the first applied
+  one, the scale found, and whether the loss falls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+from benchmarks.overhead import Batches, Decoder, Size, StepTimer, bigram_tokens
+from lightning_stability import LossScaleTuner, StableTrainer, TrainingHealthMonitor
+from tests.helpers import HostDataCounter, OpCounter, StepSyncCounter, SyncCounter
+
+LOG_EVERY = 10  # logging steps inside a 30-step run (Lightning logs batch i when (i + 1) % LOG_EVERY == 0)
+SYNC_MESSAGE = "synchronizing CUDA operation"  # what torch's sync debug mode warns
+
+#: model sizes: a bare bf16 step of ~20-50 ms on an H100/H200 ("gpu"), a few ms on a CPU ("cpu")
+SIZES = {
+    "gpu": Size(vocab=8192, d_model=1024, layers=12, heads=16, seq=512, batch=16),
+    "cpu": Size(vocab=64, d_model=32, layers=2, heads=4, seq=32, batch=8),
+}
+
+
+def trainer_for(
+    config: str, precision: str, steps: int, device: str, root: str, first: list[pl.Callback], optimizer: str
+) -> pl.Trainer:
+    """``bare``: a plain Trainer with Lightning's own clipping at 1.0, except with a fused optimizer, which
+    Lightning's mixed precision refuses to clip; ``preset``: ``StableTrainer.from_preset("gpt")``."""
+    common: dict[str, Any] = dict(
+        accelerator=device,
+        devices=1,
+        max_steps=steps,
+        precision=precision,
+        log_every_n_steps=LOG_EVERY,
+        logger=pl.loggers.CSVLogger(root, name=config),
+        default_root_dir=root,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    if config == "bare":
+        clip = {} if optimizer == "adamw_fused" else {"gradient_clip_val": 1.0}
+        return pl.Trainer(callbacks=first, **clip, **common)
+    if device == "cpu" and precision == "16-mixed":
+        common.pop("precision")  # the preset adds an explicit fp16 scaler plugin on a CPU
+        trainer = StableTrainer.from_preset("gpt", precision="16-mixed", callbacks=first, **common)
+    else:
+        trainer = StableTrainer.from_preset("gpt", callbacks=first, **common)
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, TrainingHealthMonitor):
+            callback.report = False  # written after the last step: wall time only
+    return trainer
+
+
+def fit(trainer: pl.Trainer, size: Size, tokens: torch.Tensor, optimizer: str = "adamw_fused") -> Decoder:
+    torch.manual_seed(0)
+    model = Decoder(size, optimizer)
+    trainer.fit(model, DataLoader(Batches(tokens), batch_size=None))
+    return model
+
+
+# ---------------------------------------------------------------------------------------------- syncs
+class CudaSyncWarnings:
+    """Counts torch's sync-debug warnings (CUDA only): every synchronizing CUDA call, whoever makes it."""
+
+    def __init__(self, record: list[warnings.WarningMessage]) -> None:
+        self.record = record
+
+    @property
+    def count(self) -> int:
+        return sum(SYNC_MESSAGE in str(w.message) for w in self.record)
+
+
+@contextmanager
+def cuda_sync_debug(device: str) -> Iterator[list[warnings.WarningMessage]]:
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield record
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+
+
+def sync_counts(config: str, precision: str, steps: int, device: str, size: Size) -> dict[str, list[int]]:
+    tokens = bigram_tokens(size, steps)
+    with tempfile.TemporaryDirectory() as root, cuda_sync_debug(device) as record:
+        syncs, made = SyncCounter(), HostDataCounter()
+        counters: dict[str, Any] = {"ops": syncs, "host-made": made}
+        if device == "cuda":
+            counters["cuda"] = CudaSyncWarnings(record)
+        steppers = {name: StepSyncCounter(c) for name, c in counters.items()}
+        trainer = trainer_for(config, precision, steps, device, root, list(steppers.values()), "adamw_fused")
+        with syncs, made:
+            fit(trainer, size, tokens)
+    return {name: s.per_step for name, s in steppers.items()}
+
+
+def check_syncs(args: argparse.Namespace, report: Callable[[str], None]) -> bool:
+    size, ok = SIZES[args.size], True
+    logging_steps = {i for i in range(args.steps) if (i + 1) % LOG_EVERY == 0}
+    for precision in ("bf16-mixed", "16-mixed"):
+        counts = {c: sync_counts(c, precision, args.steps, args.device, size) for c in ("bare", "preset")}
+        cells = []
+        for kind in counts["bare"]:
+            bare, preset = counts["bare"][kind], counts["preset"][kind]
+            extra = [p - b for b, p in zip(bare, preset, strict=True)]
+            # step 0 sets the run up; the last one also holds on_train_end
+            other = [e for i, e in enumerate(extra[:-1]) if i and i not in logging_steps]
+            logged = [extra[i] for i in sorted(logging_steps)]
+            print(f"  {precision} {kind}: bare {bare}\n  {precision} {kind}: preset {preset}")
+            cells.append(f"{kind} extra: non-logging max {max(other)}, logging max {max(logged)}")
+            ok &= max(other) <= 0 and max(logged) <= 1
+        report(f"{precision}, fused AdamW, {args.steps} steps: " + "; ".join(cells))
+    return ok
+
+
+# ---------------------------------------------------------------------------------------------- overhead
+class Profiled(pl.Callback):
+    """torch's profiler around every step from ``first`` on (the first steps set the optimizer state up)."""
+
+    def __init__(self, first: int) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.first, self.steps = first, 0
+        self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
+        if i == self.first:
+            self.prof.start()
+        self.steps += i >= self.first
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        torch.cuda.synchronize()
+        self.prof.stop()
+
+
+def kernel_launches_per_step(config: str, optimizer: str, device: str, size: Size, steps: int) -> float:
+    """Kernel launches per step after the first two (CUDA: the runtime's launch calls that torch's profiler
+    records; CPU: the dispatched tensor ops, each a launch on a GPU)."""
+    tokens = bigram_tokens(size, steps)
+    with tempfile.TemporaryDirectory() as root:
+        if device != "cuda":
+            ops = OpCounter()
+            stepper = StepSyncCounter(ops)
+            with ops:
+                fit(
+                    trainer_for(config, "bf16-mixed", steps, device, root, [stepper], optimizer),
+                    size,
+                    tokens,
+                    optimizer,
+                )
+            return statistics.fmean(stepper.per_step[2:])
+        profiled = Profiled(first=2)
+        fit(trainer_for(config, "bf16-mixed", steps, device, root, [profiled], optimizer), size, tokens, optimizer)
+    events = profiled.prof.key_averages()
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel"))
+    return launches / profiled.steps
+
+
+def check_overhead(args: argparse.Namespace, report: Callable[[str], None]) -> bool:
+    """torch's default AdamW (foreach on CUDA; the bare Trainer clips at 1.0) and the fused one (Lightning's
+    mixed precision refuses to clip a fused optimizer, so that bare Trainer does not clip)."""
+    size = SIZES[args.size]
+    tokens = bigram_tokens(size, args.warmup + args.steps + 1)
+    for optimizer in ("adamw", "adamw_fused"):
+        medians: dict[str, list[float]] = {"bare": [], "preset": []}
+        ratios = []
+        for r in range(args.repeats):
+            pair = {}
+            for config in ("bare", "preset") if r % 2 == 0 else ("preset", "bare"):
+                timer = StepTimer()
+                with tempfile.TemporaryDirectory() as root:
+                    trainer = trainer_for(config, "bf16-mixed", len(tokens), args.device, root, [timer], optimizer)
+                    fit(trainer, size, tokens, optimizer)
+                pair[config] = statistics.median(timer.times[args.warmup :])
+                medians[config].append(pair[config])
+            ratios.append(pair["preset"] / pair["bare"])
+            print(f"  {optimizer} pair {r}: bare {1e3 * pair['bare']:.2f} ms, preset {1e3 * pair['preset']:.2f} ms")
+        launches = {c: kernel_launches_per_step(c, optimizer, args.device, size, 12) for c in ("bare", "preset")}
+        bare_ms = 1e3 * statistics.median(medians["bare"])
+        clip = "bare without clipping" if optimizer == "adamw_fused" else "bare clips at 1.0"
+        report(
+            f"bf16, {optimizer} ({clip}): bare step {bare_ms:.2f} ms; preset/bare {statistics.median(ratios):.3f} "
+            f"(min {min(ratios):.3f}, max {max(ratios):.3f}, {args.repeats} pairs); kernel launches per step "
+            f"bare {launches['bare']:.0f}, preset {launches['preset']:.0f}"
+        )
+    return True  # a measurement: the README quotes it, no threshold decides it here
+
+
+# ---------------------------------------------------------------------------------------------- fp16 auto
+class Applied(pl.Callback):
+    """Whether each step changed the weights, and its loss."""
+
+    def __init__(self) -> None:
+        self.applied: list[bool] = []
+        self.losses: list[float] = []
+        self._before: torch.Tensor | None = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._before = next(pl_module.parameters()).detach().clone()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, *args: Any) -> None:
+        assert self._before is not None
+        self.applied.append(not torch.equal(self._before, next(pl_module.parameters())))
+        self.losses.append(float(outputs["loss"]))
+
+
+class LoudDecoder(Decoder):
+    """The decoder with its loss, and so every gradient, multiplied by ``grad_mult``."""
+
+    grad_mult = 1e3
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) * self.grad_mult
+
+
+def check_fp16_auto(args: argparse.Namespace, report: Callable[[str], None]) -> bool:
+    size = SIZES[args.size]
+    tokens = bigram_tokens(size, args.steps)
+    results = {}
+    for name in ("torch GradScaler(65536)", 'LossScaleTuner("auto")'):
+        applied = Applied()
+        tuner = [LossScaleTuner(init_scale="auto")] if "auto" in name else []
+        plugins: dict[str, Any] = {"precision": "16-mixed"}
+        if args.device == "cpu":  # Lightning makes "16-mixed" bf16 on a CPU; an explicit plugin keeps fp16
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+            plugins = {"plugins": [pl.plugins.MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
+        trainer = pl.Trainer(
+            accelerator=args.device, devices=1, max_steps=args.steps, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, callbacks=[applied, *tuner], **plugins,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        trainer.fit(LoudDecoder(size, "adamw_fused"), DataLoader(Batches(tokens), batch_size=None))
+        first = applied.applied.index(True) if any(applied.applied) else args.steps
+        losses = [loss for loss, ok in zip(applied.losses, applied.applied, strict=True) if ok]
+        k = max(1, len(losses) // 4)
+        falls = len(losses) >= 2 and statistics.fmean(losses[-k:]) < statistics.fmean(losses[:k])
+        scale = trainer.precision_plugin.scaler.get_scale()  # type: ignore[attr-defined]
+        results[name] = (first, args.steps - sum(applied.applied), scale, falls)
+        print(f"  {name}: applied {applied.applied}\n  losses {[round(x, 1) for x in applied.losses]}")
+    report(
+        "; ".join(
+            f"{name}: {first} lost before the first update, {lost} skipped in all, scale {scale:g}, "
+            f"loss {'falls' if falls else 'does NOT fall'}"
+            for name, (first, lost, scale, falls) in results.items()
+        )
+    )
+    first, lost, _, falls = results['LossScaleTuner("auto")']
+    return first == 0 and lost == 0 and falls
+
+
+SECTIONS = {"syncs": check_syncs, "overhead": check_overhead, "fp16auto": check_fp16_auto}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("section", choices=list(SECTIONS))
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--size", default=None, choices=list(SIZES), help="default: gpu on cuda, cpu on cpu")
+    parser.add_argument("--steps", type=int, default=30, help="steps per run (overhead: timed steps per run)")
+    parser.add_argument("--warmup", type=int, default=5, help="overhead: steps dropped at the start of each run")
+    parser.add_argument("--repeats", type=int, default=5, help="overhead: paired runs")
+    parser.add_argument("--summary", type=Path, default=None, help="append the section's one-line result here")
+    args = parser.parse_args(argv)
+    args.size = args.size or ("gpu" if args.device == "cuda" else "cpu")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    warnings.filterwarnings("ignore")
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_stability"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+    lines: list[str] = []
+    start = time.perf_counter()
+    ok = SECTIONS[args.section](args, lines.append)
+    verdict = ("PASS" if ok else "FAIL") if args.section != "overhead" else "INFO"
+    line = f"{args.section}: {verdict} ({time.perf_counter() - start:.0f} s) " + " | ".join(lines)
+    print(line)
+    if args.summary is not None:
+        with args.summary.open("a") as f:
+            f.write(line + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

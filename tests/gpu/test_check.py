@@ -1,0 +1,41 @@
+"""``tests/gpu/check.sh``, the one command a session lent a GPU runs, kept working on the CPU.
+
+Its figures mean nothing on a CPU; this checks that every section runs to its own summary line and that the
+sections whose answer does not depend on the device (fp16 ``init_scale="auto"``, the CUDA-only tests, which skip
+here) pass.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO
+
+SECTIONS = ("syncs", "fp16auto", "gpu-tests", "overhead", "grad-norm")
+
+
+@pytest.mark.skipif("CHECK_DEVICE" in os.environ, reason="inside check.sh itself")
+def test_the_gpu_check_runs_every_section_to_a_summary_line_on_the_cpu(tmp_path: Path) -> None:
+    env = dict(os.environ, OUT=str(tmp_path), CHECK_DEVICE="cpu", CHECK_QUICK="1", OMP_NUM_THREADS="1")
+    env["PYTHON"] = sys.executable  # this test's interpreter, whichever venv it is in
+    proc = subprocess.run(
+        ["bash", str(REPO / "tests/gpu/check.sh")], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = (tmp_path / "summary.txt").read_text().splitlines()
+    assert summary[0].startswith("GPU check of lightning_stability")
+    assert "torch" in summary[1] and "lightning" in summary[1]
+    verdicts = {line.split(":")[0]: line for line in summary[2:] if not line.startswith(" ")}
+    assert tuple(verdicts) == SECTIONS, summary
+    for line in verdicts.values():
+        assert "TIMEOUT" not in line and "ERROR" not in line, line
+    assert verdicts["fp16auto"].startswith("fp16auto: PASS"), verdicts["fp16auto"]
+    assert verdicts["gpu-tests"].startswith("gpu-tests: PASS"), verdicts["gpu-tests"]
+    assert "kernel launches per step" in verdicts["overhead"]
+    details = (tmp_path / "details.txt").read_text()
+    assert all(f"===== {name}" in details for name in SECTIONS)
