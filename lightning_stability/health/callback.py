@@ -12,14 +12,14 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stability.errors import StabilityConfigError, check_int, config_error
 from lightning_stability.grad_norm import GradientNormMonitor
 from lightning_stability.health.history import HealthHistory, HealthReporter
-from lightning_stability.health.rollback import Rollback, Snapshot
+from lightning_stability.health.rollback import HostFlag, Rollback
 from lightning_stability.health.signals import UpdateSize, capacity, mean_over_ranks, peak_memory_over_ranks
 from lightning_stability.health.spike_stats import NEW_LEVEL_AFTER, IntervalMean, SpikeStats, zclip_threshold
 from lightning_stability.ledger import FlushValues, LedgerCallback, OptimizerRecord, Outcome, StepLedger, loss_scaler
@@ -52,10 +52,12 @@ class TrainingHealthMonitor(LedgerCallback):
     * ``"warn"``: a warning naming the steps, at the next logging step;
     * ``"clip"``: ZClip's adaptive clipping of the gradient when its norm's z-score exceeds ``clip_z``;
     * ``"skip"``: the update is skipped, weights and optimizer state stay exactly as they were (OLMo-core);
-    * ``"rollback"``: the update is skipped, and at the next logging step the weights and optimizer state
-      are restored from the last good snapshot (taken every ``snapshot_every`` steps, in host memory, each
-      rank its own shard) and the next ``skip_batches`` batches are skipped (PaLM); after ``max_rollbacks``
-      rollbacks training stops with :class:`TrainingDivergedError`.
+    * ``"rollback"``: the update is skipped; when the spike outlasts it (the next step spikes too, on the same
+      weights: the damage is in the weights, not in one batch), the step after that restores the weights and
+      optimizer state from the last good snapshot (taken every ``snapshot_every`` steps, in host memory, each
+      rank its own shard), drops its own update and skips the next ``skip_batches`` batches (PaLM); after
+      ``max_rollbacks`` rollbacks training stops with :class:`TrainingDivergedError`. No host sync: the flag is
+      copied to the host without waiting and read one step later (see ``lightning_stability.health.rollback``).
 
     On logging steps it also measures the update-to-weight ratio ``‖Δθ‖/‖θ‖`` (total and per module, one
     transient copy of the local shard) and the peak memory (max over ranks), and warns when the peak nears
@@ -68,9 +70,12 @@ class TrainingHealthMonitor(LedgerCallback):
         clip_z: z-score above which ``"clip"`` clips the gradient (ZClip's ``z_thresh``, 2.5).
         alpha: EMA factor of the running statistics (ZClip, 0.97).
         warmup_steps: values that initialise the statistics before any spike is called (ZClip, 25).
-        snapshot_every: steps between rollback snapshots (PaLM restarted ~100 steps before a spike).
+        snapshot_every: steps between rollback snapshots. Default (``None``): 1% of the run's optimizer steps
+            (``trainer.estimated_stepping_batches``), at least 1 and at most 100; 100 when the length is not
+            known (PaLM restarted ~100 steps before a spike).
         skip_batches: optimizer steps skipped after a rollback, each with its batch (its ``k`` micro-batches
-            under gradient accumulation); PaLM skipped 200-500 batches.
+            under gradient accumulation). Default (``None``): 0.2% of the run's steps, at least 1 and at most
+            200; 200 when the length is not known (PaLM skipped 200-500 batches in a run of 255k steps).
         max_rollbacks: rollbacks allowed before :class:`TrainingDivergedError`.
         memory_warn_fraction: warn when the peak memory passes this share of the capacity.
         top_modules: per-module update ratios logged on logging steps (the largest ones).
@@ -93,8 +98,8 @@ class TrainingHealthMonitor(LedgerCallback):
         clip_z: float = 2.5,
         alpha: float = 0.97,
         warmup_steps: int = 25,
-        snapshot_every: int = 100,
-        skip_batches: int = 200,
+        snapshot_every: int | None = None,
+        skip_batches: int | None = None,
         max_rollbacks: int = 3,
         memory_warn_fraction: float = 0.9,
         top_modules: int = 5,
@@ -125,8 +130,8 @@ class TrainingHealthMonitor(LedgerCallback):
         levels = {"rollback": (None, None), "clip": (k, None)}.get(response, (k, k))
         self.stats = SpikeStats(2, alpha, warmup_steps, new_level_after=levels)
         self._log = HealthReporter(response, self.spike_z, memory_warn_fraction, top_modules)
-        self._pending: Tensor | None = None  # a spike since the last logging step (rollback), on the device
-        self._pending_loaded = False  # the checkpoint held a spike not yet answered
+        self._spiked: Tensor | bool = False  # the last scored step's spike flag (rollback), on the device
+        self._damaged = HostFlag()  # "this step and the one before spiked", read on the host one step later
         self._module_of: dict[int, int] = {}  # id(param) -> its module's index in `_names`
         self._module_index: tuple[tuple[int, ...], Tensor] | None = None  # for the params that have gradients
         self._trainer: pl.Trainer | None = None
@@ -172,18 +177,27 @@ class TrainingHealthMonitor(LedgerCallback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.response == "rollback":
+            total = _total_steps(trainer)
+            every, skip = self.rollback.fit_to_run(total)
+            length = "of unknown length" if total is None else f"of {total} steps"
+            rank_zero_info(
+                f"TrainingHealthMonitor: for a run {length}, a rollback snapshot every {every} steps and "
+                f"{skip} batches skipped after a rollback"
+            )
             # the state before the next step: labelled with the last step taken (-1 at the very start)
-            self.rollback.snapshot = Snapshot(pl_module, trainer.optimizers, StepLedger.of(trainer)._label() - 1)
+            self.rollback.start(pl_module, trainer.optimizers, StepLedger.of(trainer)._label() - 1)
 
     # ------------------------------------------------------------------ the step
     def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer) -> None:
         lr = optimizer.param_groups[0]["lr"]
         host = {} if isinstance(lr, Tensor) else {"lr": float(lr)}
-        if self.rollback.take_skip():  # the data window after a rollback: a host decision, no sync
+        if self.response == "rollback" and self._rollback_or_skip(trainer, ledger):
+            # the rollback step or the data window after it: a host decision, no sync
             ledger.mark_skip(Outcome.SKIPPED_ROLLBACK, True)
             row = self.history.add(ledger._label(), [], host, ledger.record_of().device)
             self.history.set_outcome(row, int(Outcome.SKIPPED_ROLLBACK))
             self._row, self._size = None, None
+            self.record_metric("stability/rollbacks", float(self.rollback.rollbacks))
             if self.is_logging_step:
                 self._on_logging_step(ledger)
             return
@@ -214,11 +228,11 @@ class TrainingHealthMonitor(LedgerCallback):
         elif self.response in ("skip", "rollback"):
             ledger.mark_skip(Outcome.SKIPPED_SPIKE, spikes.any())
         if self.response == "rollback":
-            if self._pending is None:  # after a resume, a spike found before the checkpoint still counts
-                self._pending = spikes.any() | self._pending_loaded
-                self._pending_loaded = False
-            else:
-                self._pending = self._pending | spikes.any()
+            # the damage got in when this step spiked on the weights of a spike whose update was skipped
+            spiked, before = spikes.any(), self._spiked
+            if isinstance(before, Tensor) or before:
+                self._damaged.send(spiked & before if isinstance(before, Tensor) else spiked)
+            self._spiked = spiked
         self.stats.update(deviation, include, scored.run)
         # the loss's mean over the logging interval, every step so that EarlyStopping/ModelCheckpoint find it at
         # any epoch end (device ops, no sync)
@@ -272,6 +286,28 @@ class TrainingHealthMonitor(LedgerCallback):
             self._const = _Constants(device, self._fixed_clip)
         return self._const
 
+    def _rollback_or_skip(self, trainer: pl.Trainer, ledger: StepLedger) -> bool:
+        """Under ``"rollback"``, before the step's update: roll back if the flag sent one step ago says the damage
+        got in, or count down the skipped window; otherwise keep the snapshots. Whether the update is dropped."""
+        module, optimizers, step = trainer.lightning_module, trainer.optimizers, ledger._label()
+        if self._damaged.read():  # HOST READ of a copy started a step ago: no wait for the device
+            self._roll_back(ledger, step, end=False)
+            return True
+        if self.rollback.take_skip():
+            return True
+        self.rollback.advance(module, optimizers, step)
+        return False
+
+    def _roll_back(self, ledger: StepLedger, step: int, end: bool) -> None:
+        trainer = ledger.trainer
+        assert trainer is not None
+        event = self.rollback.roll_back(trainer.lightning_module, trainer.optimizers, step, skip=not end)
+        self._spiked = False  # the next step is scored on the restored weights
+        self._log.events.append(event)
+        ledger.note(event)
+        r = self.rollback
+        rank_zero_warn(f"TrainingHealthMonitor: rollback {r.rollbacks}/{r.max_rollbacks}: {event['detail']}.")
+
     # ------------------------------------------------------------------ logging steps
     def _on_logging_step(self, ledger: StepLedger) -> None:
         device = ledger.record_of().device
@@ -280,38 +316,20 @@ class TrainingHealthMonitor(LedgerCallback):
         if device.type == "cuda":
             self.record_metric("stability/memory_reserved_gb", memory[1])
         self._interval.reset()  # its value for this interval was logged in on_step
-        if self._pending is not None:
-            self.to_host("rollback", self._pending)
-            self._pending = None
 
     def on_host(self, trainer: pl.Trainer, record: OptimizerRecord, values: FlushValues) -> dict[str, float]:
-        extra = self._log.read(values)
-        self._respond(values.get("rollback", 0.0) == 1.0, end=False)
-        return extra
-
-    def _respond(self, spiked: bool, end: bool) -> None:
-        """Roll back after a spike (at the end of training: restore only); else take a snapshot when due."""
-        trainer = self._trainer
-        if trainer is None or self.response != "rollback":
-            return
-        module, optimizers, step = trainer.lightning_module, trainer.optimizers, StepLedger.of(trainer)._label()
-        if spiked:
-            event = self.rollback.roll_back(module, optimizers, step, skip=not end)
-            self._log.events.append(event)
-            StepLedger.of(trainer).note(event)
-            r = self.rollback
-            rank_zero_warn(f"TrainingHealthMonitor: rollback {r.rollbacks}/{r.max_rollbacks}: {event['detail']}.")
-        elif not end:  # the steps since the last logging step were clean
-            self.rollback.maybe_snapshot(module, optimizers, step)
+        return self._log.read(values)
 
     # ------------------------------------------------------------------ end of fit, checkpoints
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # HOST SYNC (once): the steps after the last logging step get the same scan, and a pending rollback
-        # restores the last good snapshot (there is no data left to skip)
+        # HOST SYNC (once): the steps after the last logging step get the same scan, and a rollback decided at
+        # the last step restores the last good snapshot (there is no data left to skip)
         self._log.take_rows(self.history.pending_on_host(), {})
-        spiked = self._pending is not None and bool(self._pending)
-        self._pending = None
-        self._respond(spiked, end=True)
+        ledger = StepLedger.of(trainer)
+        if self.response == "rollback" and self._damaged.read():
+            self._roll_back(ledger, ledger._label(), end=True)
+        # the counter as it ends, also when the last rollback came after the last step that recorded it
+        ledger._log((("stability/rollbacks", float(self.rollback.rollbacks)),), False)
         if self.report and trainer.is_global_zero:
             self.write_report(trainer)
 
@@ -334,7 +352,9 @@ class TrainingHealthMonitor(LedgerCallback):
             "history": self.history.state_dict(),
             "events": list(self.events),
             "rollback": self.rollback.state_dict(),
-            "pending_rollback": self._pending is not None and bool(self._pending),  # a sync: checkpoints only
+            # syncs, checkpoints only: a rollback decided and not yet done, and the last step's spike flag
+            "pending_rollback": self._damaged.peek(),
+            "last_spike": bool(self._spiked),
             "interval": self._interval.state_dict(),
         }
 
@@ -343,11 +363,20 @@ class TrainingHealthMonitor(LedgerCallback):
         self.history.load_state_dict(state_dict.get("history", {}))
         self._log.events = list(state_dict.get("events", []))
         self.rollback.load_state_dict(state_dict.get("rollback", {}))
-        self._pending_loaded = bool(state_dict.get("pending_rollback", False))
+        # a checkpoint of version 0.1 saved True for any spike not yet answered: it rolls back at the next step
+        self._damaged.load(bool(state_dict.get("pending_rollback", False)))
+        self._spiked = bool(state_dict.get("last_spike", False))
         self._interval.load_state_dict(state_dict.get("interval", {}))
 
     def transient_state(self) -> dict[str, Any]:
-        return {"_trainer": None, "_pending": None, "_module_index": None, "_const": None, "_row": None, "_size": None}
+        return {
+            "_trainer": None,
+            "_spiked": bool(self._spiked) if not isinstance(self._spiked, Tensor) else False,
+            "_module_index": None,
+            "_const": None,
+            "_row": None,
+            "_size": None,
+        }
 
 
 RESPONSES = ("warn", "clip", "skip", "rollback")
@@ -373,18 +402,28 @@ def check_health_arguments(
             raise config_error(name, value, "must be a number > 0", "pass e.g. 6.0 (spikes) or 2.5 (clip)")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
         raise config_error("alpha", alpha, "must be in (0, 1)", "pass e.g. 0.97 (ZClip's default)")
-    for name, value in (("warmup_steps", warmup_steps), ("snapshot_every", snapshot_every)):
-        check_int(name, value, 1, "25 or 100")
+    check_int("warmup_steps", warmup_steps, 1, "25")
+    if snapshot_every is not None:
+        check_int("snapshot_every", snapshot_every, 1, "20, or None to scale it to the run")
     if warmup_steps < 2:
         # one value has no spread: every later value would score as a spike, and "skip" would skip them all
         raise config_error(
             "warmup_steps", warmup_steps, "must be >= 2 (a standard deviation needs two values)", "pass e.g. 25"
         )
-    for name, value in (
-        ("skip_batches", skip_batches),
-        ("max_rollbacks", max_rollbacks),
-        ("top_modules", top_modules),
-    ):
-        check_int(name, value, 0, "200, 3 or 5")
+    if skip_batches is not None:
+        check_int("skip_batches", skip_batches, 0, "5, or None to scale it to the run")
+    for name, value in (("max_rollbacks", max_rollbacks), ("top_modules", top_modules)):
+        check_int(name, value, 0, "3 or 5")
     if not 0 < memory_warn_fraction <= 1:
         raise config_error("memory_warn_fraction", memory_warn_fraction, "must be in (0, 1]", "pass e.g. 0.9")
+
+
+def _total_steps(trainer: pl.Trainer) -> int | None:
+    """The run's optimizer steps, when known: Lightning's estimate (``max_steps``, or epochs of a sized loader)."""
+    try:
+        total = float(trainer.estimated_stepping_batches)
+    except Exception:  # a loader without a length and no max_steps: Lightning cannot tell
+        total = math.inf
+    if not math.isfinite(total) and trainer.max_steps > 0:
+        total = float(trainer.max_steps)
+    return int(total) if math.isfinite(total) and total > 0 else None

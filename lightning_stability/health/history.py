@@ -128,7 +128,7 @@ _ACTIONS = {
     "warn": "no action (response='warn')",
     "clip": "gradients clipped to ZClip's adaptive threshold (loss spikes: no action)",
     "skip": "those updates were skipped",
-    "rollback": "those updates were skipped; rolling back",
+    "rollback": "those updates were skipped (a spike that outlasts its skipped update rolls back)",
 }
 
 

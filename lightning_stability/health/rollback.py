@@ -1,13 +1,36 @@
 """PaLM's recovery from a loss spike: go back to the last good snapshot and skip the data that follows.
 
-:class:`Rollback` keeps the snapshot, takes a new one every ``snapshot_every`` steps once the steps since the last
-one are known to be clean, restores it on demand, counts down the batches to skip, and bounds the retries. Every
-decision is taken from rank-consistent values, so every rank rolls back together.
+When to roll back. A spike's own update is always skipped (``response="rollback"`` skips like ``"skip"``), so a
+spike caused by one bad batch never reaches the weights, and nothing needs restoring. The damage got into the
+weights when a spike *outlasts its skipped update*: the step after a spike spikes too, although the weights it
+was scored with are the very weights of the spike (its update was skipped), on a new batch. The cause is then in
+the weights (the updates applied before the first spike), not in one batch: :class:`Rollback` restores the last
+good snapshot, drops the step's own update (its gradient is of the damaged weights) and skips the next
+``skip_batches`` batches.
+
+When it acts, without a host sync. The flag "this step and the one before spiked" is formed on the device at
+step ``t + 1`` of a spike at ``t``, copied to the host without waiting (:class:`HostFlag`: pinned memory on a
+GPU, an event recorded after the copy) and read at step ``t + 2``, before its update: the rollback comes two
+steps after the first spike. The flag is computed from the loss and gradient norm averaged over ranks (one
+all-reduce shared with the spike scores), so every rank reads the same flag and rolls back at the same step.
+
+Which snapshot. A snapshot is taken every ``snapshot_every`` steps (at steps that are multiples of it, so a
+resumed run takes the same ones), as a *candidate*: it becomes the good snapshot only once its own step and the
+next are known not to form such a lasting spike, two steps later (the state it copied is then clean by the rule
+above). A rollback restores the good one. Two copies exist only while a candidate waits (two steps).
 
 A :class:`Snapshot` is a copy of the weights and optimizer state in host memory. Each rank keeps its own local
 shard (a DTensor's local part under FSDP2), so it costs host memory of one shard of the model and its optimizer
-state per rank, and taking or restoring it needs no collective. Restoring writes into the existing tensors, so the
-optimizer, the strategy's wrappers and any reference to a parameter stay valid.
+state per rank, and taking or restoring it needs no collective. On a GPU the copy goes to pinned memory without
+blocking the host (the copy is ordered on the stream like any kernel, and restoring is too). Restoring writes
+into the existing tensors, so the optimizer, the strategy's wrappers and any reference to a parameter stay
+valid.
+
+Defaults that fit the run (:func:`scaled_defaults`): PaLM (Chowdhery et al. 2022, section 5.1) restarted from a
+checkpoint ~100 steps before a spike and skipped 200-500 batches, in a run of 255k steps; those numbers stand
+from 100k steps on. A shorter run gets a snapshot every 1% of its steps (so a rollback loses about 1% of the
+updates at most, besides the skipped window) and a window of 0.2% of its steps (PaLM's 200 batches at 100k
+steps), at least one step each.
 """
 
 from __future__ import annotations
@@ -15,12 +38,41 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_stability.health.spike_stats import NEW_LEVEL_AFTER
 from lightning_stability.norms import local_tensor
+
+#: PaLM's numbers (restart ~100 steps before the spike, skip 200-500 batches): the defaults of long runs
+PALM_SNAPSHOT_EVERY, PALM_SKIP_BATCHES = 100, 200
+#: the share of a shorter run between snapshots, and skipped after a rollback
+SNAPSHOT_FRACTION, SKIP_FRACTION = 0.01, 0.002
+#: steps a candidate snapshot waits before it is good: its own step and the next are scored, and the flag of the
+#: second is read one step later
+CONFIRM_STEPS = 2
+
+
+def scaled_defaults(total_steps: float | None) -> tuple[int, int]:
+    """``(snapshot_every, skip_batches)`` for a run of ``total_steps`` optimizer steps (``None`` or infinite: not
+    known, PaLM's 100 and 200).
+
+    ==========  ===============  ============
+    run         snapshot_every   skip_batches
+    ==========  ===============  ============
+    200         2                1
+    1,000       10               2
+    10,000      100              20
+    100,000+    100              200
+    ==========  ===============  ============
+    """
+    if total_steps is None or not total_steps < float("inf") or total_steps <= 0:
+        return PALM_SNAPSHOT_EVERY, PALM_SKIP_BATCHES
+    every = min(PALM_SNAPSHOT_EVERY, max(1, int(total_steps * SNAPSHOT_FRACTION)))
+    skip = min(PALM_SKIP_BATCHES, max(1, int(total_steps * SKIP_FRACTION)))
+    return every, skip
 
 
 class TrainingDivergedError(RuntimeError):
@@ -31,16 +83,34 @@ class Rollback:
     """Snapshots, restores and the data window to skip.
 
     Args:
-        snapshot_every: steps between snapshots (PaLM restarted from ~100 steps before a spike).
-        skip_batches: batches skipped after a rollback (PaLM skipped 200-500).
-        max_rollbacks: rollbacks allowed; the next spike raises :class:`TrainingDivergedError`.
+        snapshot_every: steps between snapshots; ``None``: scaled to the run by :meth:`fit_to_run`.
+        skip_batches: batches skipped after a rollback; ``None``: scaled to the run by :meth:`fit_to_run`.
+        max_rollbacks: rollbacks allowed; the next one raises :class:`TrainingDivergedError`.
     """
 
-    def __init__(self, snapshot_every: int, skip_batches: int, max_rollbacks: int) -> None:
-        self.snapshot_every, self.skip_batches, self.max_rollbacks = snapshot_every, skip_batches, max_rollbacks
-        self.snapshot: Snapshot | None = None
+    def __init__(self, snapshot_every: int | None, skip_batches: int | None, max_rollbacks: int) -> None:
+        self.asked = (snapshot_every, skip_batches)
+        every, skip = scaled_defaults(None)
+        self.snapshot_every = every if snapshot_every is None else snapshot_every
+        self.skip_batches = skip if skip_batches is None else skip_batches
+        self.max_rollbacks = max_rollbacks
+        self.snapshot: Snapshot | None = None  # the good snapshot: what a rollback restores
+        self.candidate: Snapshot | None = None  # the newest snapshot, good once CONFIRM_STEPS steps passed clean
+        self._spare: Snapshot | None = None  # a dropped snapshot whose buffers the next one reuses
         self.rollbacks = 0
         self.skip_left = 0
+
+    def fit_to_run(self, total_steps: float | None) -> tuple[int, int]:
+        """Scale the settings left at ``None`` to a run of ``total_steps`` steps; returns the settings in use."""
+        every, skip = scaled_defaults(total_steps)
+        asked_every, asked_skip = self.asked
+        self.snapshot_every = every if asked_every is None else asked_every
+        self.skip_batches = skip if asked_skip is None else asked_skip
+        return self.snapshot_every, self.skip_batches
+
+    def start(self, module: nn.Module, optimizers: Sequence[Optimizer], step: int) -> None:
+        """The good snapshot at the start of training (labelled with the last step taken, -1 at the very start)."""
+        self.snapshot, self.candidate, self._spare = Snapshot(module, optimizers, step), None, None
 
     def take_skip(self) -> bool:
         """Whether this batch belongs to the skipped data window (and count it)."""
@@ -49,18 +119,19 @@ class Rollback:
         self.skip_left -= 1
         return True
 
-    def maybe_snapshot(self, module: nn.Module, optimizers: Sequence[Optimizer], step: int) -> None:
-        """Take a snapshot at ``step`` if the last one is ``snapshot_every`` steps old (the caller knows the steps
-        since are clean)."""
-        if self.skip_left > 0:
-            return
-        if self.snapshot is None or step - self.snapshot.step >= self.snapshot_every:
-            self.snapshot = Snapshot(module, optimizers, step)  # HOST SYNC: device-to-host copies
+    def advance(self, module: nn.Module, optimizers: Sequence[Optimizer], step: int) -> None:
+        """At step ``step``, known clean up to ``step - 2``: make a waiting candidate good once it is confirmed,
+        and take a new candidate (the state after ``step - 1``) when ``step`` is a multiple of ``snapshot_every``."""
+        if self.candidate is not None and step >= self.candidate.step + 1 + CONFIRM_STEPS:
+            self._spare, self.snapshot, self.candidate = self.snapshot, self.candidate, None
+        if self.candidate is None and step > 0 and step % self.snapshot_every == 0:
+            self.candidate = Snapshot(module, optimizers, step - 1, reuse=self._spare)
+            self._spare = None
 
     def roll_back(
         self, module: nn.Module, optimizers: Sequence[Optimizer], step: int, skip: bool = True
     ) -> dict[str, Any]:
-        """Restore the snapshot and (with ``skip``) start skipping; returns the event to record."""
+        """Restore the good snapshot and (with ``skip``) start skipping; returns the event to record."""
         if self.snapshot is None:
             raise RuntimeError("roll_back() before any snapshot")
         if self.rollbacks >= self.max_rollbacks:
@@ -72,16 +143,21 @@ class Rollback:
                 f'response="skip" learns a new level after {NEW_LEVEL_AFTER} steps above the threshold.'
             )
         self.snapshot.restore(module, optimizers)
+        if self.candidate is not None:  # taken after the damage got in
+            self._spare, self.candidate = self.candidate, None
         self.rollbacks += 1
         self.skip_left = self.skip_batches if skip else 0
         where = "the state at the start" if self.snapshot.step < 0 else f"the state after step {self.snapshot.step}"
         detail = f"restored {where}; " + (
-            f"skipping {self.skip_batches} batches" if skip else "training ended, nothing left to skip"
+            f"dropped this step's update and skipping the next {self.skip_batches} batches"
+            if skip
+            else "training ended, nothing left to skip"
         )
         return {"step": step, "kind": "rollback", "to_step": self.snapshot.step, "detail": detail}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "snapshot": None}  # host copies of the weights stay out of pickles
+        # host copies of the weights stay out of pickles
+        return {**self.__dict__, "snapshot": None, "candidate": None, "_spare": None}
 
     def state_dict(self) -> dict[str, Any]:
         return {"rollbacks": self.rollbacks, "skip_left": self.skip_left}
@@ -91,8 +167,65 @@ class Rollback:
         self.skip_left = int(state.get("skip_left", 0))
 
 
-def _copy(t: Tensor) -> Tensor:
-    return local_tensor(t).detach().to("cpu", copy=True)
+class HostFlag:
+    """A 0-dim device flag sent to the host at one step and read at the next, without waiting for the device.
+
+    :meth:`send` starts the copy into a host buffer (pinned on a GPU) and records an event after it;
+    :meth:`read` (one step later) waits for that event, which the device has long passed by then, and reads the
+    buffer. On a CPU the copy is a plain one. A flag sent and not yet read survives a checkpoint (:meth:`peek`,
+    :meth:`load`).
+    """
+
+    def __init__(self) -> None:
+        self._buf: Tensor | None = None
+        self._view: np.ndarray[Any, Any] | None = None  # the buffer as host memory: read without a tensor op
+        self._event: torch.cuda.Event | None = None
+        self._sent = False
+        self._loaded = False
+
+    def send(self, flag: Tensor) -> None:
+        if self._buf is None:
+            cuda = flag.device.type == "cuda"
+            self._buf = torch.zeros(1, dtype=torch.bool, pin_memory=cuda)
+            self._view = self._buf.numpy()
+        self._buf.copy_(flag.reshape(1), non_blocking=True)
+        if flag.device.type == "cuda":
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._sent = True
+
+    def read(self) -> bool:
+        """The flag sent last (``False`` if none was sent since the last read); forgets it."""
+        value = self.peek()
+        self._sent = self._loaded = False
+        return value
+
+    def peek(self) -> bool:
+        """The flag sent last, not forgotten (for checkpoints)."""
+        if self._loaded:
+            return True
+        if not self._sent or self._view is None:
+            return False
+        if self._event is not None:
+            self._event.synchronize()  # the copy was queued a step ago: done, or about to be
+        return bool(self._view[0])
+
+    def load(self, value: bool) -> None:
+        """A flag sent before a checkpoint: :meth:`read` gives it once."""
+        self._loaded, self._sent = bool(value), False
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_buf": None, "_view": None, "_event": None, "_sent": False}
+
+
+def _copy(t: Tensor, old: Tensor | None) -> Tensor:
+    """``t``'s local part in host memory, written into ``old`` when it fits (pinned and without waiting on a
+    GPU)."""
+    src = local_tensor(t).detach()
+    cuda = src.device.type == "cuda"
+    if old is None or old.shape != src.shape or old.dtype != src.dtype or old.is_pinned() != cuda:
+        old = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=cuda)
+    return old.copy_(src, non_blocking=True)
 
 
 class Snapshot:
@@ -101,20 +234,37 @@ class Snapshot:
     Args:
         module: the module whose parameters and buffers are copied.
         optimizers: the optimizers whose state is copied.
-        step: a label for the copy (the step it was taken at).
+        step: a label for the copy (the last step whose state it holds).
+        reuse: a snapshot no longer needed whose host buffers are written into where they fit.
     """
 
-    def __init__(self, module: nn.Module, optimizers: Iterable[Optimizer], step: int) -> None:
+    _tensors: list[Tensor]
+    _optim: list[dict[int, dict[str, Any]]]
+
+    def __init__(
+        self, module: nn.Module, optimizers: Iterable[Optimizer], step: int, reuse: Snapshot | None = None
+    ) -> None:
         self.step = step
-        # HOST SYNC: device-to-host copies (taken on logging steps only)
-        self._tensors = [_copy(t) for t in _weights(module)]
-        self._optim: list[dict[int, dict[str, Any]]] = []
-        for opt in optimizers:
+        old_tensors = reuse._tensors if reuse is not None else []
+        old_optim = reuse._optim if reuse is not None else []
+        weights = _weights(module)
+        self._tensors: list[Tensor] = [
+            _copy(t, old_tensors[i] if i < len(old_tensors) else None) for i, t in enumerate(weights)
+        ]
+        self._optim = []
+        for o, opt in enumerate(optimizers):
+            old_states = old_optim[o] if o < len(old_optim) else {}
             states: dict[int, dict[str, Any]] = {}
             for index, p in enumerate(_params(opt)):
                 state = opt.state.get(p)
                 if state:
-                    states[index] = {k: _copy(v) if isinstance(v, Tensor) else v for k, v in state.items()}
+                    old = old_states.get(index, {})
+                    states[index] = {
+                        k: _copy(v, old.get(k) if isinstance(old.get(k), Tensor) else None)
+                        if isinstance(v, Tensor)
+                        else v
+                        for k, v in state.items()
+                    }
             self._optim.append(states)
 
     @property
@@ -130,7 +280,7 @@ class Snapshot:
         """Write the copy back into ``module`` and ``optimizers`` in place."""
         with torch.no_grad():
             for target, saved in zip(_weights(module), self._tensors, strict=True):
-                local_tensor(target).copy_(saved, non_blocking=False)
+                local_tensor(target).copy_(saved, non_blocking=True)
             for opt, states in zip(optimizers, self._optim, strict=True):
                 for index, p in enumerate(_params(opt)):
                     saved_state = states.get(index)
@@ -144,7 +294,7 @@ class Snapshot:
                     for key, value in saved_state.items():
                         current = state.get(key)
                         if isinstance(value, Tensor) and isinstance(current, Tensor):
-                            local_tensor(current).copy_(value)
+                            local_tensor(current).copy_(value, non_blocking=True)
                         else:
                             state[key] = (
                                 value.to(local_tensor(p).device, copy=True) if isinstance(value, Tensor) else value

@@ -1,8 +1,9 @@
 """Run under torchrun (2 CPU processes, gloo): only rank 1 sees a spike at step SPIKE.
 
 Faults (third argument): ``loss`` — rank 1's loss is multiplied by 100 (its gradient too, before DDP averages
-it); ``after_allreduce`` — rank 1's gradients are multiplied by 100 inside ``on_before_optimizer_step``, after
-the all-reduce, so only rank 1's gradient norm spikes.
+it); ``lasting_loss`` — the same at SPIKE and SPIKE + 1 (a spike that outlasts its skipped update);
+``after_allreduce`` — rank 1's gradients are multiplied by 100 inside ``on_before_optimizer_step``, after the
+all-reduce, so only rank 1's gradient norm spikes.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ SPIKE = 11
 class Rank1Spikes(TinyModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
-        if fault == "loss" and self.global_step == SPIKE and self.global_rank == 1:
+        steps = {"loss": (SPIKE,), "lasting_loss": (SPIKE, SPIKE + 1)}.get(fault, ())
+        if self.global_step in steps and self.global_rank == 1:
             return loss * 100
         return loss
 

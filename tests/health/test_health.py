@@ -20,6 +20,7 @@ from lightning_stability import (
     TrainingDivergedError,
     TrainingHealthMonitor,
 )
+from lightning_stability.health.rollback import scaled_defaults
 from lightning_stability.health.spike_stats import SpikeStats, zclip_threshold
 from tests.helpers import TinyModule, count_syncs_per_step, quiet_trainer
 
@@ -154,14 +155,18 @@ class BurstThenSpike(TinyModule):
 
 def test_under_rollback_a_long_burst_never_enters_the_statistics() -> None:
     """30 bad steps in a row are rolled back, not taken as a new level: the statistics stay as they were, so the
-    spike at step 95 is found (had the burst entered them, capped, it was missed)."""
+    spike at step 95 is found (had the burst entered them, capped, it was missed). Each pair of spikes in the
+    burst rolls back two steps after its first (30-31 at 32, 36-37 at 38, ...) to the snapshot after step 19 (the
+    one after 29 was taken on the spike's weights); the lone spike at 95 is skipped, no rollback."""
     pl.seed_everything(0)
     mon = monitor("rollback", snapshot_every=10, skip_batches=3, log_every_n_steps=10, max_rollbacks=10)
     trainer = quiet_trainer(max_steps=120, callbacks=[mon])
     with pytest.warns(UserWarning, match="rollback"):
         trainer.fit(BurstThenSpike())
     assert 95 in {e["step"] for e in mon.events if e["kind"] == "spike"}
-    assert [e["to_step"] for e in mon.events if e["kind"] == "rollback"] == [29, 29, 29, 89]
+    rollbacks = [(e["step"], e["to_step"]) for e in mon.events if e["kind"] == "rollback"]
+    assert rollbacks == [(32, 19), (38, 19), (44, 19), (50, 19), (56, 19)]
+    assert int(mon.history.series["outcome"][95]) == int(Outcome.SKIPPED_SPIKE)
 
 
 def test_under_rollback_a_lasting_new_level_stops_with_an_error_that_names_skip() -> None:
@@ -195,31 +200,90 @@ class SkipLabels(pl.Callback):
         StepLedger.of(trainer).mark_skip(Outcome.SKIPPED_SPIKE, skip, optimizer)
 
 
-def test_rollback_restores_the_snapshot_and_skips_the_data_window() -> None:
-    """Logging every 2 steps, snapshots every 4 (the start counts as after step -1: snapshots after steps 3 and
-    7): the spike at step 11 is found at its own logging step; the weights go back to the snapshot taken after
-    step 7, and steps 12-14 are skipped. Training then goes on exactly as a run that never trained on batches
-    8-14."""
+@pytest.mark.parametrize("first", [11, 12])
+def test_a_lasting_spike_rolls_back_two_steps_later_and_skips_the_data_window(first: int) -> None:
+    """Snapshots every 4 steps (after steps 3, 7, 11, ...; each good once two more steps passed clean): spikes at
+    ``first`` and ``first + 1`` (the second on the weights of the first, whose update was skipped) roll back at
+    ``first + 2`` to the snapshot after step 7 (the one after 11 holds the spike's weights when ``first`` is 12,
+    and is not yet confirmed when it is 11), drop that step's update and skip the next 3. Training then goes on
+    exactly as a run that never trained on batches 8 to ``first + 5``."""
     pl.seed_everything(0)
     mon = monitor("rollback")
     trainer = quiet_trainer(max_steps=24, callbacks=[mon])
-    with pytest.warns(UserWarning, match=r"rollback 1/3: restored the state after step 7; skipping 3 batches"):
-        trainer.fit(Spiky())
+    detail = r"restored the state after step 7; dropped this step's update and skipping the next 3 batches"
+    with pytest.warns(UserWarning, match=rf"rollback 1/3: {detail}"):
+        trainer.fit(Spiky(spike_at=(first, first + 1)))
     outcomes = [int(o) for o in mon.history.series["outcome"]]
-    assert outcomes == [0] * 11 + [int(Outcome.SKIPPED_SPIKE)] + [int(Outcome.SKIPPED_ROLLBACK)] * 3 + [0] * 9
-    assert mon.rollback.rollbacks == 1 and StepLedger.of(trainer).events[0]["to_step"] == 7
+    spike, rollback = int(Outcome.SKIPPED_SPIKE), int(Outcome.SKIPPED_ROLLBACK)
+    assert outcomes == [0] * first + [spike] * 2 + [rollback] * 4 + [0] * (18 - first)
+    assert mon.rollback.rollbacks == 1
+    assert [(e["step"], e["to_step"]) for e in StepLedger.of(trainer).events] == [(first + 2, 7)]
     pl.seed_everything(0)
-    reference = quiet_trainer(max_steps=24, callbacks=[SkipLabels(set(range(8, 15)))])
+    reference = quiet_trainer(max_steps=24, callbacks=[SkipLabels(set(range(8, first + 6)))])
+    reference.fit(Spiky(spike_at=(first, first + 1)))
+    ours, theirs = trainer.lightning_module.parameters(), reference.lightning_module.parameters()
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+def test_a_spike_whose_skipped_update_kept_the_damage_out_does_not_roll_back() -> None:
+    """One bad batch at step 11: its update is skipped and step 12 scores normally on the same weights, so the
+    weights are clean: no rollback, the run ends as one that skipped step 11 alone."""
+    pl.seed_everything(0)
+    mon = monitor("rollback")
+    trainer = quiet_trainer(max_steps=24, callbacks=[mon])
+    with pytest.warns(UserWarning, match=r"at step\(s\) \[11\]"):
+        trainer.fit(Spiky())
+    assert mon.rollback.rollbacks == 0 and not StepLedger.of(trainer).events
+    assert StepLedger.of(trainer).record_of().counts.tolist() == [23, 0, 0, 1, 0]
+    pl.seed_everything(0)
+    reference = quiet_trainer(max_steps=24, callbacks=[SkipLabels({SPIKE})])
     reference.fit(Spiky())
     ours, theirs = trainer.lightning_module.parameters(), reference.lightning_module.parameters()
-    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))  # trained on batches 0-7, 15-23 only
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+def test_the_rollback_counter_is_true_at_the_end_of_fit() -> None:
+    """No logging step in the run (log every 50 of 24 steps): the rollback at step 13 is in callback_metrics."""
+    pl.seed_everything(0)
+    trainer = quiet_trainer(max_steps=24, callbacks=[monitor("rollback", log_every_n_steps=50)])
+    with pytest.warns(UserWarning, match="rollback 1/3"):
+        trainer.fit(Spiky(spike_at=(11, 12)))
+    assert float(trainer.callback_metrics["stability/rollbacks"]) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("total", "expected"),
+    [
+        (None, (100, 200)),
+        (math.inf, (100, 200)),
+        (50, (1, 1)),
+        (200, (2, 1)),
+        (1_000, (10, 2)),
+        (10_000, (100, 20)),
+        (100_000, (100, 200)),
+        (1_000_000, (100, 200)),
+    ],
+)
+def test_rollback_defaults_scale_with_the_run(total: float | None, expected: tuple[int, int]) -> None:
+    assert scaled_defaults(total) == expected
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [({}, (2, 1)), ({"snapshot_every": 20}, (20, 1)), ({"skip_batches": 5}, (2, 5))],
+)
+def test_a_monitor_left_at_its_defaults_fits_them_to_the_run(kwargs: dict[str, Any], expected: tuple[int, int]) -> None:
+    """200 steps: a snapshot every 2 steps and 1 batch skipped; a value the user set is kept."""
+    mon = TrainingHealthMonitor(response="rollback", report=False, **kwargs)
+    quiet_trainer(max_steps=200, callbacks=[mon]).fit(TinyModule())
+    assert (mon.rollback.snapshot_every, mon.rollback.skip_batches) == expected
 
 
 def test_rollbacks_are_bounded() -> None:
     mon = monitor("rollback", max_rollbacks=1, skip_batches=1)
     trainer = quiet_trainer(max_steps=24, callbacks=[mon])
     with pytest.raises(TrainingDivergedError, match=r"after 1 rollback\(s\) \(max_rollbacks=1\)"):
-        trainer.fit(Spiky(spike_at=(11, 17)))
+        trainer.fit(Spiky(spike_at=(11, 12, 17, 18)))
 
 
 def test_clip_uses_zclips_adaptive_threshold() -> None:
@@ -291,6 +355,69 @@ def test_no_host_sync_added_on_steps_that_do_not_log(response: str) -> None:
         TinyModule(optimizer="adamw_fused"),
     )
     assert ours == bare
+
+
+def test_a_rollback_adds_no_host_sync_on_steps_that_do_not_log() -> None:
+    """Spikes at 7 and 8, no logging step: the flag formed at step 8 is copied to the host without a sync and read
+    at step 9, which rolls back; the snapshots (steps 4, 8, 12) are copies into host buffers, no sync either."""
+    pl.seed_everything(0)
+    bare = count_syncs_per_step(
+        quiet_trainer(max_steps=16, log_every_n_steps=50), Spiky(spike_at=(7, 8), optimizer="adamw_fused")
+    )
+    pl.seed_everything(0)
+    mon = monitor("rollback", log_every_n_steps=50)
+    with pytest.warns(UserWarning, match="rollback 1/3"):
+        ours = count_syncs_per_step(
+            quiet_trainer(max_steps=16, log_every_n_steps=50, callbacks=[mon]),
+            Spiky(spike_at=(7, 8), optimizer="adamw_fused"),
+        )
+    assert [(e["step"], e["to_step"]) for e in mon.events if e["kind"] == "rollback"] == [(9, 3)]
+    assert ours == bare
+
+
+def test_a_resume_between_two_spikes_still_rolls_back(tmp_path: Path) -> None:
+    """Saved after step 17, between spikes at 17 and 18: the checkpoint keeps the spike flag of step 17, so the
+    resumed run rolls back at step 19 as the straight run does and skips the same steps. (It restores the resumed
+    state: snapshots are not saved; the straight run restores the one after step 15.)"""
+    spikes = (17, 18)
+    pl.seed_everything(0)
+    straight = monitor("rollback")
+    with pytest.warns(UserWarning, match="rollback 1/3"):
+        quiet_trainer(max_steps=24, callbacks=[straight]).fit(Spiky(spike_at=spikes))
+    pl.seed_everything(0)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=18, save_top_k=-1)
+    first = quiet_trainer(max_steps=18, callbacks=[monitor("rollback"), ckpt], enable_checkpointing=True)
+    with pytest.warns(UserWarning):
+        first.fit(Spiky(spike_at=spikes))
+    resumed_monitor = monitor("rollback")
+    resumed = quiet_trainer(max_steps=24, callbacks=[resumed_monitor])
+    with pytest.warns(UserWarning, match="rollback 1/3: restored the state after step"):
+        resumed.fit(Spiky(spike_at=spikes), ckpt_path=str(tmp_path / "epoch=2-step=18.ckpt"))
+    assert resumed_monitor.history.series["outcome"] == straight.history.series["outcome"]
+    assert [(e["step"], e["to_step"]) for e in straight.events if e["kind"] == "rollback"] == [(19, 15)]
+    assert [e["step"] for e in resumed_monitor.events if e["kind"] == "rollback"] == [19]
+
+
+def test_a_resume_before_a_rollback_ends_as_the_straight_run(tmp_path: Path) -> None:
+    """Saved after step 7; spikes at 17 and 18 roll back at 19 to the snapshot after step 15 in both runs (the
+    snapshot schedule is the same after a resume): the same weights and events."""
+    spikes = (17, 18)
+    pl.seed_everything(0)
+    straight = monitor("rollback")
+    trainer = quiet_trainer(max_steps=24, callbacks=[straight])
+    with pytest.warns(UserWarning, match="rollback 1/3: restored the state after step 15"):
+        trainer.fit(Spiky(spike_at=spikes))
+    pl.seed_everything(0)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=8, save_top_k=-1)
+    quiet_trainer(max_steps=8, callbacks=[monitor("rollback"), ckpt], enable_checkpointing=True).fit(
+        Spiky(spike_at=spikes)
+    )
+    resumed = quiet_trainer(max_steps=24, callbacks=[monitor("rollback")])
+    with pytest.warns(UserWarning, match="rollback 1/3: restored the state after step 15"):
+        resumed.fit(Spiky(spike_at=spikes), ckpt_path=str(tmp_path / "epoch=0-step=8.ckpt"))
+    ours, theirs = trainer.lightning_module.parameters(), resumed.lightning_module.parameters()
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    assert StepLedger.of(resumed).events == StepLedger.of(trainer).events
 
 
 def test_resume_mid_run_with_spikes_gives_the_straight_runs_outcome(tmp_path: Path) -> None:
@@ -367,24 +494,25 @@ def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
 
 
 def test_a_resume_inside_the_skipped_window_does_not_replay_it(tmp_path: Path) -> None:
-    """Rollback at step 13, batches 14-17 skipped; the run is interrupted at step 16 and resumed: 16 and 17 are
-    still skipped, and the run ends as the straight one."""
+    """Spikes at 12 and 13, rollback at step 14, batches 15-18 skipped; the run is interrupted after step 15 and
+    resumed: 16-18 are still skipped, and the run ends as the straight one."""
     kwargs = dict(skip_batches=4)
+    spikes = (12, 13)
     pl.seed_everything(0)
     straight = monitor("rollback", **kwargs)
     trainer = quiet_trainer(max_steps=24, callbacks=[straight])
     with pytest.warns(UserWarning, match="rollback 1/3"):
-        trainer.fit(Spiky(spike_at=(13,)))
+        trainer.fit(Spiky(spike_at=spikes))
     rollback = int(Outcome.SKIPPED_ROLLBACK)
-    assert [int(o) for o in straight.history.series["outcome"]][13:18] == [3, rollback, rollback, rollback, rollback]
+    assert [int(o) for o in straight.history.series["outcome"]][12:20] == [3, 3] + [rollback] * 5 + [0]
     pl.seed_everything(0)
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=16, save_top_k=-1)
     first = quiet_trainer(max_steps=16, callbacks=[monitor("rollback", **kwargs), ckpt], enable_checkpointing=True)
     with pytest.warns(UserWarning, match="rollback 1/3"):
-        first.fit(Spiky(spike_at=(13,)))
+        first.fit(Spiky(spike_at=spikes))
     resumed_monitor = monitor("rollback", **kwargs)
     resumed = quiet_trainer(max_steps=24, callbacks=[resumed_monitor])
-    resumed.fit(Spiky(spike_at=(13,)), ckpt_path=str(tmp_path / "epoch=1-step=16.ckpt"))
+    resumed.fit(Spiky(spike_at=spikes), ckpt_path=str(tmp_path / "epoch=1-step=16.ckpt"))
     assert resumed_monitor.history.series["outcome"] == straight.history.series["outcome"]
     ours, theirs = trainer.lightning_module.parameters(), resumed.lightning_module.parameters()
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
@@ -515,14 +643,18 @@ def test_a_checkpoint_between_logging_steps_loses_no_spike(tmp_path: Path) -> No
 
 @pytest.mark.parametrize("response", ["warn", "rollback"])
 def test_a_spike_after_the_last_logging_step_is_still_answered(response: str) -> None:
+    """Logging steps 4 and 9; spikes at 11 and 12, the last step: the warning names both, and under rollback
+    the flag sent at step 12 is read at the end of fit, which restores the snapshot after step 7 (the one after
+    11 was not yet confirmed) and counts it."""
     pl.seed_everything(0)
     mon = monitor(response, log_every_n_steps=5)
-    trainer = quiet_trainer(max_steps=13, callbacks=[mon])  # logging steps 4 and 9; the spike at 11
-    with pytest.warns(UserWarning, match=rf"at step\(s\) \[{SPIKE}\]"):
-        trainer.fit(Spiky())
+    trainer = quiet_trainer(max_steps=13, callbacks=[mon])
+    with pytest.warns(UserWarning, match=rf"at step\(s\) \[{SPIKE}, {SPIKE + 1}\]"):
+        trainer.fit(Spiky(spike_at=(SPIKE, SPIKE + 1)))
     if response == "rollback":
         assert mon.rollback.rollbacks == 1
-        assert mon.events[-1]["detail"] == "restored the state after step 9; training ended, nothing left to skip"
+        assert mon.events[-1]["detail"] == "restored the state after step 7; training ended, nothing left to skip"
+        assert float(trainer.callback_metrics["stability/rollbacks"]) == 1.0
 
 
 def test_parameters_without_gradients_are_measured_without_them() -> None:

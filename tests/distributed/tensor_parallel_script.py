@@ -1,0 +1,176 @@
+"""torchrun script: a GPT-style model under Lightning's own ``ModelParallelStrategy`` with our callbacks.
+
+Usage: ``torchrun --nproc_per_node=DP*TP tensor_parallel_script.py OUT_DIR DP TP``; writes ``OUT_DIR/rank{R}.json``
+(per-step norms and logged metrics) and, on rank 0, ``OUT_DIR/final.pt`` (the whole weights after training).
+``python tensor_parallel_script.py OUT_DIR 1 1`` is the one-process reference on the same global batches.
+
+The model carries every hazard of gradient norms under tensor parallelism: a tied embedding / LM head (one
+tensor, counted once), a LayerNorm left replicated across the tensor-parallel ranks, a ``SequenceParallel``
+final norm (its gradients ``Partial`` until the optimizer reduces them), a column/row-parallel MLP (which FSDP2
+shards on the same dim: ``_StridedShard``) and, under TP alone, plain parameters next to DTensors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_stability import GradientNormMonitor, StepLedger, TrainingHealthMonitor
+from lightning_stability.ledger.callback import LedgerCallback
+
+VOCAB, DIM, SEQ, GLOBAL_BATCH, STEPS = 32, 16, 8, 8, 6
+MAX_NORM = 0.5  # below the norms of this model: every step clips
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)  # tied with the LM head below
+        self.ln = nn.LayerNorm(DIM)  # left replicated by the TP plan
+        self.fc1 = nn.Linear(DIM, 4 * DIM)  # ColwiseParallel
+        self.fc2 = nn.Linear(4 * DIM, DIM)  # RowwiseParallel, output sharded on the sequence
+        self.final = nn.Sequential(nn.LayerNorm(DIM))  # SequenceParallel inside, gathered at its output
+        self.gate = nn.Parameter(torch.full((1,), 0.5))  # plain, multiplies the MLP's output
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        h = self.final(self.fc2(nn.functional.gelu(self.fc1(self.ln(x)))))
+        return nn.functional.linear(x + self.gate * h, self.emb.weight)
+
+
+def tp_plan() -> dict[str, Any]:
+    """The tensor-parallel plan of :class:`Net` (what a user writes for their own model)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    return {
+        "fc1": ColwiseParallel(),
+        "fc2": RowwiseParallel(output_layouts=Shard(1)),
+        "final.0": SequenceParallel(),
+        "final": PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate()),
+    }
+
+
+class TPModule(pl.LightningModule):
+    def __init__(self, fsdp: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)  # the same whole weights on every rank and in the reference
+        self.model = Net()
+        self.fsdp = fsdp
+
+    def configure_model(self) -> None:
+        if self.device_mesh is None:
+            return
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        parallelize_module(self.model, self.device_mesh["tensor_parallel"], tp_plan())
+        if self.fsdp:
+            fully_shard(self.model, mesh=self.device_mesh["data_parallel"])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        logits = self.model(tokens[:, :-1])
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+    def train_dataloader(self) -> DataLoader:
+        """Each data-parallel rank takes every dp-th sample, in order: together one global batch per step, the
+        reference's. (Lightning's own distributed sampler would shuffle, the one-process reference would not.)"""
+        if self.device_mesh is None:
+            return DataLoader(data(), batch_size=GLOBAL_BATCH)
+        mesh = self.device_mesh["data_parallel"]
+        sampler = DistributedSampler(data(), num_replicas=mesh.size(), rank=mesh.get_local_rank(), shuffle=False)
+        return DataLoader(data(), batch_size=GLOBAL_BATCH // mesh.size(), sampler=sampler)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class Probe(LedgerCallback):
+    """Before the monitor (first in the list): the ledger's 2- and inf-norms of each step, read on the host."""
+
+    def __init__(self) -> None:
+        super().__init__(log_every_n_steps=1)
+        self.norms: list[dict[str, float]] = []
+
+    def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Any) -> None:
+        self.norms.append({"2": float(ledger.gradients(2.0).total), "inf": float(ledger.gradients(math.inf).total)})
+
+
+class Metrics(pl.Callback):
+    """Every ``stability/`` metric after each step (a host read per step: this is a test)."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        metrics = trainer.callback_metrics
+        self.rows.append({k: float(v) for k, v in metrics.items() if k.startswith("stability/")})
+
+
+def whole(value: torch.Tensor) -> torch.Tensor:
+    return (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().float().cpu()
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randint(VOCAB, (STEPS * GLOBAL_BATCH, SEQ + 1), generator=g))
+
+
+def main() -> None:
+    out, dp, tp = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    probe, metrics = Probe(), Metrics()
+    callbacks = [
+        probe,
+        GradientNormMonitor(max_norm=MAX_NORM, per_layer=True, log_every_n_steps=1),
+        TrainingHealthMonitor(response="warn", log_every_n_steps=1, report=False),
+        metrics,
+    ]
+    common: dict[str, Any] = dict(
+        accelerator="cpu",
+        max_steps=STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        use_distributed_sampler=False,
+        callbacks=callbacks,
+    )
+    if dp * tp == 1:
+        trainer = pl.Trainer(devices=1, **common)
+    else:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp)
+        trainer = pl.Trainer(devices=dp * tp, strategy=strategy, **common)
+    module = TPModule(fsdp=dp > 1)
+    trainer.fit(module)
+    final = {name: whole(p) for name, p in module.model.named_parameters()}  # every rank gathers
+    rank = int(os.environ.get("RANK", 0))
+    if rank == 0:
+        torch.save(final, out / "final.pt")
+    placements = {
+        name: [type(p).__name__ for p in getattr(param, "placements", ())]
+        for name, param in module.model.named_parameters()
+    }
+    (out / f"rank{rank}.json").write_text(
+        json.dumps({"norms": probe.norms, "metrics": metrics.rows, "placements": placements})
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Our callbacks under Lightning's own ``ModelParallelStrategy`` (4 CPU processes, gloo) against one process.
+
+Data parallel x tensor parallel 2 x 2 (FSDP2 on the data dim: a column-parallel weight is ``_StridedShard`` on
+it) and tensor parallel alone, 1 x 4 (plain parameters beside DTensors). Every hazard of
+``tensor_parallel_script.py`` is in the model; the gradient norms (2 and inf), the per-module norms, the update
+ratio and the clipped training itself must equal the one-process run on the same global batches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers import REPO, torchrun
+
+SCRIPT = Path(__file__).with_name("tensor_parallel_script.py")
+TOL = dict(rel=2e-5, abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("reference")
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, str(SCRIPT), str(out), "1", "1"], env=env, check=True, capture_output=True)
+    result: dict[str, Any] = json.loads((out / "rank0.json").read_text())
+    result["final"] = torch.load(out / "final.pt")
+    return result
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("dp", "tp"), [(2, 2), (1, 4)], ids=["dp2xtp2", "tp4"])
+def test_norms_clipping_and_update_ratio_equal_one_process_under_model_parallel(
+    tmp_path: Path, reference: dict[str, Any], dp: int, tp: int
+) -> None:
+    results = torchrun(SCRIPT, dp * tp, tmp_path, str(dp), str(tp), timeout=400)
+    placements = results[0]["placements"]
+    if dp > 1:  # FSDP2 over ColwiseParallel, both on dim 0: the hazard torch 2.13 does not make a Shard
+        assert "_StridedShard" in placements["fc1.weight"], placements
+    else:  # tensor parallel alone: the replicated LayerNorm and the gate stay plain tensors
+        assert placements["ln.weight"] == [] and placements["gate"] == [], placements
+        assert placements["fc1.weight"] == ["Shard"], placements
+    for rank, result in enumerate(results):
+        for step, (ours, ref) in enumerate(zip(result["norms"], reference["norms"], strict=True)):
+            assert ours["2"] == pytest.approx(ref["2"], **TOL), (rank, step)
+            assert ours["inf"] == pytest.approx(ref["inf"], **TOL), (rank, step)
+        for step, (ours, ref) in enumerate(zip(result["metrics"], reference["metrics"], strict=True)):
+            keys = [k for k in ref if k.startswith(("stability/grad_norm", "stability/clip", "stability/update"))]
+            assert {k: ours[k] for k in keys} == pytest.approx({k: ref[k] for k in keys}, **TOL), (rank, step)
+        assert result["norms"] == results[0]["norms"]  # every rank logged the same global value
+    final = torch.load(tmp_path / "final.pt")
+    assert final.keys() == reference["final"].keys()
+    for name, weight in final.items():
+        torch.testing.assert_close(weight, reference["final"][name], rtol=1e-5, atol=1e-6, msg=name)
