@@ -43,10 +43,13 @@ _EXPORTS = {
     # checkpoints a crash cannot half-write
     "AtomicCheckpointIO": "lightning_stability.checkpoint.io",
     "CheckpointError": "lightning_stability.checkpoint.atomic",
+    "StableCheckpoint": "lightning_stability.checkpoint.callback",
     "verify_checkpoint": "lightning_stability.checkpoint.atomic",
     # the strategy
     "StableFSDPStrategy": "lightning_stability.strategies.fsdp",
     "consolidate_checkpoint": "lightning_stability.strategies.fsdp_checkpoint",
+    "gpt_block_plan": "lightning_stability.strategies.tensor_parallel",
+    "parallelize_blocks": "lightning_stability.strategies.tensor_parallel",
     # presets, the trainer, the planner
     "Preset": "lightning_stability.presets",
     "StableTrainer": "lightning_stability.trainer",
@@ -106,6 +109,7 @@ if TYPE_CHECKING:
     from lightning_stability.amp.diagnostics import PrecisionDiagnostics, TrainingStatus, check_training_status
     from lightning_stability.amp.scaler import TunedGradScaler
     from lightning_stability.checkpoint.atomic import CheckpointError, verify_checkpoint
+    from lightning_stability.checkpoint.callback import StableCheckpoint
     from lightning_stability.checkpoint.io import AtomicCheckpointIO
     from lightning_stability.errors import StabilityConfigError
     from lightning_stability.grad_norm import GradientNormMonitor
@@ -127,4 +131,5 @@ if TYPE_CHECKING:
     )
     from lightning_stability.strategies.fsdp import StableFSDPStrategy
     from lightning_stability.strategies.fsdp_checkpoint import consolidate_checkpoint
+    from lightning_stability.strategies.tensor_parallel import gpt_block_plan, parallelize_blocks
     from lightning_stability.trainer import StableTrainer

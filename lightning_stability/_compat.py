@@ -396,3 +396,63 @@ def dcp_file_extents(metadata: Any) -> dict[str, int]:
 def strategy_checkpoint_io(strategy: Any) -> Any:
     """The CheckpointIO a user gave ``strategy`` (``None`` if none: the ``checkpoint_io`` property would make one)."""
     return getattr(strategy, "_checkpoint_io", None)
+
+
+# ---------------------------------------------------------------------------------------------- StableCheckpoint
+#: the private ``ModelCheckpoint`` methods ``StableCheckpoint`` overrides or calls (each is where Lightning saves,
+#: removes, names or finds a checkpoint; checked at its setup)
+_MODEL_CHECKPOINT_METHODS = (
+    "_save_topk_checkpoint",
+    "_save_last_checkpoint",
+    "_save_checkpoint",
+    "_remove_checkpoint",
+    "_find_last_checkpoints",
+    "_monitor_candidates",
+    "_get_metric_interpolated_filepath_name",
+    "_ModelCheckpoint__resolve_ckpt_dir",
+)
+_SIGNAL_CONNECTOR = "lightning.pytorch.trainer.connectors.signal_connector"
+
+
+def check_model_checkpoint_supported() -> None:
+    """Raise one clear error at ``StableCheckpoint`` setup when a private Lightning name it relies on is missing."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    for name in _MODEL_CHECKPOINT_METHODS:
+        _require_attr(ModelCheckpoint, name, "ModelCheckpoint")
+    _private(_SIGNAL_CONNECTOR, "_HandlersCompose")
+    connector = _private(_SIGNAL_CONNECTOR, "_SignalConnector")
+    for name in ("_slurm_sigusr_handler_fn", "_sigterm_notifier_fn"):
+        _require_attr(connector, name, "Lightning's signal connector")
+
+
+def model_checkpoint_dir(callback: Any, trainer: pl.Trainer) -> str:
+    """Where a ``ModelCheckpoint`` saves (its ``dirpath``, else derived from the logger), also before its setup."""
+    return str(callback._ModelCheckpoint__resolve_ckpt_dir(trainer))
+
+
+def model_checkpoint_saved_at(callback: Any) -> int:
+    """The ``global_step`` of a ``ModelCheckpoint``'s last save (0 before any)."""
+    return int(callback._last_global_step_saved)
+
+
+def split_lightning_signal_handler(handler: Any) -> tuple[list[Callable[..., Any]], list[Callable[..., Any]]] | None:
+    """Lightning's composed signal handler (``Trainer`` installs it at fit) as ``(requeue, others)``; else ``None``.
+
+    ``requeue``: Lightning's SLURM auto-requeue handler (saves ``hpc_ckpt_<n>.ckpt``, runs ``scontrol requeue``).
+    ``others``: the handlers that were installed before the Trainer's (a user's own). Lightning's SIGTERM
+    notifier (it makes the loop raise ``SIGTERMException`` at the batch's end) and its SIGTERM bypass (a log
+    line) are left out: a caller that stops the Trainer cleanly itself must not run them.
+    """
+    if not isinstance(handler, _private(_SIGNAL_CONNECTOR, "_HandlersCompose")):
+        return None
+    connector = _private(_SIGNAL_CONNECTOR, "_SignalConnector")
+    requeue: list[Callable[..., Any]] = []
+    others: list[Callable[..., Any]] = []
+    for part in handler.signal_handlers:
+        if isinstance(getattr(part, "__self__", None), connector):
+            if getattr(part, "__name__", "") == "_slurm_sigusr_handler_fn":
+                requeue.append(part)
+        elif callable(part):
+            others.append(part)
+    return requeue, others

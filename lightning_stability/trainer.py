@@ -15,7 +15,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, ProgressBar
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.plugins import CheckpointIO, MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_info
@@ -23,7 +23,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_stability import _compat
 from lightning_stability.accumulation.callback import GradientAccumulation
 from lightning_stability.amp.callback import LossScaleTuner
-from lightning_stability.checkpoint.io import AtomicCheckpointIO
+from lightning_stability.checkpoint.callback import StableCheckpoint
+from lightning_stability.checkpoint.io import AtomicCheckpointIO, local_path
 from lightning_stability.errors import StabilityConfigError
 from lightning_stability.grad_norm import GradientNormMonitor
 from lightning_stability.health.callback import TrainingHealthMonitor
@@ -132,6 +133,9 @@ def _preset_arguments(
     args.update(_hardware(preset, args, notes))
     callbacks = _callbacks(preset, args)
     _check_duplicates(preset, callbacks, extra)
+    checkpoint = _stable_checkpoint(args, extra)
+    if checkpoint is not None:
+        callbacks.append(checkpoint)
     if args.get("enable_progress_bar") is not False and not any(isinstance(cb, ProgressBar) for cb in extra):
         callbacks.append(stability_progress_bar())  # the stability metrics beside the loss
     if notes:
@@ -225,6 +229,16 @@ def _callbacks(preset: Preset, args: dict[str, Any]) -> list[Callback]:
         callbacks.append(LossScaleTuner(init_scale=preset.init_scale, hysteresis=preset.hysteresis))
     callbacks.append(TrainingHealthMonitor(response=preset.health))
     return callbacks
+
+
+def _stable_checkpoint(args: dict[str, Any], extra: list[Callback]) -> StableCheckpoint | None:
+    """The preset's ``StableCheckpoint`` in ``<default_root_dir>/checkpoints`` (the same directory in every run, so
+    ``ckpt_path="last"`` finds it); none with ``enable_checkpointing=False``, a ``ModelCheckpoint`` of the user's,
+    or a remote ``default_root_dir`` (Lightning's own ``ModelCheckpoint`` then applies)."""
+    if args.get("enable_checkpointing") is False or any(isinstance(cb, ModelCheckpoint) for cb in extra):
+        return None
+    root = local_path(args.get("default_root_dir") or os.getcwd())
+    return StableCheckpoint(dirpath=root / "checkpoints") if root is not None else None
 
 
 _FIELD_OF = {

@@ -24,6 +24,13 @@ warnings.filterwarnings("ignore", ".*LitLogger.*")
 
 QUIET = ["--trainer.accelerator=cpu", "--trainer.logger=false", "--trainer.enable_progress_bar=false"]
 
+
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Trainers here save into ``default_root_dir``, the working directory: keep it out of the repository."""
+    monkeypatch.chdir(tmp_path)
+
+
 CONFIG = """
 trainer:
   max_steps: 4

@@ -4,11 +4,16 @@
   with ``renameat2(RENAME_EXCHANGE)``, or two renames and a record to recover from), removal, the clean-up of
   what a crash left, and the completeness checks of a file or a sharded directory (:class:`CheckpointError`).
 * ``io.py``: :class:`AtomicCheckpointIO`, the ``CheckpointIO`` for single-device and DDP runs.
+* ``callback.py``: :class:`StableCheckpoint`, a ``ModelCheckpoint`` that saves only healthy states, keeps the
+  newest ``keep``, resolves ``ckpt_path="last"`` to the newest that verifies, and saves and stops on a signal.
+* ``ring.py``: ``stable_checkpoints.json``, the list of a directory's healthy checkpoints.
+* ``preemption.py``: the signal handlers, and how every rank agrees on a signal at a step boundary.
 
 ``StableFSDPStrategy`` (``strategies/fsdp.py``) uses ``atomic`` for both of its layouts.
 """
 
 from lightning_stability.checkpoint.atomic import CheckpointError, clean_directory, verify_checkpoint
+from lightning_stability.checkpoint.callback import StableCheckpoint
 from lightning_stability.checkpoint.io import AtomicCheckpointIO
 
-__all__ = ["AtomicCheckpointIO", "CheckpointError", "clean_directory", "verify_checkpoint"]
+__all__ = ["AtomicCheckpointIO", "CheckpointError", "StableCheckpoint", "clean_directory", "verify_checkpoint"]

@@ -17,7 +17,7 @@ from lightning_stability.checkpoint import atomic
 from lightning_stability.errors import config_error
 
 
-def _local(path: _PATH) -> Path | None:
+def local_path(path: _PATH) -> Path | None:
     """``path`` as a local path, or ``None`` for a remote URL (``s3://...``), which fsspec writes whole."""
     fs, local = url_to_fs(str(path))
     return Path(local) if isinstance(fs, LocalFileSystem) else None
@@ -57,7 +57,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise config_error(
                 "storage_options", storage_options, "is not used by AtomicCheckpointIO", "drop storage_options"
             )
-        target = _local(path)
+        target = local_path(path)
         if target is None:
             super().save_checkpoint(checkpoint, path)
             return
@@ -70,14 +70,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         map_location: Callable | None = lambda storage, loc: storage,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
-        target = _local(path)
+        target = local_path(path)
         if target is None:
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
         found = atomic.verify_checkpoint(target)
         return super().load_checkpoint(found, map_location=map_location, weights_only=weights_only)
 
     def remove_checkpoint(self, path: _PATH) -> None:
-        target = _local(path)
+        target = local_path(path)
         if target is None:
             super().remove_checkpoint(path)
         else:

@@ -31,7 +31,9 @@ from lightning_stability.strategies.fsdp_config import (
     adopt_precision,
     build_mesh,
     check_device,
+    check_tensor_parallel_applied,
     explain_flatten_parameters,
+    fsdp_mesh,
     parse_arguments,
 )
 from lightning_stability.strategies.fsdp_precision import StableFSDPPrecision
@@ -63,7 +65,14 @@ class StableFSDPStrategy(ParallelStrategy):
       whole), and checked for completeness before they load;
       ``state_dict_type="full"`` writes one file; :func:`~lightning_stability.strategies.consolidate_checkpoint`
       merges a sharded directory into one file for export;
-    * runs on CPU with gloo, so it is tested for real in CI.
+    * runs on CPU with gloo, so it is tested for real in CI;
+    * ``tensor_parallel=N`` adds a tensor-parallel dim with Lightning ``ModelParallelStrategy``'s contract:
+      ``configure_model`` applies the module's TP plan with
+      ``parallelize_module(..., self.device_mesh["tensor_parallel"], plan)`` and the strategy shards the result
+      with FSDP2 over ``self.device_mesh["data_parallel"]`` (hybrid: replicate x shard). A module written for
+      ``ModelParallelStrategy`` runs unchanged once its ``fully_shard`` calls are dropped (or kept: a module
+      ``configure_model`` already sharded is left as it is); the norms, clipping, fp16 loss scaling and
+      checkpoints above hold on that mesh.
 
     FairScale's FSDP keywords are accepted as written. ``mixed_precision=True`` means what it means
     in FairScale: fp16 compute with fp32 master weights (here also fp32 reduction and a loss scaler).
@@ -94,6 +103,8 @@ class StableFSDPStrategy(ParallelStrategy):
         device_mesh: for ``sharding="hybrid"``, the mesh shape ``(replicas, shard_size)``.
         state_dict_type: ``"sharded"`` (default) or ``"full"`` checkpoints.
         backend: ``"native"`` (FSDP2) or ``"fairscale"`` (FairScale's FSDP, CUDA only, needs the extra).
+        tensor_parallel: devices that split each layer (tensor parallelism, applied by ``configure_model``);
+            1: none. Must divide the devices per node.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: the device's.
         timeout: process group timeout.
         **fairscale_kwargs: further FairScale FSDP keywords, only with ``backend="fairscale"``.
@@ -127,6 +138,7 @@ class StableFSDPStrategy(ParallelStrategy):
         device_mesh: tuple[int, int] | None = None,
         state_dict_type: Literal["sharded", "full"] | None = None,
         backend: Literal["native", "fairscale"] = "native",
+        tensor_parallel: int = 1,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         **fairscale_kwargs: Any,
@@ -144,6 +156,7 @@ class StableFSDPStrategy(ParallelStrategy):
             state_dict_type=state_dict_type,
             backend=backend,
             extra=fairscale_kwargs,
+            tensor_parallel=tensor_parallel,
         )
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -192,7 +205,11 @@ class StableFSDPStrategy(ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Every rank sees different data: sharding (and, in hybrid mode, replication) is data parallel.
+        # Sharding (and, in hybrid mode, replication) is data parallel: every data-parallel rank sees its own data;
+        # the ranks of one tensor-parallel group see the same.
+        if self._cfg.tensor_parallel > 1:
+            dp = self.device_mesh["data_parallel"]
+            return {"num_replicas": dp.size(), "rank": dp.get_local_rank()}
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
@@ -240,6 +257,7 @@ class StableFSDPStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         if self._root is None or self._wrapped is not module:  # wrap once; fit -> validate reuses it
+            check_tensor_parallel_applied(self._cfg, module, self._device_mesh)
             self._root = self._wrap(module)
             self._wrapped = module
         self.model = self._root
@@ -282,7 +300,7 @@ class StableFSDPStrategy(ParallelStrategy):
         root = wrap.shard_module(
             module,
             plan,
-            mesh=self.device_mesh,
+            mesh=fsdp_mesh(cfg, self.device_mesh),
             reshard_after_forward=cfg.reshard_after_forward,
             block_policy=precision.mp_policy(),
             # what the top-level units hand back to the LightningModule (logits for the loss) is fp32

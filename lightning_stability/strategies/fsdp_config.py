@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_stability.errors import StabilityConfigError, config_error, require_fairscale
+from lightning_stability.errors import StabilityConfigError, check_int, config_error, require_fairscale
 from lightning_stability.strategies import fsdp_fairscale as fs
 from lightning_stability.strategies import fsdp_wrap as wrap
 from lightning_stability.strategies.fsdp_precision import PRECISIONS, StableFSDPPrecision
@@ -97,6 +97,7 @@ class FSDPConfig:
     mesh_shape: tuple[int, int] | None
     state_dict_type: str
     backend: str
+    tensor_parallel: int = 1
     fairscale_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -114,6 +115,7 @@ def parse_arguments(
     state_dict_type: Any,
     backend: Any,
     extra: dict[str, Any],
+    tensor_parallel: Any = 1,
 ) -> FSDPConfig:
     """Check every argument; raise :class:`StabilityConfigError` naming the first bad one."""
     if backend not in ("native", "fairscale"):
@@ -159,6 +161,19 @@ def parse_arguments(
         )
     if state_dict_type not in (None, "sharded", "full"):
         raise config_error("state_dict_type", state_dict_type, "is not a checkpoint layout", "pass 'sharded' or 'full'")
+    check_int("tensor_parallel", tensor_parallel, 1, "tensor_parallel=2 (devices splitting each layer; 1: none)")
+    if tensor_parallel > 1 and backend == "fairscale":
+        raise config_error(
+            "tensor_parallel", tensor_parallel, "is not available with backend='fairscale'", "use backend='native'"
+        )
+    if tensor_parallel > 1 and sharding == "hybrid":
+        raise config_error(
+            "sharding",
+            sharding,
+            f"is not available with tensor_parallel={tensor_parallel} yet (a replicate x shard x tensor mesh is not "
+            "built and tested here)",
+            "use sharding='full' (FSDP2 over all data-parallel ranks)",
+        )
     if backend == "fairscale":
         if sharding == "hybrid":
             raise config_error("sharding", sharding, "is not available with backend='fairscale'", "use 'full'")
@@ -182,6 +197,7 @@ def parse_arguments(
         mesh_shape=tuple(device_mesh) if device_mesh else None,
         state_dict_type=state_dict_type or ("full" if backend == "fairscale" else "sharded"),
         backend=backend,
+        tensor_parallel=tensor_parallel,
         fairscale_kwargs=dict(extra),
     )
 
@@ -252,10 +268,23 @@ def check_device(cfg: FSDPConfig, device: torch.device) -> None:
 
 
 def build_mesh(cfg: FSDPConfig, num_nodes: int, num_processes: int, device_type: str) -> DeviceMesh:
-    """1-D ``("shard",)`` mesh for full sharding; 2-D ``("replicate", "shard")`` for hybrid sharding."""
+    """The device mesh: 1-D ``("shard",)`` for full sharding, 2-D ``("replicate", "shard")`` for hybrid; with
+    ``tensor_parallel=N``, 2-D ``("data_parallel", "tensor_parallel")`` (Lightning ``ModelParallelStrategy``'s
+    contract), the tensor-parallel dim innermost so that the N devices of a group are neighbours, within a node.
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
-    world = num_nodes * num_processes
+    world, tp = num_nodes * num_processes, cfg.tensor_parallel
+    if tp > 1:
+        if num_processes % tp:
+            raise config_error(
+                "tensor_parallel",
+                tp,
+                f"does not divide the {num_processes} devices per node ({num_nodes} nodes x {num_processes} devices)",
+                "pass a divisor of the devices per node: a tensor-parallel group communicates at every layer and "
+                "stays within a node's fast links",
+            )
+        return init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
     if cfg.sharding == "full":
         return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
     shape = cfg.mesh_shape or (num_nodes, num_processes)
@@ -267,3 +296,32 @@ def build_mesh(cfg: FSDPConfig, num_nodes: int, num_processes: int, device_type:
             f"pass a (replicas, shard_size) pair whose product is {world}",
         )
     return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+
+
+def fsdp_mesh(cfg: FSDPConfig, mesh: DeviceMesh) -> DeviceMesh:
+    """The part of ``mesh`` that FSDP2 shards (and, hybrid, replicates) over: all of it but the tensor-parallel dim."""
+    return mesh if cfg.tensor_parallel == 1 else mesh["data_parallel"]
+
+
+def check_tensor_parallel_applied(cfg: FSDPConfig, module: nn.Module, mesh: DeviceMesh | None) -> None:
+    """Under ``tensor_parallel > 1``, ``configure_model`` must have split some parameter over the tensor-parallel
+    dim; otherwise each rank of a group would train a whole copy on the same batches, for nothing."""
+    if cfg.tensor_parallel == 1 or mesh is None:
+        return
+    from lightning_stability.norms import is_dtensor
+
+    split = [name for name, p in module.named_parameters() if is_dtensor(p) and _on_tensor_parallel_dim(p)]
+    if not split:
+        raise StabilityConfigError(
+            f"StableFSDPStrategy(tensor_parallel={cfg.tensor_parallel}): {type(module).__name__}.configure_model "
+            "applied no tensor-parallel plan (no parameter is split over self.device_mesh['tensor_parallel']), so "
+            f"each of the {cfg.tensor_parallel} ranks of a group would hold and train the same whole model. Fix: in "
+            "configure_model, call torch.distributed.tensor.parallel.parallelize_module(self.<blocks>, "
+            "self.device_mesh['tensor_parallel'], plan) (for a GPT-style block: "
+            "lightning_stability.gpt_block_plan), or pass tensor_parallel=1."
+        )
+
+
+def _on_tensor_parallel_dim(param: Any) -> bool:
+    """Whether a DTensor parameter is laid out over a tensor-parallel mesh dim (alone, or in a larger mesh)."""
+    return "tensor_parallel" in (param.device_mesh.mesh_dim_names or ())

@@ -1,8 +1,11 @@
 """torchrun script: a GPT-style model under Lightning's own ``ModelParallelStrategy`` with our callbacks.
 
-Usage: ``torchrun --nproc_per_node=DP*TP tensor_parallel_script.py OUT_DIR DP TP``; writes ``OUT_DIR/rank{R}.json``
+Usage: ``torchrun --nproc_per_node=DP*TP tensor_parallel_script.py OUT_DIR DP TP [lightning|stable]``; writes
+``OUT_DIR/rank{R}.json``
 (per-step norms and logged metrics) and, on rank 0, ``OUT_DIR/final.pt`` (the whole weights after training).
-``python tensor_parallel_script.py OUT_DIR 1 1`` is the one-process reference on the same global batches.
+``lightning`` (default) runs Lightning's ``ModelParallelStrategy`` (``configure_model`` applies TP and FSDP2),
+``stable`` our ``StableFSDPStrategy(tensor_parallel=TP)`` (``configure_model`` applies TP only; the strategy
+shards). ``python tensor_parallel_script.py OUT_DIR 1 1`` is the one-process reference on the same global batches.
 
 The model carries every hazard of gradient norms under tensor parallelism: a tied embedding / LM head (one
 tensor, counted once), a LayerNorm left replicated across the tensor-parallel ranks, a ``SequenceParallel``
@@ -78,8 +81,9 @@ class TPModule(pl.LightningModule):
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor.parallel import parallelize_module
 
-        parallelize_module(self.model, self.device_mesh["tensor_parallel"], tp_plan())
-        if self.fsdp:
+        if MODE != "noplan":
+            parallelize_module(self.model, self.device_mesh["tensor_parallel"], tp_plan())
+        if self.fsdp and not STABLE:
             fully_shard(self.model, mesh=self.device_mesh["data_parallel"])
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -131,6 +135,10 @@ def data() -> TensorDataset:
     return TensorDataset(torch.randint(VOCAB, (STEPS * GLOBAL_BATCH, SEQ + 1), generator=g))
 
 
+MODE = sys.argv[4] if len(sys.argv) > 4 else "lightning"
+STABLE = MODE in ("stable", "noplan")  # noplan: our strategy, and a configure_model that forgets the TP plan
+
+
 def main() -> None:
     out, dp, tp = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     probe, metrics = Probe(), Metrics()
@@ -152,15 +160,28 @@ def main() -> None:
     )
     if dp * tp == 1:
         trainer = pl.Trainer(devices=1, **common)
+    elif STABLE:
+        from lightning_stability import StableFSDPStrategy
+
+        trainer = pl.Trainer(devices=dp * tp, strategy=StableFSDPStrategy(tensor_parallel=tp), **common)
     else:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp)
         trainer = pl.Trainer(devices=dp * tp, strategy=strategy, **common)
     module = TPModule(fsdp=dp > 1)
+    rank = int(os.environ.get("RANK", 0))
+    if MODE == "noplan":
+        from lightning_stability import StabilityConfigError
+
+        try:
+            trainer.fit(module)
+        except StabilityConfigError as err:
+            (out / f"rank{rank}.json").write_text(json.dumps({"error": str(err)}))
+            return
+        raise AssertionError("StableFSDPStrategy(tensor_parallel=2) trained a module without a TP plan")
     trainer.fit(module)
     final = {name: whole(p) for name, p in module.model.named_parameters()}  # every rank gathers
-    rank = int(os.environ.get("RANK", 0))
     if rank == 0:
         torch.save(final, out / "final.pt")
     placements = {

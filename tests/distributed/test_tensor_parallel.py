@@ -1,4 +1,5 @@
-"""Our callbacks under Lightning's own ``ModelParallelStrategy`` (4 CPU processes, gloo) against one process.
+"""Tensor parallelism on 4 CPU processes (gloo) against one process: our callbacks under Lightning's own
+``ModelParallelStrategy``, and our ``StableFSDPStrategy(tensor_parallel=2)``.
 
 Data parallel x tensor parallel 2 x 2 (FSDP2 on the data dim: a column-parallel weight is ``_StridedShard`` on
 it) and tensor parallel alone, 1 x 4 (plain parameters beside DTensors). Every hazard of
@@ -35,11 +36,15 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("dp", "tp"), [(2, 2), (1, 4)], ids=["dp2xtp2", "tp4"])
-def test_norms_clipping_and_update_ratio_equal_one_process_under_model_parallel(
-    tmp_path: Path, reference: dict[str, Any], dp: int, tp: int
+@pytest.mark.parametrize(
+    ("dp", "tp", "strategy"),
+    [(2, 2, "lightning"), (1, 4, "lightning"), (2, 2, "stable")],
+    ids=["ModelParallelStrategy-dp2xtp2", "ModelParallelStrategy-tp4", "StableFSDPStrategy-dp2xtp2"],
+)
+def test_norms_clipping_and_update_ratio_equal_one_process_under_tensor_parallel(
+    tmp_path: Path, reference: dict[str, Any], dp: int, tp: int, strategy: str
 ) -> None:
-    results = torchrun(SCRIPT, dp * tp, tmp_path, str(dp), str(tp), timeout=400)
+    results = torchrun(SCRIPT, dp * tp, tmp_path, str(dp), str(tp), strategy, timeout=400)
     placements = results[0]["placements"]
     if dp > 1:  # FSDP2 over ColwiseParallel, both on dim 0: the hazard torch 2.13 does not make a Shard
         assert "_StridedShard" in placements["fc1.weight"], placements
@@ -58,3 +63,30 @@ def test_norms_clipping_and_update_ratio_equal_one_process_under_model_parallel(
     assert final.keys() == reference["final"].keys()
     for name, weight in final.items():
         torch.testing.assert_close(weight, reference["final"][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.distributed
+def test_stable_fsdp_with_tensor_parallel_refuses_a_module_without_a_tp_plan_on_every_rank(tmp_path: Path) -> None:
+    results = torchrun(SCRIPT, 4, tmp_path, "2", "2", "noplan", timeout=300)
+    for result in results:
+        assert "tensor_parallel=2" in result["error"] and "applied no tensor-parallel plan" in result["error"]
+        assert "parallelize_module" in result["error"]  # the fix
+
+
+@pytest.mark.distributed
+def test_gpt_block_plan_splits_the_demo_model_and_it_trains_like_one_process(tmp_path: Path) -> None:
+    """The demo's CharGPT, unchanged but for ``parallelize_blocks`` in configure_model, on 2 x 2 processes under
+    StableFSDPStrategy(tensor_parallel=2): every step's global gradient norm (which depends on every update
+    before it) equals the one-process run's."""
+    demo = Path(__file__).with_name("tp_demo_script.py")
+    ref_dir = tmp_path / "reference"
+    ref_dir.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, str(demo), str(ref_dir)], env=env, check=True, capture_output=True)
+    reference = json.loads((ref_dir / "rank0.json").read_text())
+    results = torchrun(demo, 4, tmp_path, timeout=300)
+    for result in results:
+        assert result["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+    assert sorted(results[0]["split"]) == sorted(
+        f"blocks.layers.{i}.{lin}.{w}" for i in (0, 1) for lin in ("linear1", "linear2") for w in ("weight", "bias")
+    )

@@ -61,11 +61,35 @@ def clean_env() -> Iterator[None]:
         ({"backend": "fairscale", "state_dict_type": "sharded"}, r"not available with backend='fairscale'"),
         ({"backend": "fairscale", "sharding": "hybrid"}, r"`sharding='hybrid'` is not available with backend='fair"),
         ({"backend": "fairscale", "bucket_kap_mb": 3}, r"did you mean `bucket_cap_mb`"),
+        ({"tensor_parallel": 0}, r"`tensor_parallel=0` must be an int >= 1.*tensor_parallel=2"),
+        ({"tensor_parallel": True}, r"`tensor_parallel=True` must be an int >= 1"),
+        ({"backend": "fairscale", "tensor_parallel": 2}, r"`tensor_parallel=2` is not available with backend='fai"),
+        ({"tensor_parallel": 2, "sharding": "hybrid"}, r"`sharding='hybrid'` is not available with tensor_parallel=2"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs: dict, match: str) -> None:
     with pytest.raises(StabilityConfigError, match=match):
         StableFSDPStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "nodes", "devices", "match"),
+    [
+        (
+            {"tensor_parallel": 2},
+            1,
+            3,
+            r"`tensor_parallel=2` does not divide the 3 devices per node \(1 nodes x 3 devices",
+        ),
+        ({"tensor_parallel": 4}, 2, 2, r"`tensor_parallel=4` does not divide the 2 devices per node.*within a node"),
+    ],
+)
+def test_a_tensor_parallel_mesh_that_does_not_fit_the_world_names_the_argument(
+    kwargs: dict, nodes: int, devices: int, match: str
+) -> None:
+    cfg = StableFSDPStrategy(**kwargs)._cfg
+    with pytest.raises(StabilityConfigError, match=match):
+        fsdp_config.build_mesh(cfg, nodes, devices, "cpu")
 
 
 def test_fairscale_backend_accepts_the_seeds_keywords_and_its_own() -> None:

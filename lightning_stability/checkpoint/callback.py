@@ -1,0 +1,412 @@
+"""StableCheckpoint: Lightning's ``ModelCheckpoint`` that saves only healthy states, keeps a ring of them, resumes
+from the newest with ``ckpt_path="last"``, and saves and stops cleanly on a preemption signal."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor
+
+from lightning_stability import _compat
+from lightning_stability.checkpoint import atomic
+from lightning_stability.checkpoint.atomic import CheckpointError
+from lightning_stability.checkpoint.io import local_path
+from lightning_stability.checkpoint.preemption import PreemptionSignals, check_signals, default_signals
+from lightning_stability.checkpoint.ring import BEST, LAST, RING, HealthyCheckpoints
+from lightning_stability.errors import config_error
+from lightning_stability.ledger.step_ledger import StepLedger
+from lightning_stability.ledger.track import Outcome
+from lightning_stability.norms import local_tensor
+
+#: on a signal in an unhealthy state, the step boundaries tried before stopping without a save
+SIGNAL_DEFER_STEPS = 5
+_LOSS_Z, _GRAD_Z = "stability/loss_z", "stability/grad_norm_z"  # TrainingHealthMonitor's z-scores, every step
+
+
+class StableCheckpoint(ModelCheckpoint):
+    """A ``ModelCheckpoint`` that writes only healthy states, keeps the newest ``keep``, and survives preemption.
+
+    * **Only healthy states.** When a save is due (``every_n_train_steps``, ``every_n_epochs``,
+      ``train_time_interval``, the end of training, a signal), the state must be healthy: the last update was
+      applied (the step ledger's ``Outcome.APPLIED``: not skipped for an fp16 overflow, a non-finite gradient, a
+      spike or a rollback's data window), the loss and every weight are finite, and no spike is flagged
+      (``TrainingHealthMonitor``'s loss or gradient-norm z-score above its ``spike_z``, if one is attached).
+      Otherwise the save waits for the next healthy optimizer step, and says so once. The check reads the host
+      only when a save is due (a save syncs anyway) and while one waits; the other steps cost nothing.
+    * **A ring of healthy checkpoints.** Each save writes ``<filename>.ckpt`` (default ``epoch=E-step=S.ckpt``)
+      and the newest ``keep`` are kept; older ones are removed through the strategy (renamed away, then
+      deleted: never half-removed). With ``monitor``, Lightning's top-``save_top_k`` by the monitored value are
+      kept besides (a second file when one qualifies); ``save_last`` writes ``last.ckpt`` as in Lightning.
+      Without ``monitor``, ``save_top_k=-1`` keeps every save and ``save_top_k=0`` none (only ``last``).
+      ``stable_checkpoints.json`` in the directory lists them all (see ``checkpoint/ring.py``).
+    * **Resume.** ``trainer.fit(model, ckpt_path="last")`` resolves to the newest listed checkpoint that passes
+      :func:`~lightning_stability.checkpoint.verify_checkpoint` (a damaged one is skipped with a warning);
+      there, rank 0 first finishes or undoes what a crash left in the directory
+      (:func:`~lightning_stability.checkpoint.clean_directory`).
+    * **Preemption.** On any of ``signals`` (default SIGTERM and SIGUSR1) received by any rank, every rank saves
+      at the same step boundary, one or two optimizer steps later, and the Trainer stops
+      (``trainer.should_stop``) with a message. Ranks agree through a small asynchronous exchange on a gloo
+      group of its own, read one boundary later: no device sync, no blocking round trip
+      (``checkpoint/preemption.py``). A handler installed before the Trainer's runs as well; Lightning's SIGTERM
+      handler (which would end the run with ``SIGTERMException`` before the save) does not. Under
+      ``SLURMEnvironment(auto_requeue=True)``, Lightning's requeue handler runs after the save, on every rank,
+      at the same boundary (it also writes its ``hpc_ckpt``; resume with ``ckpt_path="last"`` to start from the
+      healthy ring). If the state stays unhealthy for ``SIGNAL_DEFER_STEPS`` boundaries, it stops without
+      saving; ``ckpt_path="last"`` then resumes from the newest healthy checkpoint.
+
+    Checkpoints are written by the Trainer's strategy: atomically with ``AtomicCheckpointIO`` (single device,
+    DDP) or ``StableFSDPStrategy``; ``StableTrainer.from_preset`` sets both up and attaches this callback with
+    ``dirpath=<default_root_dir>/checkpoints``.
+
+    Args:
+        dirpath: the directory (local or mounted). Default: Lightning's (the logger's version directory, which
+            changes from run to run: pass a fixed one to resume with ``ckpt_path="last"``).
+        keep: the newest healthy checkpoints kept in the ring (``save_top_k=1``, the default, without monitor).
+        signals: the signals that save and stop (``()``: none).
+        filename, monitor, verbose, save_last, save_top_k, mode, auto_insert_metric_name, every_n_train_steps,
+            train_time_interval, every_n_epochs, save_on_train_epoch_end, enable_version_counter: as for
+            ``ModelCheckpoint``.
+
+    Raises:
+        StabilityConfigError: ``keep`` is not an int >= 1, a signal cannot be caught, ``save_weights_only=True``
+            (a ring is for resuming), or ``dirpath`` is remote (``s3://...``).
+
+    Example::
+
+        trainer = L.Trainer(
+            plugins=[AtomicCheckpointIO()],
+            callbacks=[StableCheckpoint(dirpath="ckpts", every_n_train_steps=500, keep=3)],
+        )
+        trainer.fit(model, ckpt_path="last")   # the newest healthy checkpoint, if any
+    """
+
+    def __init__(
+        self,
+        dirpath: _PATH | None = None,
+        filename: str | None = None,
+        monitor: str | None = None,
+        verbose: bool = False,
+        save_last: bool | Literal["link"] | None = None,
+        save_top_k: int = 1,
+        keep: int = 3,
+        signals: Sequence[int] | None = None,
+        save_weights_only: bool = False,
+        mode: str = "min",
+        auto_insert_metric_name: bool = True,
+        every_n_train_steps: int | None = None,
+        train_time_interval: timedelta | None = None,
+        every_n_epochs: int | None = None,
+        save_on_train_epoch_end: bool | None = None,
+        enable_version_counter: bool = True,
+    ) -> None:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise config_error("keep", keep, "must be an int >= 1", "pass e.g. keep=3 (the newest healthy checkpoints)")
+        if save_weights_only:
+            raise config_error(
+                "save_weights_only",
+                save_weights_only,
+                "would make checkpoints a run cannot resume from (no optimizer, loop or ledger state)",
+                "keep save_weights_only=False here, and add a plain ModelCheckpoint(save_weights_only=True) for "
+                "weight files",
+            )
+        if dirpath is not None and _local_dir(dirpath) is None:
+            raise config_error(
+                "dirpath", dirpath, "is not a local or mounted path", "pass a local or mounted directory"
+            )
+        super().__init__(
+            dirpath=dirpath,
+            filename=filename,
+            monitor=monitor,
+            verbose=verbose,
+            save_last=save_last,
+            save_top_k=save_top_k,
+            save_weights_only=False,
+            mode=mode,
+            auto_insert_metric_name=auto_insert_metric_name,
+            every_n_train_steps=every_n_train_steps,
+            train_time_interval=train_time_interval,
+            every_n_epochs=every_n_epochs,
+            save_on_train_epoch_end=save_on_train_epoch_end,
+            enable_version_counter=enable_version_counter,
+        )
+        self.keep = keep
+        self.signals = check_signals(default_signals() if signals is None else signals)
+        self._preemption = PreemptionSignals(self.signals)
+        self._healthy_list = HealthyCheckpoints(Path("."))
+        self._kind = BEST  # what the next _save_checkpoint writes
+        self._reset_run_state()
+
+    def _reset_run_state(self) -> None:
+        self._health: tuple[int, list[str]] | None = None  # (global_step, reasons) of the last check
+        self._deferred_from: int | None = None  # the step whose save waits for a healthy step
+        self._boundary = -1  # global_step at the last optimizer-step boundary seen
+        self._batch_loss: Tensor | None = None  # the last batch's loss as training_step returned it
+        self._stop: dict[signal.Signals, int] = {}  # the agreed signals (ranks per signal)
+        self._stop_step = -1
+        self._handlers_installed = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_batch_loss": None}
+
+    # ------------------------------------------------------------------ setup and teardown
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        _compat.check_model_checkpoint_supported()
+        super().setup(trainer, pl_module, stage)
+        directory = _local_dir(self.dirpath or "")
+        if directory is None:
+            raise config_error("dirpath", self.dirpath, "is not a local or mounted path", "pass a local directory")
+        self._healthy_list = HealthyCheckpoints(directory).load()
+        if stage == "fit":
+            self._reset_run_state()
+            self._preemption.open()
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._boundary = trainer.global_step
+        # after the Trainer installed its own handlers (at the start of fit), so that ours run first
+        if self.signals and not self._preemption.install():
+            rank_zero_warn(
+                "StableCheckpoint: the Trainer runs outside the main thread, where Python cannot install signal "
+                f"handlers; {', '.join(s.name for s in self.signals)} will not save and stop this run."
+            )
+        self._handlers_installed = True
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        self._preemption.finish()
+        self._preemption.restore()
+        if self._deferred_from is not None:
+            newest = self._newest_name()
+            rank_zero_warn(
+                f"StableCheckpoint: training ended in an unhealthy state ({', '.join(self._reasons(trainer))}); "
+                f"the save due at step {self._deferred_from} was not written. ckpt_path='last' resumes from "
+                f"{newest or 'nothing (no healthy checkpoint yet)'}."
+            )
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._preemption.restore()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._preemption.restore()
+        if stage == "fit":
+            self._preemption.close()
+
+    # ------------------------------------------------------------------ each optimizer step
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        self._batch_loss = loss if isinstance(loss, Tensor) else None
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)  # the due save, if healthy
+        step = trainer.global_step
+        if step == self._boundary:
+            return  # a micro-batch that did not step the optimizer
+        self._boundary = step
+        if not self._stop:
+            agreed = self._preemption.poll()  # host only: a flag, or the previous boundary's exchange
+            if agreed:
+                self._stop, self._stop_step = agreed, step
+        if self._stop:
+            self._save_and_stop(trainer)
+        elif self._deferred_from is not None and _compat.model_checkpoint_saved_at(self) != step:
+            self._save_deferred(trainer)
+
+    def _save_deferred(self, trainer: pl.Trainer) -> None:
+        """A save that waited for a healthy step: try it on this one (a host read, only while a save waits)."""
+        deferred = self._deferred_from
+        if not self._healthy(trainer):
+            return
+        candidates = self._monitor_candidates(trainer)
+        self._save_topk_checkpoint(trainer, candidates)
+        self._save_last_checkpoint(trainer, candidates)
+        if self.verbose:
+            rank_zero_info(f"StableCheckpoint: saved at step {trainer.global_step}, deferred from step {deferred}.")
+
+    def _save_and_stop(self, trainer: pl.Trainer) -> None:
+        """Every rank, at the agreed boundary: save (if healthy, else try again up to SIGNAL_DEFER_STEPS), stop."""
+        step = trainer.global_step
+        saved = _compat.model_checkpoint_saved_at(self) == step  # a due save of this step was written
+        if not saved and not trainer.fast_dev_run:  # type: ignore[attr-defined]
+            if self._healthy(trainer):
+                candidates = self._monitor_candidates(trainer)
+                self._save_ring(trainer, candidates, force=True)
+                self._save_last_checkpoint(trainer, candidates)
+                saved = True
+            elif step - self._stop_step < SIGNAL_DEFER_STEPS:
+                return  # the next boundary tries again
+        self._preemption.finish()
+        self._preemption.run_requeue(self._stop)  # Lightning's SLURM auto-requeue, after our save
+        trainer.should_stop = True
+        names = ", ".join(f"{sig.name} (on {n} rank{'s' if n > 1 else ''})" for sig, n in self._stop.items())
+        if saved:
+            where = f"saved {self._newest_name()} at step {step}"
+        else:
+            where = (
+                f"not saved: the state stayed unhealthy ({', '.join(self._reasons(trainer))}) for "
+                f"{SIGNAL_DEFER_STEPS} steps; the newest healthy checkpoint is {self._newest_name() or 'none'}"
+            )
+        rank_zero_info(
+            f"StableCheckpoint: {names} received; {where}. Stopping the Trainer. Resume with "
+            "trainer.fit(model, ckpt_path='last')."
+        )
+
+    # ------------------------------------------------------------------ health
+    def _healthy(self, trainer: pl.Trainer) -> bool:
+        """Whether the state after the current step may be saved; a save that may not waits (said once)."""
+        reasons = self._reasons(trainer)
+        if not reasons:
+            self._deferred_from = None
+            return True
+        if self._deferred_from is None:
+            self._deferred_from = trainer.global_step
+            rank_zero_info(
+                f"StableCheckpoint: the state at step {trainer.global_step} is not healthy ({', '.join(reasons)}); "
+                "its checkpoint waits for the next healthy step."
+            )
+        return False
+
+    def _reasons(self, trainer: pl.Trainer) -> list[str]:
+        """Why the current state is not healthy (empty: it is), the same on every rank; one check per step."""
+        step = trainer.global_step
+        if self._health is None or self._health[0] != step:
+            self._health = (step, state_problems(trainer, self._batch_loss))
+        return self._health[1]
+
+    # ------------------------------------------------------------------ saving and removing
+    def _save_topk_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]) -> None:
+        if not self._healthy(trainer):
+            return
+        self._save_ring(trainer, monitor_candidates)
+        if self.monitor is not None:
+            super()._save_topk_checkpoint(trainer, monitor_candidates)
+
+    def _save_last_checkpoint(self, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor]) -> None:
+        if not self.save_last or not self._healthy(trainer):
+            return
+        self._kind = LAST
+        try:
+            super()._save_last_checkpoint(trainer, monitor_candidates)
+        finally:
+            self._kind = BEST
+
+    def _save_ring(self, trainer: pl.Trainer, monitor_candidates: dict[str, Tensor], force: bool = False) -> None:
+        """Write one ring checkpoint (unless the ring is off: ``save_top_k=0`` without monitor), then remove the
+        oldest beyond ``keep``."""
+        if self.monitor is None and self.save_top_k == 0 and not force:
+            return
+        filepath = self._get_metric_interpolated_filepath_name(monitor_candidates, trainer)
+        self._kind = RING
+        try:
+            self._save_checkpoint(trainer, filepath)
+        finally:
+            self._kind = BEST
+        if self.monitor is None and self.save_top_k == -1:
+            return  # keep every one
+        ring = self._healthy_list.ring()
+        for name in ring[: max(len(ring) - self.keep, 0)]:
+            self._remove_checkpoint(trainer, str(self._healthy_list.directory / name))
+
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        super()._save_checkpoint(trainer, filepath)  # every rank; the strategy publishes it whole
+        self._healthy_list.add(Path(filepath).name, trainer.global_step, self._kind, write=trainer.is_global_zero)
+
+    def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        self._healthy_list.drop(Path(filepath).name, write=trainer.is_global_zero)  # off the list, then deleted
+        super()._remove_checkpoint(trainer, filepath)
+
+    def _newest_name(self) -> str | None:
+        newest = self._healthy_list.newest_first()
+        return str(self._healthy_list.directory / newest[0].name) if newest else None
+
+    # ------------------------------------------------------------------ resume
+    def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
+        """What ``ckpt_path="last"`` may use: the newest listed healthy checkpoint that verifies (or nothing)."""
+        directory = _local_dir(_compat.model_checkpoint_dir(self, trainer))
+        if directory is None or not directory.is_dir():
+            return set()
+        if trainer.is_global_zero:
+            # Lightning resolves "last" before any hook: finish or undo what a crashed save left here first
+            atomic.clean_directory(directory)
+        for entry in HealthyCheckpoints(directory).load().newest_first():
+            path = directory / entry.name
+            try:
+                return {str(_verified(path))}
+            except CheckpointError as err:
+                rank_zero_warn(f"StableCheckpoint: skipping a damaged checkpoint for ckpt_path='last': {err}")
+            except FileNotFoundError:
+                continue
+        return set()
+
+
+def _verified(path: Path) -> Path:
+    """``verify_checkpoint(path)``, once more if the path moved meanwhile (rank 0 may be putting back a checkpoint
+    a crash left moved away, while another rank looks)."""
+    try:
+        return atomic.verify_checkpoint(path)
+    except FileNotFoundError:
+        return atomic.verify_checkpoint(path)
+
+
+def _local_dir(path: _PATH) -> Path | None:
+    """``path`` as an absolute local path, or ``None`` for a remote URL."""
+    local = local_path(path)
+    return Path(os.path.abspath(local)) if local is not None else None
+
+
+def state_problems(trainer: pl.Trainer, batch_loss: Tensor | None = None) -> list[str]:
+    """Why the state after the last optimizer step must not be saved (empty: it may), the same on every rank.
+
+    Reads the step ledger's last outcome, the update's loss (the ledger's when a callback records it, else
+    ``batch_loss``), every weight (this rank's shards) and, if attached, ``TrainingHealthMonitor``'s z-scores;
+    max-reduced over ranks with one all-reduce of four numbers. HOST SYNC: one read; call it only where a save
+    is due (which syncs anyway).
+    """
+    from lightning_stability.health.callback import TrainingHealthMonitor
+
+    module = trainer.lightning_module
+    params = [local_tensor(p.detach()) for p in module.parameters()]
+    device = params[0].device if params else module.device
+    ledger = StepLedger.of(trainer)
+    outcome = ledger.outcome
+    flags = [torch.as_tensor(outcome, device=device).reshape(()).float()]
+    loss = ledger.values.get("loss", batch_loss)
+    flags.append(
+        (~torch.isfinite(loss.detach().float())).any().to(device)
+        if loss is not None
+        else torch.zeros((), device=device, dtype=torch.bool)
+    )
+    finite = [torch.isfinite(p).all() for p in params]
+    flags.append(~torch.stack(finite).all() if finite else torch.zeros((), device=device, dtype=torch.bool))
+    monitors = [cb for cb in trainer.callbacks if isinstance(cb, TrainingHealthMonitor)]  # type: ignore[attr-defined]
+    spike = torch.zeros((), device=device, dtype=torch.bool)
+    if monitors:
+        metrics = trainer.callback_metrics
+        for key in (_LOSS_Z, _GRAD_Z):
+            if key in metrics:
+                spike = spike | (torch.as_tensor(metrics[key], device=device).float() > monitors[0].spike_z).any()
+    flags.append(spike)
+    values = torch.stack([f.float() for f in flags])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    code, loss_bad, weights_bad, spiked = values.tolist()  # HOST SYNC: a save is due
+    problems = []
+    if code != Outcome.APPLIED:
+        problems.append(f"the last update was skipped: {Outcome(int(code)).name}")
+    if loss_bad:
+        problems.append("the loss is not finite")
+    if weights_bad:
+        problems.append("a weight is not finite")
+    if spiked:
+        problems.append(f"TrainingHealthMonitor flags a spike (a z-score above spike_z={monitors[0].spike_z:g})")
+    return problems

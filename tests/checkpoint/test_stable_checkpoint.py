@@ -1,0 +1,239 @@
+"""StableCheckpoint with real Trainers, real files and real signals: only healthy states on disk, the ring, resume
+from the newest healthy checkpoint, a save and a clean stop on SIGTERM/SIGUSR1 (one process here; two processes
+with one rank signalled in test_stable_checkpoint_ddp.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.environments import SLURMEnvironment
+
+from lightning_stability import (
+    AtomicCheckpointIO,
+    GradientNormMonitor,
+    StabilityConfigError,
+    StableCheckpoint,
+    StableTrainer,
+    TrainingHealthMonitor,
+)
+from lightning_stability.checkpoint import atomic
+from lightning_stability.checkpoint.ring import FILE_NAME
+from tests.helpers import TinyModule, quiet_trainer
+
+BAD = 5  # the module misbehaves in the step that starts at this global_step (it closes as step BAD + 1)
+
+
+class Faulty(TinyModule):
+    """``nan``: the loss (and so every gradient) is inf. ``spike``: the loss's value is 100x, its gradient is the
+    clean one (only the health monitor can tell)."""
+
+    def __init__(self, fault: str | None = None, **kwargs: Any) -> None:
+        super().__init__(n=8, **kwargs)  # one batch per epoch: the same data at every step, whatever the resume
+        self.fault = fault
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step == BAD and self.fault == "nan":
+            return loss * float("inf")
+        if self.global_step == BAD and self.fault == "spike":
+            return loss + 99 * loss.detach()
+        return loss
+
+
+class SendSignal(pl.Callback):
+    """Sends ``signum`` to this process at the start of the step that begins at ``at_step``."""
+
+    def __init__(self, signum: int, at_step: int) -> None:
+        self.signum, self.at_step = signum, at_step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.at_step:
+            os.kill(os.getpid(), self.signum)
+
+
+class StartStep(pl.Callback):
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.step = trainer.global_step
+
+
+@pytest.fixture(autouse=True)
+def _keep_signal_handlers() -> Iterator[None]:
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def steps_on_disk(directory: Path) -> list[int]:
+    """The steps of the ring checkpoints (``epoch=E-step=S.ckpt``) in ``directory``."""
+    return sorted(int(re.search(r"step=(\d+)", p.name)[1]) for p in directory.glob("epoch=*-step=*.ckpt"))  # type: ignore[index]
+
+
+def fit(tmp_path: Path, model: pl.LightningModule, callbacks: list[Any], **kwargs: Any) -> pl.Trainer:
+    trainer = quiet_trainer(
+        max_steps=kwargs.pop("max_steps", 10),
+        enable_checkpointing=True,
+        default_root_dir=tmp_path,
+        plugins=[AtomicCheckpointIO()],
+        callbacks=callbacks,
+    )
+    trainer.fit(model, ckpt_path=kwargs.pop("ckpt_path", None))
+    return trainer
+
+
+# ---------------------------------------------------------------------- only healthy states
+@pytest.mark.parametrize(
+    ("fault", "monitors"),
+    [
+        ("nan", [GradientNormMonitor()]),  # skipped: a non-finite gradient
+        ("spike", [TrainingHealthMonitor(response="skip", warmup_steps=3, report=False)]),  # skipped: a spike
+        ("spike", [TrainingHealthMonitor(response="warn", warmup_steps=3, report=False)]),  # applied, but flagged
+    ],
+)
+def test_an_unhealthy_step_is_never_saved_and_the_save_waits_for_the_next_healthy_one(
+    tmp_path: Path, fault: str, monitors: list[pl.Callback], caplog: pytest.LogCaptureFixture
+) -> None:
+    pl.seed_everything(0)
+    ckpt = StableCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2, keep=10)
+    with caplog.at_level(logging.INFO):
+        fit(tmp_path, Faulty(fault), [*monitors, ckpt])
+    # due at 2, 4, 6, 8, 10; step 6 (BAD + 1) is not healthy: written at 7 instead
+    assert steps_on_disk(tmp_path / "ckpts") == [2, 4, 7, 8, 10]
+    said = [r.getMessage() for r in caplog.records if "not healthy" in r.getMessage()]
+    assert len(said) == 1 and "step 6" in said[0], said
+    listed = json.loads((tmp_path / "ckpts" / FILE_NAME).read_text())["checkpoints"]
+    assert [e["step"] for e in listed] == [2, 4, 7, 8, 10]
+
+
+def test_non_finite_weights_are_never_saved_without_any_monitor(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No ledger callback: the NaN update is applied, the weights stay NaN, and nothing more is saved (said once)."""
+    pl.seed_everything(0)
+    ckpt = StableCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2, keep=10, save_last=True)
+    with caplog.at_level(logging.INFO):
+        fit(tmp_path, Faulty("nan"), [ckpt])
+    assert steps_on_disk(tmp_path / "ckpts") == [2, 4]
+    assert torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=False)["global_step"] == 4
+    said = [r.getMessage() for r in caplog.records if "not healthy" in r.getMessage()]
+    assert len(said) == 1 and "not finite" in said[0], said
+
+
+# ---------------------------------------------------------------------- the ring and resume
+def test_the_ring_keeps_keep_and_last_resumes_from_the_newest_complete_one(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpts"
+    pl.seed_everything(0)
+    fit(tmp_path, Faulty(), [StableCheckpoint(dirpath=directory, every_n_train_steps=1, keep=3)], max_steps=7)
+    assert steps_on_disk(directory) == [5, 6, 7]
+
+    # the newest is cut short; a foreign, newer file and a sibling a crashed save left are there too
+    newest = directory / "epoch=6-step=7.ckpt"
+    os.truncate(newest, newest.stat().st_size // 2)
+    torch.save({"not": "ours"}, directory / "last.ckpt")
+    (directory / f"{atomic.PARTIAL_PREFIX}0123").write_bytes(b"half")
+    start = StartStep()
+    pl.seed_everything(0)
+    fit(tmp_path, Faulty(), [StableCheckpoint(dirpath=directory, every_n_train_steps=1, keep=3), start],
+        max_steps=9, ckpt_path="last")  # fmt: skip
+    assert start.step == 6  # step 7 failed verify_checkpoint, last.ckpt is not listed
+    assert not list(directory.glob(f"{atomic.PARTIAL_PREFIX}*"))  # cleaned where "last" was resolved
+    # the ring goes on; the broken 7 was the oldest listed one beyond keep=3, so it went too
+    assert sorted(p.name for p in directory.glob("epoch=*")) == [
+        "epoch=6-step=7-v1.ckpt", "epoch=7-step=8.ckpt", "epoch=8-step=9.ckpt"
+    ]  # fmt: skip
+
+
+# ---------------------------------------------------------------------- signals
+def test_sigterm_saves_at_the_next_step_boundary_stops_and_resumes_exactly(tmp_path: Path) -> None:
+    calls: list[int] = []
+
+    def users_own(signum: int, frame: Any) -> None:
+        calls.append(signum)
+
+    signal.signal(signal.SIGTERM, users_own)  # installed before fit: still called
+    directory = tmp_path / "ckpts"
+
+    pl.seed_everything(0)
+    stopped = fit(
+        tmp_path,
+        Faulty(),
+        [StableCheckpoint(dirpath=directory, every_n_train_steps=100), SendSignal(signal.SIGTERM, 3)],
+    )
+    assert stopped.global_step == 4 and stopped.should_stop  # the step under way finished, then it stopped
+    assert steps_on_disk(directory) == [4]
+    assert calls == [signal.SIGTERM]
+    assert signal.getsignal(signal.SIGTERM) is users_own  # put back after fit
+
+    pl.seed_everything(0)
+    resumed = fit(tmp_path, Faulty(), [StableCheckpoint(dirpath=directory)], ckpt_path="last")
+    pl.seed_everything(0)
+    straight = fit(tmp_path / "straight", Faulty(), [])
+    assert resumed.global_step == straight.global_step == 10
+    for a, b in zip(resumed.lightning_module.parameters(), straight.lightning_module.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_sigusr1_under_slurm_auto_requeue_saves_stops_and_runs_lightnings_requeue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key, value in {"SLURM_NTASKS": "1", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "train", "SLURM_PROCID": "0",
+                       "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "PATH": str(tmp_path)}.items():  # fmt: skip
+        monkeypatch.setenv(key, value)  # PATH: no scontrol (Lightning logs that the requeue failed)
+    trainer = quiet_trainer(
+        max_steps=10,
+        enable_checkpointing=True,
+        default_root_dir=tmp_path,
+        plugins=[AtomicCheckpointIO(), SLURMEnvironment(auto_requeue=True)],
+        callbacks=[
+            StableCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=100),
+            SendSignal(signal.SIGUSR1, 3),
+        ],
+    )
+    pl.seed_everything(0)
+    trainer.fit(Faulty())
+    assert trainer.global_step == 4 and trainer.should_stop
+    assert steps_on_disk(tmp_path / "ckpts") == [4]
+    hpc = tmp_path / "hpc_ckpt_1.ckpt"  # Lightning's requeue handler ran, after ours, at the same boundary
+    assert torch.load(hpc, weights_only=False)["global_step"] == 4
+
+
+# ---------------------------------------------------------------------- presets and arguments
+def test_from_preset_attaches_it_unless_checkpointing_is_the_users(tmp_path: Path) -> None:
+    common: dict[str, Any] = dict(accelerator="cpu", logger=False, enable_progress_bar=False, max_steps=2)
+    trainer = StableTrainer.from_preset("tiny", default_root_dir=tmp_path, **common)
+    ours = [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]  # type: ignore[attr-defined]
+    assert len(ours) == 1 and isinstance(ours[0], StableCheckpoint)
+    assert Path(str(ours[0].dirpath)) == tmp_path / "checkpoints"
+    trainer.fit(TinyModule())
+    assert steps_on_disk(tmp_path / "checkpoints") == [2]  # Lightning's trigger: the end of the (last) epoch
+
+    plain = ModelCheckpoint(dirpath=tmp_path / "mine")
+    trainer = StableTrainer.from_preset("tiny", callbacks=[plain], **common)
+    assert [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)] == [plain]  # type: ignore[attr-defined]
+    trainer = StableTrainer.from_preset("tiny", enable_checkpointing=False, **common)
+    assert not [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"keep": 0}, r"`keep=0` must be an int >= 1"),
+        ({"signals": [signal.SIGKILL]}, r"`signals=<Signals.SIGKILL: 9>` is not a signal this process can catch"),
+        ({"save_weights_only": True}, r"`save_weights_only=True` would make checkpoints a run cannot resume from"),
+        ({"dirpath": "memory://ckpts"}, r"`dirpath='memory://ckpts'` is not a local or mounted path"),
+    ],
+)
+def test_bad_arguments_name_the_argument_and_the_fix(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(StabilityConfigError, match=match):
+        StableCheckpoint(**kwargs)
