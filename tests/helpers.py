@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -229,5 +230,8 @@ def torchrun(script: Path, nproc: int, out_dir: Path, *args: str, timeout: int =
         proc.communicate()
         raise
     if proc.returncode != 0:
-        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{stdout[-4000:]}\n{stderr[-8000:]}")
+        # the workers' warnings (repeated on every rank) would push the error itself out of the message
+        noise = re.compile(r"Warning:|warnings\.warn|warn\(|(^|\]:)W\d{4} ")
+        errors = "\n".join(line for line in stderr.splitlines() if not noise.search(line))
+        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{stdout[-4000:]}\n{errors[-8000:]}")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(nproc)]

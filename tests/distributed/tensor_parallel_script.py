@@ -76,8 +76,8 @@ class TPModule(pl.LightningModule):
         self.fsdp = fsdp
 
     def configure_model(self) -> None:
-        if self.device_mesh is None:
-            return
+        if self.device_mesh is None or "tensor_parallel" not in (self.device_mesh.mesh_dim_names or ()):
+            return  # one process, or StableFSDPStrategy without tensor parallelism (it shards by itself)
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -94,11 +94,11 @@ class TPModule(pl.LightningModule):
     def train_dataloader(self) -> DataLoader:
         """Each data-parallel rank takes every dp-th sample, in order: together one global batch per step, the
         reference's. (Lightning's own distributed sampler would shuffle, the one-process reference would not.)"""
-        if self.device_mesh is None:
+        if self.trainer.world_size == 1:
             return DataLoader(data(), batch_size=GLOBAL_BATCH)
-        mesh = self.device_mesh["data_parallel"]
-        sampler = DistributedSampler(data(), num_replicas=mesh.size(), rank=mesh.get_local_rank(), shuffle=False)
-        return DataLoader(data(), batch_size=GLOBAL_BATCH // mesh.size(), sampler=sampler)
+        ranks = self.trainer.strategy.distributed_sampler_kwargs  # the data-parallel ranks, any strategy
+        sampler = DistributedSampler(data(), **ranks, shuffle=False)
+        return DataLoader(data(), batch_size=GLOBAL_BATCH // ranks["num_replicas"], sampler=sampler)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -127,7 +127,8 @@ class Metrics(pl.Callback):
 
 
 def whole(value: torch.Tensor) -> torch.Tensor:
-    return (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().float().cpu()
+    # a copy: on one rank full_tensor() and .cpu() may return the parameter itself, which training then changes
+    return (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().float().cpu().clone()
 
 
 def data() -> TensorDataset:
@@ -136,7 +137,31 @@ def data() -> TensorDataset:
 
 
 MODE = sys.argv[4] if len(sys.argv) > 4 else "lightning"
-STABLE = MODE in ("stable", "noplan")  # noplan: our strategy, and a configure_model that forgets the TP plan
+#: noplan: our strategy and a configure_model that forgets the TP plan; faults: our strategy, an inf in one
+#: rank's gradient shard at step FAULT_STEP, and a checkpoint at the end; resume: that checkpoint, loaded at
+#: another mesh (argv[5]), trained one more step
+STABLE = MODE in ("stable", "noplan", "faults", "resume")
+FAULT_STEP = 2
+
+
+class Inject(pl.Callback):
+    """At FAULT_STEP, after every collective, an inf in one element of the local ``fc1.weight`` gradient shard of
+    the last rank only (every rank in the one-process reference, which then skips the same step)."""
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if trainer.global_step == FAULT_STEP and trainer.global_rank == trainer.world_size - 1:
+            grad = pl_module.model.fc1.weight.grad
+            (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("inf")
+
+
+class Restored(pl.Callback):
+    """The whole weights when training starts (after a checkpoint loaded), every rank."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.weights = {name: whole(p) for name, p in pl_module.model.named_parameters()}
 
 
 def main() -> None:
@@ -148,9 +173,14 @@ def main() -> None:
         TrainingHealthMonitor(response="warn", log_every_n_steps=1, report=False),
         metrics,
     ]
+    restored = Restored()
+    if MODE == "faults":
+        callbacks.insert(0, Inject())  # before the monitor: the fault lands after every collective
+    if MODE == "resume":
+        callbacks.append(restored)
     common: dict[str, Any] = dict(
         accelerator="cpu",
-        max_steps=STEPS,
+        max_steps=STEPS + 1 if MODE == "resume" else STEPS,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -158,7 +188,7 @@ def main() -> None:
         use_distributed_sampler=False,
         callbacks=callbacks,
     )
-    if dp * tp == 1:
+    if dp * tp == 1 and MODE != "resume":
         trainer = pl.Trainer(devices=1, **common)
     elif STABLE:
         from lightning_stability import StableFSDPStrategy
@@ -180,16 +210,22 @@ def main() -> None:
             (out / f"rank{rank}.json").write_text(json.dumps({"error": str(err)}))
             return
         raise AssertionError("StableFSDPStrategy(tensor_parallel=2) trained a module without a TP plan")
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=sys.argv[5] if MODE == "resume" else None)
     final = {name: whole(p) for name, p in module.model.named_parameters()}  # every rank gathers
+    if MODE == "faults":
+        trainer.save_checkpoint(out / "tp.ckpt")  # sharded, every rank writes its part
     if rank == 0:
         torch.save(final, out / "final.pt")
+        if MODE == "resume":
+            torch.save(restored.weights, out / "restored.pt")
     placements = {
         name: [type(p).__name__ for p in getattr(param, "placements", ())]
         for name, param in module.model.named_parameters()
     }
+    record = StepLedger.of(trainer).record_of()
+    outcomes = {"applied": int(record.applied_steps), "skipped": int(record.skipped_steps)}
     (out / f"rank{rank}.json").write_text(
-        json.dumps({"norms": probe.norms, "metrics": metrics.rows, "placements": placements})
+        json.dumps({"norms": probe.norms, "metrics": metrics.rows, "placements": placements, "outcomes": outcomes})
     )
 
 

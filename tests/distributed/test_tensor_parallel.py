@@ -10,6 +10,7 @@ ratio and the clipped training itself must equal the one-process run on the same
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -90,3 +91,35 @@ def test_gpt_block_plan_splits_the_demo_model_and_it_trains_like_one_process(tmp
     assert sorted(results[0]["split"]) == sorted(
         f"blocks.layers.{i}.{lin}.{w}" for i in (0, 1) for lin in ("linear1", "linear2") for w in ("weight", "bias")
     )
+
+
+@pytest.mark.distributed
+def test_stable_fsdp_tensor_parallel_skips_on_every_rank_and_its_checkpoint_reshards(tmp_path: Path) -> None:
+    """StableFSDPStrategy(tensor_parallel=2) on 2 x 2: an inf put into one rank's gradient shard after every
+    collective skips that update on all four ranks, exactly as the one-process run that skips the same step;
+    the sharded checkpoint it writes loads on 1 x 1 and on 4 x 1 (DCP reshards) to the same weights, and the next
+    step's global gradient norm is the same on both."""
+    ref_dir, run_dir, one_dir, four_dir = (tmp_path / d for d in ("reference", "2x2", "1x1", "4x1"))
+    for d in (ref_dir, run_dir, one_dir, four_dir):
+        d.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, str(SCRIPT), str(ref_dir), "1", "1", "faults"], env=env, check=True)
+    reference = json.loads((ref_dir / "rank0.json").read_text())
+    results = torchrun(SCRIPT, 4, run_dir, "2", "2", "faults", timeout=400)
+    for result in results:
+        assert result["outcomes"] == reference["outcomes"] == {"applied": 5, "skipped": 1}
+        for step, (ours, ref) in enumerate(zip(result["norms"], reference["norms"], strict=True)):
+            if step == 2:  # the fault: inf on every rank, though only one rank's shard holds it
+                assert math.isinf(ours["2"]) and math.isinf(ref["2"])
+            else:
+                assert ours["2"] == pytest.approx(ref["2"], **TOL), step
+    saved = torch.load(run_dir / "final.pt")
+    for name, weight in torch.load(ref_dir / "final.pt").items():
+        torch.testing.assert_close(saved[name], weight, rtol=1e-5, atol=1e-6, msg=name)
+    ckpt = str(run_dir / "tp.ckpt")
+    one = torchrun(SCRIPT, 1, one_dir, "1", "1", "resume", ckpt, timeout=300)
+    four = torchrun(SCRIPT, 4, four_dir, "4", "1", "resume", ckpt, timeout=300)
+    for restored_dir in (one_dir, four_dir):
+        restored = torch.load(restored_dir / "restored.pt")
+        assert all(torch.equal(restored[name], saved[name]) for name in saved), restored_dir.name
+    assert four[0]["norms"][0]["2"] == pytest.approx(one[0]["norms"][0]["2"], rel=1e-5)
