@@ -140,7 +140,7 @@ MODE = sys.argv[4] if len(sys.argv) > 4 else "lightning"
 #: noplan: our strategy and a configure_model that forgets the TP plan; faults: our strategy, an inf in one
 #: rank's gradient shard at step FAULT_STEP, and a checkpoint at the end; resume: that checkpoint, loaded at
 #: another mesh (argv[5]), trained one more step
-STABLE = MODE in ("stable", "noplan", "faults", "resume")
+STABLE = MODE in ("stable", "noplan", "faults", "resume", "fp16")  # fp16: faults with fp16 and the loss scaler
 FAULT_STEP = 2
 
 
@@ -174,7 +174,11 @@ def main() -> None:
         metrics,
     ]
     restored = Restored()
-    if MODE == "faults":
+    if MODE == "fp16":
+        from lightning_stability import LossScaleTuner
+
+        callbacks.append(LossScaleTuner(init_scale=2.0**10))
+    if MODE in ("faults", "fp16"):
         callbacks.insert(0, Inject())  # before the monitor: the fault lands after every collective
     if MODE == "resume":
         callbacks.append(restored)
@@ -193,7 +197,8 @@ def main() -> None:
     elif STABLE:
         from lightning_stability import StableFSDPStrategy
 
-        trainer = pl.Trainer(devices=dp * tp, strategy=StableFSDPStrategy(tensor_parallel=tp), **common)
+        precision = {"mixed_precision": "16-mixed"} if MODE == "fp16" else {}
+        trainer = pl.Trainer(devices=dp * tp, strategy=StableFSDPStrategy(tensor_parallel=tp, **precision), **common)
     else:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -224,6 +229,9 @@ def main() -> None:
     }
     record = StepLedger.of(trainer).record_of()
     outcomes = {"applied": int(record.applied_steps), "skipped": int(record.skipped_steps)}
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is not None:
+        outcomes["scale"] = float(scaler.get_scale())
     (out / f"rank{rank}.json").write_text(
         json.dumps({"norms": probe.norms, "metrics": metrics.rows, "placements": placements, "outcomes": outcomes})
     )

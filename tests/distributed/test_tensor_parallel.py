@@ -123,3 +123,17 @@ def test_stable_fsdp_tensor_parallel_skips_on_every_rank_and_its_checkpoint_resh
         restored = torch.load(restored_dir / "restored.pt")
         assert all(torch.equal(restored[name], saved[name]) for name in saved), restored_dir.name
     assert four[0]["norms"][0]["2"] == pytest.approx(one[0]["norms"][0]["2"], rel=1e-5)
+
+
+@pytest.mark.distributed
+def test_stable_fsdp_tensor_parallel_trains_in_fp16_with_one_loss_scale(tmp_path: Path, reference: dict) -> None:
+    """fp16 (what Lightning's ModelParallelStrategy refuses) on 2 x 2 with the LossScaleTuner: the inf in one rank's
+    shard skips the update on every rank, every rank keeps the same scale, and the norms follow the fp32 run's."""
+    results = torchrun(SCRIPT, 4, tmp_path, "2", "2", "fp16", timeout=400)
+    assert all(r["outcomes"] == {"applied": 5, "skipped": 1, "scale": 1024.0} for r in results), results[0]
+    for step, (ours, ref) in enumerate(zip(results[0]["norms"], reference["norms"], strict=True)):
+        if step == 2:
+            assert math.isinf(ours["2"])
+        elif step < 2:  # before the skip the fp32 reference took the same updates
+            assert ours["2"] == pytest.approx(ref["2"], rel=5e-3), step
+    assert all(r["norms"] == results[0]["norms"] for r in results)
