@@ -45,6 +45,11 @@ _EXPORTS = {
     "CheckpointError": "lightning_stability.checkpoint.atomic",
     "StableCheckpoint": "lightning_stability.checkpoint.callback",
     "verify_checkpoint": "lightning_stability.checkpoint.atomic",
+    # the cheap checks of a sick cluster
+    "ClusterHealthMonitor": "lightning_stability.cluster.callback",
+    "WatchdogSettings": "lightning_stability.cluster.watchdog",
+    "watchdog_environment": "lightning_stability.cluster.watchdog",
+    "watchdog_settings": "lightning_stability.cluster.watchdog",
     # the strategy
     "StableFSDPStrategy": "lightning_stability.strategies.fsdp",
     "consolidate_checkpoint": "lightning_stability.strategies.fsdp_checkpoint",
@@ -58,6 +63,8 @@ _EXPORTS = {
     "MemoryPlan": "lightning_stability.planner",
     "ModelShape": "lightning_stability.planner",
     "plan_memory": "lightning_stability.planner",
+    "advise_tensor_parallel": "lightning_stability.planner",
+    "TensorParallelAdvice": "lightning_stability.planner",
     # progress bars and errors
     "StabilityProgressBar": "lightning_stability.progress",
     "StabilityRichProgressBar": "lightning_stability.progress",
@@ -111,6 +118,8 @@ if TYPE_CHECKING:
     from lightning_stability.checkpoint.atomic import CheckpointError, verify_checkpoint
     from lightning_stability.checkpoint.callback import StableCheckpoint
     from lightning_stability.checkpoint.io import AtomicCheckpointIO
+    from lightning_stability.cluster.callback import ClusterHealthMonitor
+    from lightning_stability.cluster.watchdog import WatchdogSettings, watchdog_environment, watchdog_settings
     from lightning_stability.errors import StabilityConfigError
     from lightning_stability.grad_norm import GradientNormMonitor
     from lightning_stability.health.callback import TrainingHealthMonitor
@@ -118,7 +127,13 @@ if TYPE_CHECKING:
     from lightning_stability.ledger.callback import LedgerCallback
     from lightning_stability.ledger.step_ledger import StepLedger
     from lightning_stability.ledger.track import Outcome
-    from lightning_stability.planner import MemoryPlan, ModelShape, plan_memory
+    from lightning_stability.planner import (
+        MemoryPlan,
+        ModelShape,
+        TensorParallelAdvice,
+        advise_tensor_parallel,
+        plan_memory,
+    )
     from lightning_stability.presets import Preset, describe_preset, list_presets
     from lightning_stability.progress import StabilityProgressBar, StabilityRichProgressBar
     from lightning_stability.schedules.callback import ScheduledLR, WarmupConstantCosineLR

@@ -101,7 +101,7 @@ def _presets(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from lightning_stability.planner import ModelShape, plan_memory
+    from lightning_stability.planner import ModelShape, advise_tensor_parallel, plan_memory
     from lightning_stability.presets import get_preset
 
     preset = get_preset(args.preset) if args.preset else None
@@ -110,26 +110,32 @@ def _plan(args: argparse.Namespace) -> int:
     sharding = args.sharding or ("full" if preset is None or preset.fsdp else "none")
     checkpointing = args.activation_checkpointing or bool(preset and preset.activation_checkpointing)
     effective = args.effective_batch or (preset.effective_batch if preset else None)
-    plan = plan_memory(
-        shape,
+    tensor_parallel = args.tensor_parallel or (preset.tensor_parallel if preset else 1)
+    settings = dict(
         nodes=args.nodes if args.nodes is not None else (preset.num_nodes if preset else 1),
         gpus_per_node=args.gpus_per_node,
         gpu_memory=args.gpu_memory,
         precision=precision,
         optimizer=args.optimizer,
-        sharding=sharding,  # type: ignore[arg-type]  # checked by plan_memory
+        sharding=sharding,
         seq_len=args.seq_len,
         micro_batch=args.micro_batch,
         activation_checkpointing=checkpointing,
         effective_batch=effective,
         cpu_offload=args.cpu_offload,
+        flash_attention=args.flash_attention,
+        sequence_parallel=args.sequence_parallel,
+        pipeline_parallel=args.pp,
     )
+    plan = plan_memory(shape, tensor_parallel=tensor_parallel, **settings)
+    advice = advise_tensor_parallel(shape, **settings)
     if preset is not None:
         print(
             f"preset {preset.name}: precision {precision}, sharding {sharding}, activation checkpointing "
-            f"{checkpointing}, effective batch {effective}"
+            f"{checkpointing}, effective batch {effective}, tensor parallel {tensor_parallel}"
         )
     print(plan.table())
+    print(advice.text())
     return 0 if plan.fits else 1
 
 
@@ -178,7 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.set_defaults(func=_demo)
     plan = sub.add_parser(
         "plan",
-        help="memory per GPU of a training run: fits or not, the largest micro-batch, the accumulation",
+        help="memory per GPU of a training run: fits or not, the largest micro-batch, the accumulation, the "
+        "tensor-parallel size that fits",
         formatter_class=_Help,
     )
     plan.add_argument("--preset", default=None, help="take precision, sharding, checkpointing, nodes and batch from it")
@@ -198,6 +205,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan.add_argument("--effective-batch", type=int, default=None, help="global batch (default: the preset's)")
     plan.add_argument("--activation-checkpointing", action="store_true", help="plan with it on")
     plan.add_argument("--cpu-offload", action="store_true", help="optimizer state in host memory")
+    plan.add_argument("--flash-attention", action="store_true", help="attention scores recomputed, not stored")
+    plan.add_argument(
+        "--tensor-parallel",
+        "--tp",
+        type=_positive,
+        default=None,
+        help="GPUs splitting each layer, a divisor of --gpus-per-node (default: the preset's, else 1)",
+    )
+    plan.add_argument(
+        "--sequence-parallel", action="store_true", help="with --tensor-parallel: split norms and dropouts too"
+    )
+    plan.add_argument(
+        "--pp",
+        "--pipeline-parallel",
+        dest="pp",
+        type=_positive,
+        default=1,
+        help="pipeline stages, on paper only (Lightning has no pipeline strategy)",
+    )
     plan.set_defaults(func=_plan)
     presets = sub.add_parser("presets", help="list the presets, or describe one (every setting and its source)")
     presets.add_argument("name", nargs="?", default=None, help="the preset to describe (default: list them all)")

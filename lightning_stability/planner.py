@@ -10,18 +10,31 @@ module). :class:`ModelShape` describes the model; :func:`plan_memory` adds up, p
   divides the ``12P`` by the data-parallel degree ``N``, stage 2 (``"grad_op"``) the gradients too, stage 3
   (``"full"``, FSDP ``FULL_SHARD``) everything. fp32 training: ``4P + 4P + 8P``.
 * **activations** by Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-  Sec. 4.1-4.3 (no tensor or sequence parallelism, no pipeline): per layer ``s*b*h*(34 + 5*a*s/h)`` bytes with
-  16-bit activations and 1-byte dropout masks; the output layer ``4*s*b*h*(1 + v/h)`` (the final layer norm's
-  and the projection's inputs, and the logits in fp32 for the loss). See :func:`activations`.
+  Sec. 4.1-4.3 and Table 2: per layer ``s*b*h*(34 + 5*a*s/h)`` bytes with 16-bit activations and 1-byte
+  dropout masks; with tensor parallelism ``t`` ``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` (layer norms, dropouts and
+  the inputs of the first linears stay whole on every rank), with sequence parallelism too
+  ``s*b*h*(34/t + 5*a*s/(h*t))``; the output layer ``4*s*b*h*(1 + v/h)`` (the final layer norm's and the
+  projection's inputs, and the logits in fp32 for the loss; the logits split over ``t``). See :func:`activations`.
+* **tensor and pipeline parallelism**: ``tensor_parallel=t`` splits each layer's weights over ``t`` GPUs of a
+  node (Megatron-LM, Shoeybi et al. 2019), ``pipeline_parallel=p`` the layers into ``p`` stages (on paper
+  only: Lightning has no pipeline strategy); the model states ZeRO shards are then ``P/(t*p)`` per GPU,
+  sharded over the ``d = N/(t*p)`` data-parallel ranks.
 * **buffers**, a stated allowance: under full sharding the gathered parameters of the largest unit twice
   (the one computing and the one prefetched) and its unsharded gradient once, in compute precision; plus
-  ``overhead`` (CUDA context and allocator slack, 1 GiB by default; pass 0 for a CPU run).
+  ``overhead`` (CUDA context and allocator slack, 1 GiB by default; pass 0 for a CPU run). Left out, and said,
+  when the unit is unknown (a parameter count alone that is no GPT-3 size).
+
+A parameter count alone (no layers, hidden, heads, vocab) that is within 10% of a GPT-3 size takes that
+model's shape (Brown et al. 2020, "Language Models are Few-Shot Learners", Table 2.1; :data:`GPT3_SHAPES`),
+and the plan says so.
 
 The parameter count of a GPT-style decoder from its shape (:meth:`ModelShape.decoder`) follows Narayanan
 et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", Sec. 5.1:
 ``P = 12*l*h^2 * (1 + 13/(12h) + (V+s)/(12*l*h))``.
 
-Not modelled: tensor, sequence and pipeline parallelism; allocator fragmentation beyond ``overhead``.
+Not modelled: allocator fragmentation beyond ``overhead``; the few replicated parameters of tensor parallelism
+(layer norms, biases: ``6h`` of a block's ``12h^2``); uneven pipeline stages (the embeddings on the first, the
+head on the last); interleaved pipeline schedules; context and expert parallelism.
 """
 
 from __future__ import annotations
@@ -38,7 +51,15 @@ if TYPE_CHECKING:
     from torch import nn
 
 
-__all__ = ["MemoryPlan", "ModelShape", "parse_memory", "plan_memory"]
+__all__ = [
+    "GPT3_SHAPES",
+    "MemoryPlan",
+    "ModelShape",
+    "TensorParallelAdvice",
+    "advise_tensor_parallel",
+    "parse_memory",
+    "plan_memory",
+]
 
 Precision = Literal["32-true", "32", "bf16-mixed", "16-mixed", "bf16-true", "16-true"]
 Optimizer = Literal["adamw", "adam", "sgd", "sgd_momentum", "adafactor"]
@@ -63,6 +84,20 @@ SHARDINGS: dict[str, tuple[bool, bool, bool, str]] = {
 }
 ZERO = "ZeRO, Rajbhandari et al. 2020"
 KORTHIKANTI = "Korthikanti et al. 2022"
+# GPT-3's sizes (Brown et al. 2020, Table 2.1): (name, parameters, layers, d_model, heads), all with a 2048-token
+# context and GPT-2's 50257-token vocabulary. The table prints d_model 5140 for 13B, which its 40 heads of 128
+# contradict: 5120 here. The XL row's 24 heads are as printed (they enter only the attention-score term).
+GPT3_SHAPES: tuple[tuple[str, float, int, int, int], ...] = (
+    ("GPT-3 Small", 125e6, 12, 768, 12),
+    ("GPT-3 Medium", 350e6, 24, 1024, 16),
+    ("GPT-3 Large", 760e6, 24, 1536, 16),
+    ("GPT-3 XL", 1.3e9, 24, 2048, 24),
+    ("GPT-3 2.7B", 2.7e9, 32, 2560, 32),
+    ("GPT-3 6.7B", 6.7e9, 32, 4096, 32),
+    ("GPT-3 13B", 13e9, 40, 5120, 40),
+    ("GPT-3 175B", 175e9, 96, 12288, 96),
+)
+GPT3_VOCAB = 50257
 
 
 @dataclass(frozen=True)
@@ -71,11 +106,13 @@ class MemoryPlan:
 
     ``activations_bytes`` is without and ``activations_checkpointed_bytes`` with full activation
     checkpointing (both at ``micro_batch``); ``total_bytes`` counts the one the plan was asked for.
-    ``usable_bytes`` is the capacity less the headroom; ``fits``: ``total_bytes <= usable_bytes``.
-    ``max_micro_batch``: the largest micro-batch that fits (0: not even the model states and buffers;
-    ``None``: unknown, the shape lacks ``layers``/``hidden``). ``accumulation``: gradient-accumulation steps
-    to reach ``effective_batch`` (``None`` when it was not given). ``host_bytes``: CPU memory per GPU of the
-    optimizer state offloaded by ``cpu_offload``.
+    ``usable_bytes`` is the capacity less the headroom; ``fits``: ``total_bytes <= usable_bytes``, of the
+    components counted: ``missing`` names those that could not be (the model's shape unknown), and then the
+    real total is higher. ``max_micro_batch``: the largest micro-batch that fits (0: not even the model states
+    and buffers; ``None``: unknown, the shape lacks ``layers``/``hidden``). ``accumulation``: gradient-accumulation
+    steps to reach ``effective_batch`` over the ``data_parallel`` ranks (``None`` when it was not given).
+    ``host_bytes``: CPU memory per GPU of the optimizer state offloaded by ``cpu_offload``. ``shape``: the shape
+    planned, ``assumed_shape`` the GPT-3 size it was taken from when only a parameter count was given.
     """
 
     params_bytes: int
@@ -93,6 +130,13 @@ class MemoryPlan:
     host_bytes: int = 0
     micro_batch: int = 1
     world_size: int = 1
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    data_parallel: int = 1
+    sequence_parallel: bool = False
+    missing: tuple[str, ...] = ()
+    assumed_shape: str | None = None
+    shape: ModelShape | None = field(default=None, repr=False)
     notes: tuple[str, ...] = ()
     title: str = ""
     rows: tuple[tuple[str, int, str, str], ...] = field(default=(), repr=False)
@@ -106,12 +150,22 @@ class MemoryPlan:
             f"{'total':<24}{self.total_bytes / GiB:>9.2f}  {verdict} in {self.usable_bytes / GiB:.2f} GiB usable "
             f"of {self.capacity_bytes / GiB:.2f} GiB"
         )
+        if self.missing:
+            lines.append(
+                f"not counted: {', '.join(self.missing)} (the model's shape is unknown): the real total is higher; "
+                "pass layers, hidden, heads, vocab (--layers ...) for a complete plan"
+            )
         lines.append(f"max micro-batch: {'unknown' if self.max_micro_batch is None else self.max_micro_batch}")
         if self.accumulation is not None:
-            batch = self.micro_batch * self.world_size
+            batch = self.micro_batch * self.data_parallel
+            ranks = (
+                f"{self.world_size} GPUs"
+                if self.data_parallel == self.world_size
+                else f"{self.data_parallel} data-parallel ranks"
+            )
             lines.append(
                 f"gradient accumulation: {self.accumulation} steps (micro-batch {self.micro_batch} x "
-                f"{self.world_size} GPUs x {self.accumulation} = {batch * self.accumulation} samples per step)"
+                f"{ranks} x {self.accumulation} = {batch * self.accumulation} samples per step)"
             )
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
@@ -138,6 +192,9 @@ def plan_memory(
     effective_batch: int | None = None,
     cpu_offload: bool = False,
     flash_attention: bool = False,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
+    pipeline_parallel: int = 1,
     mixed_layout: Literal["zero", "autocast"] = "zero",
     headroom: float = 0.1,
     overhead: int | str = "1GiB",
@@ -145,7 +202,11 @@ def plan_memory(
     """Plan the per-GPU memory of training ``model`` (a :class:`ModelShape`, an ``nn.Module``, possibly on the
     ``meta`` device, or a parameter count) on ``nodes x gpus_per_node`` GPUs of ``gpu_memory`` each.
 
-    ``sharding`` shards model states over all ``N = nodes * gpus_per_node`` GPUs (ZeRO stages; see the module
+    ``tensor_parallel=t`` splits each layer over ``t`` GPUs of a node (``StableFSDPStrategy(tensor_parallel=t)``;
+    ``t`` must divide ``gpus_per_node``), ``sequence_parallel`` also splits the layer norms and dropouts over the
+    sequence (Korthikanti et al. 2022), ``pipeline_parallel=p`` splits the layers into ``p`` stages run with the
+    1F1B schedule (on paper: Lightning has no pipeline strategy). ``sharding`` then shards the model states over
+    the ``d = N / (t*p)`` data-parallel ranks of ``N = nodes * gpus_per_node`` (ZeRO stages; see the module
     docstring). ``cpu_offload`` moves the optimizer state, fp32 master weights included, to host memory.
     ``mixed_layout`` (mixed precision only): ``"zero"`` is the paper's 16-bit parameters and gradients with
     fp32 master weights in the optimizer (DeepSpeed, Megatron); ``"autocast"`` keeps the parameters and
@@ -153,12 +214,18 @@ def plan_memory(
     the same 16P for Adam, split 4/4/8, plus the 16-bit weight copies saved for backward (a buffer).
     ``flash_attention``: attention scores are recomputed, not stored. ``headroom``: the fraction of
     ``gpu_memory`` kept free. ``effective_batch``: global batch (samples) for the accumulation steps.
+    A parameter count alone within 10% of a GPT-3 size plans that model's shape (:data:`GPT3_SHAPES`), said in
+    the title and the notes; any other is planned without activations and gather buffers, named in ``missing``.
     Raises :class:`~lightning_stability.errors.StabilityConfigError` naming a bad argument.
     """
     shape = _shape(model)
     for name, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node), ("seq_len", seq_len)):
         check_int(name, value)
     check_int("micro_batch", micro_batch)
+    check_int("tensor_parallel", tensor_parallel, example="tensor_parallel=8 (GPUs splitting each layer; 1: none)")
+    check_int("pipeline_parallel", pipeline_parallel, example="pipeline_parallel=4 (pipeline stages; 1: none)")
+    if not isinstance(sequence_parallel, bool):
+        raise config_error("sequence_parallel", sequence_parallel, "must be a bool", "pass True or False")
     if effective_batch is not None:
         check_int("effective_batch", effective_batch)
     if headroom != 0:
@@ -171,16 +238,27 @@ def plan_memory(
     if capacity == 0:
         raise config_error("gpu_memory", gpu_memory, "must be > 0", 'pass e.g. gpu_memory="80GiB"')
     fixed_overhead = parse_memory("overhead", overhead)
+    shape, assumed = _standard_shape(shape)
 
-    n, p = nodes * gpus_per_node, shape.params
+    n, p, t, pp = nodes * gpus_per_node, shape.params, tensor_parallel, pipeline_parallel
+    _check_model_parallel(shape, n, gpus_per_node, t, pp)
+    d = n // (t * pp)
     width, master, moment = PRECISIONS[precision]
     compute = 4 if precision in ("32-true", "32") else 2
     autocast = master > 0 and mixed_layout == "autocast"
     if autocast:
         width, master = 4, 0
     shard_p, shard_g, shard_o, stage = SHARDINGS[sharding]
-    per = {True: f"/{n}", False: ""}
+    split = f"/{t * pp}" if t * pp > 1 else ""  # TP and PP split the model before ZeRO shards it
+    per = {True: (f"{split}/{d}" if d > 1 else split) if split else f"/{n}", False: split}
     notes: list[str] = []
+    missing: list[str] = []
+    if assumed is not None:
+        notes.append(
+            f"shape not given: {assumed}'s assumed (Brown et al. 2020, Table 2.1: {shape.layers} layers, d_model "
+            f"{shape.hidden}, {shape.heads} heads; GPT-2's vocabulary of {shape.vocab}); pass layers/hidden/heads/"
+            "vocab (--layers, --hidden, --heads, --vocab) to plan your model's own"
+        )
 
     k = master + MOMENTS[optimizer] * moment
     k_text = " + ".join(filter(None, [f"{master} master" if master else "", _moments(optimizer, moment)])) or "none"
@@ -191,33 +269,51 @@ def plan_memory(
             k_text += f" + factored 2*{moment}/h"
         else:
             notes.append("adafactor: the factored second moment (~2*4*P/h bytes) is not counted (hidden unknown)")
-    params_b = width * p / (n if shard_p else 1)
-    grads_b = width * p / (n if shard_g else 1)
-    optimizer_b = optimizer_per_param * p / (n if shard_o else 1)
+    local = p / (t * pp)  # parameters of one GPU's tensor-parallel slice of its pipeline stage
+    params_b = width * local / (d if shard_p else 1)
+    grads_b = width * local / (d if shard_g else 1)
+    optimizer_b = optimizer_per_param * local / (d if shard_o else 1)
     host_b = 0.0
     if cpu_offload:
         host_b, optimizer_b = optimizer_b, 0.0
         notes.append(f"cpu_offload: {host_b / GiB:.2f} GiB of optimizer state per GPU lives in host memory")
 
-    unit = shape.unit_params()
+    whole = shape.unit_params()
+    unit = None if whole is None else whole / t  # a tensor-parallel rank gathers its slice of the unit
+    unit_text = "unit" if t == 1 else f"unit/{t}"
     buffers, parts = (
         float(fixed_overhead),
         [f"{fixed_overhead / GiB:.2f} GiB overhead (CUDA context, allocator: assumed)"],
     )
-    if sharding == "full":
+    if sharding in ("full", "grad_op") and unit is None:
+        missing.append("FSDP gather buffers")
+        notes.append(
+            f"FSDP gather buffers not counted: the size of a unit (a block) is unknown without layers, and "
+            f"{p / 1e9:.4g}B parameters are no GPT-3 size (125M-175B) within 10%"
+        )
+    elif sharding == "full" and unit is not None:
         buffers += 3.0 * compute * unit
-        parts.insert(0, f"3 x {compute}B x unit of {unit:.3g} params (2 gathered + 1 unsharded grad)")
-    elif sharding == "grad_op":
+        parts.insert(0, f"3 x {compute}B x {unit_text} of {unit:.3g} params (2 gathered + 1 unsharded grad)")
+    elif sharding == "grad_op" and unit is not None:
         buffers += 1.0 * compute * unit
-        parts.insert(0, f"{compute}B x unit of {unit:.3g} params (unsharded grad before reduce-scatter)")
+        parts.insert(0, f"{compute}B x {unit_text} of {unit:.3g} params (unsharded grad before reduce-scatter)")
     if autocast and sharding != "full":
-        buffers += 2.0 * p
-        parts.insert(0, "2P (16-bit weight copies saved for backward)")
+        buffers += 2.0 * local
+        parts.insert(0, f"2P{split} (16-bit weight copies saved for backward)")
     buffer_text = " + ".join(parts)
 
-    acts = activations(shape, seq_len, compute, flash_attention)
+    acts = activations(
+        shape,
+        seq_len,
+        compute,
+        flash_attention,
+        tensor_parallel=t,
+        sequence_parallel=sequence_parallel,
+        pipeline_parallel=pp,
+    )
     if acts is None:
         full_a = ckpt_a = per_sample = 0.0
+        missing.insert(0, "activations")
         notes.append("activations not counted: the model shape lacks layers/hidden (pass a ModelShape or module)")
     else:
         full_a, ckpt_a = acts.full * micro_batch, acts.checkpointed * micro_batch
@@ -232,11 +328,16 @@ def plan_memory(
 
     accumulation = None
     if effective_batch is not None:
-        accumulation = math.ceil(effective_batch / (micro_batch * n))
-        if accumulation * micro_batch * n != effective_batch:
+        accumulation = math.ceil(effective_batch / (micro_batch * d))
+        if accumulation * micro_batch * d != effective_batch:
             notes.append(
-                f"effective_batch={effective_batch} is not a multiple of micro_batch*N = {micro_batch * n}: "
-                f"{accumulation} steps give {accumulation * micro_batch * n}"
+                f"effective_batch={effective_batch} is not a multiple of micro_batch*d = {micro_batch * d} "
+                f"(d = {d} data-parallel ranks): {accumulation} steps give {accumulation * micro_batch * d}"
+            )
+        if pp > 1 and accumulation < pp:
+            notes.append(
+                f"{accumulation} micro-batches per step on {pp} pipeline stages: the pipeline idles (the 1F1B "
+                f"schedule wants >= {pp}, and the activations assume {pp} in flight)"
             )
     if not fits and acts is not None and not activation_checkpointing and fixed + ckpt_a <= usable:
         notes.append("activation_checkpointing=True would fit")
@@ -247,29 +348,40 @@ def plan_memory(
             "PyTorch FSDP2 mixed precision keeps fp32 sharded params and grads: the same 16P/N for Adam split "
             "4/4/8 (mixed_layout='autocast'), plus the gathered units in buffers"
         )
-    if sharding == "none" and n > 1:
+    if sharding == "none" and d > 1:
         notes.append("DDP without gradient_as_bucket_view=True holds a second copy of the gradients in its buckets")
     if acts is not None and not flash_attention:
         notes.append("eager attention: scores stored (5*a*s/h term); flash_attention=True drops it")
+    if pp > 1:
+        notes.append(
+            f"pipeline_parallel={pp} is planned on paper only: Lightning (and StableFSDPStrategy) has no pipeline "
+            "strategy; the first stage keeps its layers' activations for pp micro-batches (1F1B): L layers' worth"
+        )
 
-    act = "L*s*b*h*(16e+2)" + (" + L*4*a*s*b" if flash_attention else " + L*a*s^2*b*(2e+1)")
-    act += f" + s*b*h*(2e+1) + 4*s*b*v, e={compute}"
-    ckpt = f"L*s*b*h*e + one layer + output, e={compute}"
-    marks = (" (used)", "") if not activation_checkpointing else ("", " (used)")
-    on_host = ", on host" if cpu_offload else ""
     rows: tuple[tuple[str, int, str, str], ...] = (
         ("params", round(params_b), f"{width}P{per[shard_p]}", ZERO),
         ("grads", round(grads_b), f"{width}P{per[shard_g]}", ZERO),
-        ("optimizer", round(optimizer_b), f"{k:g}P{per[shard_o]} ({k_text}){on_host}", ZERO),
-        ("activations" + marks[0], round(full_a), act, f"{KORTHIKANTI} Sec. 4"),
-        ("activations ckpt" + marks[1], round(ckpt_a), ckpt, f"{KORTHIKANTI} Sec. 5"),
-        ("buffers", round(buffers), buffer_text, "allowance"),
+        (
+            "optimizer",
+            round(optimizer_b),
+            f"{k:g}P{per[shard_o]} ({k_text}){', on host' if cpu_offload else ''}",
+            ZERO,
+        ),
     )
-    if acts is None:
-        rows = rows[:3] + rows[5:]
+    if acts is not None:
+        marks = (" (used)", "") if not activation_checkpointing else ("", " (used)")
+        rows += (
+            ("activations" + marks[0], round(full_a), acts.formula, f"{KORTHIKANTI} Sec. 4, Table 2"),
+            ("activations ckpt" + marks[1], round(ckpt_a), acts.checkpointed_formula, f"{KORTHIKANTI} Sec. 5"),
+        )
+    rows += (("buffers", round(buffers), buffer_text, "allowance"),)
+    layout = ""
+    if t * pp > 1:
+        layout = f", TP {t}{' + sequence parallel' if sequence_parallel else ''} x PP {pp} x DP {d}"
     title = (
-        f"Memory plan per GPU: {p / 1e9:.4g}B params on {nodes} x {gpus_per_node} = {n} GPUs, {precision}, "
-        f"{optimizer}, sharding={sharding} ({stage}), seq {seq_len}, micro-batch {micro_batch}"
+        f"Memory plan per GPU: {p / 1e9:.4g}B params{f' (shape: {assumed} assumed)' if assumed else ''} on "
+        f"{nodes} x {gpus_per_node} = {n} GPUs{layout}, {precision}, {optimizer}, sharding={sharding} ({stage}), "
+        f"seq {seq_len}, micro-batch {micro_batch}"
     )
     return MemoryPlan(
         params_bytes=round(params_b),
@@ -287,10 +399,119 @@ def plan_memory(
         host_bytes=round(host_b),
         micro_batch=micro_batch,
         world_size=n,
+        tensor_parallel=t,
+        pipeline_parallel=pp,
+        data_parallel=d,
+        sequence_parallel=sequence_parallel,
+        missing=tuple(missing),
+        assumed_shape=assumed,
+        shape=shape,
         notes=tuple(notes),
         title=title,
         rows=rows,
     )
+
+
+def _check_model_parallel(shape: ModelShape, world: int, gpus_per_node: int, tp: int, pp: int) -> None:
+    """Tensor parallelism within a node, dividing the heads; the model-parallel group dividing the GPUs."""
+    if gpus_per_node % tp:
+        raise config_error(
+            "tensor_parallel",
+            tp,
+            f"does not divide gpus_per_node={gpus_per_node}",
+            "pass a divisor of the GPUs per node: a tensor-parallel group communicates at every layer and stays "
+            "within a node's fast links (as StableFSDPStrategy(tensor_parallel=...) requires)",
+        )
+    if shape.heads is not None and shape.heads % tp:
+        raise config_error(
+            "tensor_parallel",
+            tp,
+            f"does not divide the {shape.heads} attention heads",
+            "pass a divisor of the heads: tensor parallelism gives each rank whole heads",
+        )
+    if shape.layers is not None and pp > shape.layers:
+        raise config_error(
+            "pipeline_parallel", pp, f"exceeds the {shape.layers} layers", f"pass at most {shape.layers} stages"
+        )
+    if world % (tp * pp):
+        raise config_error(
+            "pipeline_parallel",
+            pp,
+            f"times tensor_parallel={tp} does not divide the {world} GPUs",
+            f"pass a pipeline_parallel that divides {world // tp if world % tp == 0 else world} (GPUs / TP)",
+        )
+
+
+def _standard_shape(shape: ModelShape) -> tuple[ModelShape, str | None]:
+    """``shape``, or, when it is a parameter count alone within 10% of a GPT-3 size, that model's shape."""
+    given = (shape.layers, shape.hidden, shape.heads, shape.vocab, shape.largest_unit)
+    if any(value is not None for value in given):
+        return shape, None
+    for name, params, layers, hidden, heads in GPT3_SHAPES:
+        if abs(shape.params / params - 1.0) <= 0.1:
+            return ModelShape(shape.params, layers, hidden, heads, GPT3_VOCAB), name
+    return shape, None
+
+
+@dataclass(frozen=True)
+class TensorParallelAdvice:
+    """Whether tensor parallelism is needed to fit, and which size: one plan per size tried.
+
+    ``plans``: the plans at each tensor-parallel size tried (1, 2, 4, 8, ... up to the GPUs per node, those that
+    divide the heads and the GPUs); ``smallest``: the smallest size whose plan fits (``None``: none fits).
+    """
+
+    plans: tuple[MemoryPlan, ...]
+    smallest: int | None
+    also: tuple[str, ...] = ("offload", "more GPUs")
+
+    def text(self) -> str:
+        """One line: not needed, needed (and which size fits), or no size fits (and what else to try)."""
+        tried = ", ".join(f"TP {p.tensor_parallel}: {p.total_bytes / GiB:.2f}" for p in self.plans)
+        usable = self.plans[0].usable_bytes / GiB
+        partial = " (counting what is known: see 'not counted')" if self.plans[0].missing else ""
+        if self.smallest == 1:
+            return f"tensor parallel: not needed: TP 1 fits{partial} ({tried} GiB of {usable:.2f} usable)"
+        if self.smallest is not None:
+            return (
+                f"tensor parallel: needed: TP {self.smallest} is the smallest size that fits{partial} ({tried} GiB "
+                f"of {usable:.2f} usable); pass --tensor-parallel {self.smallest} (StableFSDPStrategy(tensor_parallel="
+                f"{self.smallest}), the preset field tensor_parallel={self.smallest})"
+            )
+        largest = self.plans[-1].tensor_parallel
+        also = ", ".join(self.also[:-1]) + f" or {self.also[-1]}" if len(self.also) > 1 else "".join(self.also)
+        return f"tensor parallel: no size up to TP {largest} fits ({tried} GiB of {usable:.2f} usable): try {also}"
+
+
+def advise_tensor_parallel(model: ModelShape | nn.Module | float, **kwargs: Any) -> TensorParallelAdvice:
+    """:func:`plan_memory` at tensor-parallel sizes 1, 2, 4, 8, ... up to ``gpus_per_node`` (those that divide
+    the GPUs per node, the heads, and the GPUs with ``pipeline_parallel``), the other arguments as given.
+
+    Example::
+
+        advice = advise_tensor_parallel(ModelShape(175e9), nodes=8, gpus_per_node=8, gpu_memory="40GiB")
+        print(advice.text())  # "tensor parallel: needed: TP 2 is the smallest size that fits (...)"
+    """
+    kwargs.pop("tensor_parallel", None)
+    first = plan_memory(model, **kwargs)  # checks every argument; also resolves the shape once
+    shape = first.shape if first.shape is not None else _shape(model)
+    gpus, world = first.world_size // max(1, kwargs.get("nodes", 1)), first.world_size
+    pp = first.pipeline_parallel
+    plans = [first]
+    size = 2
+    while size <= gpus:
+        if gpus % size == 0 and (shape.heads is None or shape.heads % size == 0) and world % (size * pp) == 0:
+            plans.append(plan_memory(shape, tensor_parallel=size, **kwargs))
+        size *= 2
+    smallest = next((p.tensor_parallel for p in plans if p.fits), None)
+    also = [
+        "activation checkpointing" if not kwargs.get("activation_checkpointing") else "",
+        "sequence parallelism" if not kwargs.get("sequence_parallel") else "",
+        "a smaller micro-batch" if kwargs.get("micro_batch", 1) > 1 else "",
+        "offloading the optimizer state" if not kwargs.get("cpu_offload") else "",
+        "more GPUs",
+    ]
+    return TensorParallelAdvice(tuple(plans), smallest, tuple(filter(None, also)))
 
 
 def _moments(optimizer: str, moment: int) -> str:
@@ -425,14 +646,15 @@ class ModelShape:
             unit = float(max(max(block_params), params - sum(block_params)))
         return cls(float(params), largest_unit=unit, **shape)
 
-    def unit_params(self) -> float:
+    def unit_params(self) -> float | None:
         """Parameters of the largest unit gathered at once under full sharding (one FSDP unit per block
         assumed): ``largest_unit`` if given; else ``max(block, rest)`` with a block of ``12h^2 + 13h``
-        parameters (or ``params/layers`` without ``hidden``); else the whole model."""
+        parameters (or ``params/layers`` without ``hidden``); ``None`` without ``layers`` (unknown: not the
+        whole model, which no FSDP wrapping of a transformer gathers at once)."""
         if self.largest_unit is not None:
             return self.largest_unit
         if self.layers is None:
-            return self.params
+            return None
         block = _block_params(self.hidden) if self.hidden is not None else self.params / self.layers
         return float(min(self.params, max(block, self.params - self.layers * block)))
 
@@ -484,11 +706,13 @@ def _vocab(module: nn.Module, embeddings: list[nn.Embedding]) -> int | None:
 
 @dataclass(frozen=True)
 class Activations:
-    """Activation bytes for one sample (``b = 1``: every term is linear in the micro-batch).
+    """Activation bytes for one sample (``b = 1``: every term is linear in the micro-batch) on one GPU.
 
     ``layer``: one block's saved tensors; ``output``: the embedding dropout mask, the final norm's and the
     projection's inputs and the fp32 logits; ``full``: without checkpointing; ``checkpointed``: with full
-    activation checkpointing (each block's input kept, one block recomputed at a time during backward).
+    activation checkpointing (each block's input kept, one block recomputed at a time during backward); with
+    pipeline stages, both are the larger of the first and the last stage. ``formula``,
+    ``checkpointed_formula``: how ``full`` and ``checkpointed`` were added up, for the plan's table.
     """
 
     layer: float
@@ -496,9 +720,20 @@ class Activations:
     full: float
     checkpointed: float
     notes: tuple[str, ...]
+    formula: str = ""
+    checkpointed_formula: str = ""
 
 
-def activations(shape: ModelShape, seq_len: int, element: int, flash_attention: bool) -> Activations | None:
+def activations(
+    shape: ModelShape,
+    seq_len: int,
+    element: int,
+    flash_attention: bool,
+    *,
+    tensor_parallel: int = 1,
+    sequence_parallel: bool = False,
+    pipeline_parallel: int = 1,
+) -> Activations | None:
     """Korthikanti et al. 2022 for one sample, with ``element`` bytes per activation (2 for 16-bit, 4 for fp32)
     and 1-byte dropout masks; ``None`` when ``layers`` or ``hidden`` is unknown.
 
@@ -507,22 +742,57 @@ def activations(shape: ModelShape, seq_len: int, element: int, flash_attention: 
     (``16e``), two dropout masks (``2``), and the softmax output, its dropout mask and dropout output
     (``a*s^2*(2e + 1)``). With FlashAttention the scores are recomputed, not stored: ``4*a*s`` (fp32
     logsumexp) instead. Output layer (Sec. 4.3): ``s*h*(2e + 1) + 4*s*v``.
+
+    Tensor parallelism ``t`` (Sec. 4.2.1, Table 2): the two norms' inputs, the inputs of QKV and of the first
+    MLP linear and the two dropout masks stay whole on every rank (``s*h*(4e + 2)``, the paper's ``10``); the
+    rest and the scores split: ``s*h*(4e + 2 + 12e/t) + a*s^2*(2e + 1)/t``, i.e. ``s*h*(10 + 24/t +
+    5*a*s/(h*t))``. Sequence parallelism (Sec. 4.2.2) splits the whole part over the sequence too:
+    ``(s*h*(16e + 2) + a*s^2*(2e + 1))/t``, i.e. ``s*h*(34/t + 5*a*s/(h*t))``; the output layer's inputs split
+    the same way, the logits over ``t`` in both (a vocabulary-parallel projection and loss, Megatron's and
+    torch's ``loss_parallel``). Checkpointed, each layer keeps its input, ``s*h*e`` (Table 2's ``2sbh``), of which
+    a rank holds ``1/t`` under sequence parallelism. Pipeline stages ``p`` (Sec. 4.2.3): a stage holds ``L/p``
+    layers, and under the 1F1B schedule the first stage holds ``p`` micro-batches at once: ``L`` layers' worth,
+    as without pipeline parallelism; the last stage holds one micro-batch and the output layer.
     """
     if shape.layers is None or shape.hidden is None:
         return None
     s, h, e = float(seq_len), float(shape.hidden), float(element)
+    t, sp, pp = tensor_parallel, sequence_parallel, pipeline_parallel
     notes = []
     heads = shape.heads
     if heads is None and not flash_attention:
         heads = max(1, shape.hidden // 64)
         notes.append(f"heads unknown: assumed hidden/64 = {heads} (head dim 64) for the attention-score term")
-    scores = 4.0 * (heads or 0) * s if flash_attention else (heads or 0) * s * s * (2 * e + 1)
-    layer = s * h * (16 * e + 2) + scores
-    output = s * h * (2 * e + 1)
+    scores = (4.0 * (heads or 0) * s if flash_attention else (heads or 0) * s * s * (2 * e + 1)) / t
+    whole = 1.0 / t if sp else 1.0  # the part tensor parallelism leaves whole, split by sequence parallelism
+    layer = s * h * ((4 * e + 2) * whole + 12 * e / t) + scores
+    kept = s * h * e * whole  # a checkpointed layer's input
+    embedding = s * h * whole  # the embedding dropout mask
+    head = s * h * 2 * e * whole  # the final norm's and the projection's inputs
     if shape.vocab is not None:
-        output += 4.0 * s * shape.vocab
+        head += 4.0 * s * shape.vocab / t
     else:
         notes.append("vocab unknown: the fp32 logits (4*s*b*v bytes) are not counted")
-    full = shape.layers * layer + output
-    checkpointed = shape.layers * s * h * e + layer + output
-    return Activations(layer, output, full, checkpointed, tuple(notes))
+    output = embedding + head
+    stage = math.ceil(shape.layers / pp)
+    if pp == 1:
+        full = shape.layers * layer + output
+        checkpointed = shape.layers * kept + layer + output
+    else:  # the first stage: pp micro-batches in flight; the last: one, and the output layer
+        full = max(pp * (stage * layer + embedding), stage * layer + head)
+        checkpointed = max(pp * (stage * kept + embedding) + layer, stage * kept + layer + head)
+    split = f"/{t}" if t > 1 else ""
+    if t == 1:
+        per_layer = "L*s*b*h*(16e+2)"
+    elif sp:
+        per_layer = f"L*s*b*h*(16e+2)/{t}"
+    else:
+        per_layer = f"L*s*b*h*(4e+2 + 12e/{t})"
+    scores_text = f"L*4*a*s*b{split}" if flash_attention else f"L*a*s^2*b*(2e+1){split}"
+    out_split = split if sp else ""
+    formula = f"{per_layer} + {scores_text} + s*b*h*(2e+1){out_split} + 4*s*b*v{split}, e={element}"
+    ckpt = f"L*s*b*h*e{out_split} + one layer + output, e={element}"
+    if pp > 1:
+        formula = f"stage of L/{pp} layers x {pp} micro-batches (1F1B): {formula}"
+        ckpt = f"stage of L/{pp} layers x {pp} micro-batches (1F1B): {ckpt}"
+    return Activations(layer, output, full, checkpointed, tuple(notes), formula, ckpt)

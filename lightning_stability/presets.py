@@ -32,6 +32,9 @@ class Preset:
         lr_scaling: how the LR follows the accumulation (``"linear"``: ``lr * steps``; ``"none"``).
         effective_batch: the global batch the recipe aims at (documentation and the memory planner).
         fsdp: shard with ``StableFSDPStrategy``; activation_checkpointing: its activation checkpointing.
+        tensor_parallel: ``StableFSDPStrategy(tensor_parallel=...)``: GPUs of a node splitting each layer (1:
+            none; needs ``fsdp``, and a ``configure_model`` that applies a TP plan). Adapted to the devices per
+            node; ``lightning-stability plan`` says which size fits.
         num_nodes: machines the recipe was written for (adapted to the user's).
         health: ``TrainingHealthMonitor(response=...)``.
     """
@@ -50,6 +53,7 @@ class Preset:
     effective_batch: int | None = None
     fsdp: bool = False
     activation_checkpointing: bool = False
+    tensor_parallel: int = 1
     num_nodes: int = 1
     health: Response = "skip"
     sources: dict[str, str] = field(default_factory=dict, compare=False)
@@ -63,12 +67,19 @@ class Preset:
             raise config_error(
                 "lr_scaling", self.lr_scaling, "is not a scaling rule", "pass 'linear', 'sqrt' or 'none'"
             )
-        for key in ("accumulation", "num_nodes"):
-            value = getattr(self, key)
-            check_int(key, value, 1, "1 or 32")
+        for key, example in (("accumulation", "1 or 32"), ("num_nodes", "1 or 8"), ("tensor_parallel", "1 or 8")):
+            check_int(key, getattr(self, key), 1, example)
         for key in ("fsdp", "activation_checkpointing"):
             if not isinstance(getattr(self, key), bool):
                 raise config_error(key, getattr(self, key), "must be True or False", "pass a bool")
+        if self.tensor_parallel > 1 and not self.fsdp:
+            raise config_error(
+                "tensor_parallel",
+                self.tensor_parallel,
+                "needs fsdp=True (tensor parallelism runs in StableFSDPStrategy, which shards the rest over the "
+                "data-parallel ranks)",
+                "pass fsdp=True too, or tensor_parallel=1",
+            )
 
     def derive(self, name: str, description: str, sources: dict[str, str] | None = None, **changes: Any) -> Preset:
         """A variant of this preset: ``changes`` applied, their ``sources`` added to the inherited ones."""
@@ -101,6 +112,8 @@ _BASE = Preset(
         "effective_batch": "none: your DataLoader's batch",
         "fsdp": "off: one replica per device (DDP or one device); over-10b and larger shard",
         "activation_checkpointing": "off: 1b-10b and larger pair it with their heavy accumulation",
+        "tensor_parallel": "1: no tensor parallelism (the source's recipes shard with FSDP alone); "
+        "`lightning-stability plan` says when a size is needed to fit",
         "num_nodes": "1",
     },
 )
@@ -164,6 +177,8 @@ def _table() -> dict[str, Preset]:
             "init_scale": "a common 175B recipe: initial loss scale 32768 (2**15)",
             "accumulation": "a common 175B recipe: accumulation 32",
             "fsdp": "a common 175B recipe: FSDP",
+            "tensor_parallel": "1: a common 175B recipe shards with FSDP alone (Megatron's GPT-3 175B runs use TP 8, "
+            "Narayanan et al. 2021)",
             "num_nodes": "a common 175B recipe: 8 nodes",
         },
         max_norm=1.0,

@@ -1,20 +1,22 @@
 """StableTrainer: a ``lightning.Trainer`` built from a preset, with every callback and the strategy configured.
 
 ``StableTrainer.from_preset("175b", **overrides)`` takes the recipe's numbers and applies them on the user's
-hardware: what cannot apply there (8 nodes on one machine, FSDP on one device, fp16 on a CPU, which needs an
-explicit loss-scaler plugin) is adapted and said in one info line. Overrides are any preset field or any
-``Trainer`` argument; anything else is an error naming it.
+hardware: what cannot apply there (8 nodes on one machine, FSDP on one device, tensor parallelism on one device
+or wider than a node, fp16 on a CPU, which needs an explicit loss-scaler plugin) is adapted and said in one info
+line. Overrides are any preset field or any ``Trainer`` argument; anything else is an error naming it.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 import os
 from dataclasses import replace
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.plugins import CheckpointIO, MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy, StrategyRegistry
@@ -25,6 +27,7 @@ from lightning_stability.accumulation.callback import GradientAccumulation
 from lightning_stability.amp.callback import LossScaleTuner
 from lightning_stability.checkpoint.callback import StableCheckpoint
 from lightning_stability.checkpoint.io import AtomicCheckpointIO, local_path
+from lightning_stability.cluster.watchdog import WatchdogSettings, watchdog_settings
 from lightning_stability.errors import StabilityConfigError
 from lightning_stability.grad_norm import GradientNormMonitor
 from lightning_stability.health.callback import TrainingHealthMonitor
@@ -155,17 +158,22 @@ def _hardware(preset: Preset, args: dict[str, Any], notes: list[str]) -> dict[st
         if nodes != preset.num_nodes:
             notes.append(f"num_nodes {preset.num_nodes} -> {nodes} (the job runs on {nodes} machine(s))")
         out["num_nodes"] = nodes
-    world = nodes * _devices_per_node(args.get("devices", "auto"), gpu)
+    per_node = _devices_per_node(args.get("devices", "auto"), gpu)
+    world = nodes * per_node
     fsdp = preset.fsdp and "strategy" not in args
     if fsdp and world < 2:
         fsdp = False
         notes.append("FSDP off (one device: nothing to shard)")
+    tensor_parallel = _tensor_parallel(preset, args, fsdp, per_node, notes)
+    watchdog = _watchdog(world, fsdp, notes)
     user_precision = "precision" in args or any(isinstance(p, MixedPrecision) for p in args.get("plugins") or [])
     if fsdp:
         mixed = {"16-mixed": True, "bf16-mixed": torch.bfloat16, "32-true": False}[preset.precision]
         out["strategy"] = StableFSDPStrategy(
             mixed_precision=None if user_precision else mixed,
             activation_checkpointing=preset.activation_checkpointing,
+            tensor_parallel=tensor_parallel,
+            timeout=watchdog.timeout if watchdog is not None else default_pg_timeout,
         )
     elif preset.activation_checkpointing:
         where = "your strategy= replaces the preset's" if "strategy" in args else "it comes with FSDP here"
@@ -184,6 +192,42 @@ def _hardware(preset: Preset, args: dict[str, Any], notes: list[str]) -> dict[st
     else:
         out["precision"] = preset.precision
     return out
+
+
+def _watchdog(world: int, fsdp: bool, notes: list[str]) -> WatchdogSettings | None:
+    """For a run of several processes: the NCCL watchdog variables a long run wants, set in ``os.environ`` where
+    the user has not set them (before the process group exists, so they act), and the shorter process-group
+    timeout for the preset's own FSDP strategy. Said in the info line."""
+    if world < 2:
+        return None
+    settings = watchdog_settings(os.environ)
+    os.environ.update(settings.env)
+    line = settings.describe()
+    if not fsdp:  # the strategy is Lightning's or yours: its timeout stands
+        line = line.replace(
+            f"timeout {settings.timeout.total_seconds() / 60:g} min",
+            "timeout: your strategy's (pass DDPStrategy(timeout=timedelta(minutes=10)) for a shorter one)",
+        )
+    notes.append(line)
+    return settings if fsdp else None
+
+
+def _tensor_parallel(preset: Preset, args: dict[str, Any], fsdp: bool, per_node: int, notes: list[str]) -> int:
+    """The recipe's ``tensor_parallel`` on this machine: off without the preset's FSDP strategy (one device, or
+    the user's ``strategy=``), else the largest size that divides both it and the devices per node (a
+    tensor-parallel group stays within a node, as ``StableFSDPStrategy`` requires)."""
+    wanted = preset.tensor_parallel
+    if wanted == 1:
+        return 1
+    if not fsdp:
+        why = "your strategy= replaces the preset's" if "strategy" in args else "one device"
+        notes.append(f"tensor parallelism off ({why}; the recipe's tensor_parallel={wanted})")
+        return 1
+    size = math.gcd(wanted, per_node)
+    if size != wanted:
+        state = f"-> {size}" if size > 1 else "-> 1: tensor parallelism off"
+        notes.append(f"tensor_parallel {wanted} {state} (it must divide the {per_node} devices per node)")
+    return size
 
 
 def _plugins(args: dict[str, Any]) -> list[Any]:

@@ -154,3 +154,40 @@ def test_plan_175b_on_8_nodes_of_8_gpus(capsys: pytest.CaptureFixture[str]) -> N
     with pytest.raises(SystemExit) as exit_info:
         main(["plan", "--params", "7e9", "--sharding", "zero9"])
     assert exit_info.value.code == 2 and "`sharding='zero9'` is not supported" in capsys.readouterr().err
+
+
+def test_plan_175b_from_a_parameter_count_alone_takes_gpt3s_shape_and_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    # was: ~979 GiB of "buffers" (the whole model as one FSDP unit) and DOES NOT FIT
+    args = ["plan", "--preset", "175b", "--params", "175e9", "--nodes", "8", "--gpus-per-node", "8"]
+    assert main([*args, "--gpu-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "(shape: GPT-3 175B assumed)" in out and "note: shape not given: GPT-3 175B's assumed" in out
+    assert re.search(r"^buffers +11\.13  3 x 2B x unit of 1\.81e\+09 params", out, re.M), out
+    assert re.search(r"^total +59\.\d\d  fits in 72\.00 GiB", out, re.M), out
+    assert "tensor parallel: not needed: TP 1 fits" in out and "DOES NOT FIT" not in out
+
+
+def test_plan_prints_the_tensor_parallel_advice(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--params", "175e9", "--layers", "96", "--hidden", "12288", "--heads", "96", "--vocab", "51200"]
+    args += ["--nodes", "8", "--gpus-per-node", "8", "--sequence-parallel", "--flash-attention"]
+    assert main(args) == 1  # TP 1 does not fit without activation checkpointing
+    out = capsys.readouterr().out
+    assert "tensor parallel: needed: TP 4 is the smallest size that fits" in out  # 129, 85, 64, 53 GiB in 72
+    assert "pass --tensor-parallel 4" in out
+    assert main([*args, "--tensor-parallel", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "TP 4 + sequence parallel x PP 1 x DP 16" in out and "L*s*b*h*(16e+2)/4 + L*4*a*s*b/4" in out
+    assert main([*args, "--tp", "8", "--pp", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "TP 8 + sequence parallel x PP 4 x DP 2" in out and "planned on paper only" in out
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--tensor-parallel", "3"])
+    assert exit_info.value.code == 2
+    assert "`tensor_parallel=3` does not divide gpus_per_node=8" in capsys.readouterr().err
+
+
+def test_plan_without_a_shape_says_what_it_did_not_count(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--params", "70e9", "--gpus-per-node", "8", "--gpu-memory", "80GiB"]) == 1
+    out = capsys.readouterr().out
+    assert "not counted: activations, FSDP gather buffers (the model's shape is unknown)" in out
+    assert "buffers                      1.00" in out  # the overhead alone: no guessed unit

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from lightning_stability import (
     list_presets,
 )
 from lightning_stability.presets import FIELDS, PRESETS, get_preset
+from lightning_stability.strategies import StableFSDPStrategy
 from tests.helpers import TinyModule, torchrun
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -42,6 +44,7 @@ def test_the_table_has_every_family_and_size_and_each_value_cites_its_source() -
     b175 = get_preset("175b")
     assert (b175.max_norm, b175.warmup, b175.decay, b175.precision) == (1.0, 0.05, 0.95, "16-mixed")
     assert (b175.init_scale, b175.accumulation, b175.fsdp, b175.num_nodes) == (32768.0, 32, True, 8)
+    assert all(p.tensor_parallel == 1 for p in PRESETS.values())  # 175b: the source's FSDP-only recipe
     for preset in PRESETS.values():
         assert set(preset.sources) >= set(FIELDS), f"{preset.name}: no source for {set(FIELDS) - set(preset.sources)}"
     text = describe_preset("175b")
@@ -124,3 +127,71 @@ def test_preset_fields_are_checked_and_lightnings_short_precisions_accepted() ->
     # LightningCLI passes every Trainer argument, precision=None (Lightning's default) included: the recipe's holds
     cli = StableTrainer(preset="gpt", accelerator="cpu", precision=None, **quiet())  # type: ignore[arg-type]
     assert cli.preset is not None and cli.preset.precision == get_preset("gpt").precision
+
+
+def tensor_parallel_of(trainer: pl.Trainer) -> int | None:
+    strategy = trainer.strategy
+    return strategy._cfg.tensor_parallel if isinstance(strategy, StableFSDPStrategy) else None
+
+
+@pytest.mark.parametrize(
+    ("tensor_parallel", "devices", "expected", "note"),
+    [
+        (2, 1, None, "tensor parallelism off (one device; the recipe's tensor_parallel=2)"),
+        (2, 2, 2, None),
+        (8, 4, 4, "tensor_parallel 8 -> 4 (it must divide the 4 devices per node)"),
+        (3, 2, 1, "tensor_parallel 3 -> 1: tensor parallelism off (it must divide the 2 devices per node)"),
+        (1, 2, 1, None),
+    ],
+)
+def test_tensor_parallel_adapts_to_the_devices_and_says_so(
+    tensor_parallel: int, devices: int, expected: int | None, note: str | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO):
+        trainer = StableTrainer.from_preset(
+            "175b", tensor_parallel=tensor_parallel, accelerator="cpu", devices=devices, **quiet()
+        )
+    assert tensor_parallel_of(trainer) == expected
+    lines = [r.getMessage() for r in caplog.records if "StableTrainer preset" in r.getMessage()]
+    if note is None:
+        assert not any("tensor" in line for line in lines), lines
+    else:
+        assert len(lines) == 1 and note in lines[0], lines
+
+
+def test_tensor_parallel_off_under_the_users_strategy_and_refused_without_fsdp(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.INFO):
+        StableTrainer.from_preset("175b", tensor_parallel=2, accelerator="cpu", devices=2, strategy="ddp", **quiet())
+    assert any("tensor parallelism off (your strategy= replaces the preset's" in r.getMessage() for r in caplog.records)
+    with pytest.raises(StabilityConfigError, match=r"`tensor_parallel=2` needs fsdp=True.*Fix: pass fsdp=True too"):
+        StableTrainer.from_preset("gpt", tensor_parallel=2)
+    with pytest.raises(StabilityConfigError, match=r"`tensor_parallel=0` must be an int >= 1"):
+        StableTrainer.from_preset("175b", tensor_parallel=0)
+    assert (
+        "  tensor_parallel           1             1: a common 175B recipe shards with FSDP alone"
+        in describe_preset("175b")
+    )
+
+
+def test_presets_set_the_watchdog_a_long_multi_process_run_wants_and_keep_the_users(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from datetime import timedelta
+
+    from lightning_stability import StableFSDPStrategy
+
+    for name in list(os.environ):
+        if name.startswith(("TORCH_NCCL", "TORCH_FR", "NCCL_")):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # the user's choice
+    single = StableTrainer.from_preset("175b", accelerator="cpu", devices=1, max_steps=1, logger=False)
+    assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in os.environ and not isinstance(single.strategy, StableFSDPStrategy)
+    with caplog.at_level(logging.INFO):
+        trainer = StableTrainer.from_preset("175b", accelerator="cpu", devices=2, max_steps=1, logger=False)
+    assert isinstance(trainer.strategy, StableFSDPStrategy)
+    assert trainer.strategy._timeout == timedelta(minutes=10)  # torch's default is 30
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and os.environ["TORCH_FR_BUFFER_SIZE"] == "2000"
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"  # kept
+    assert "process-group watchdog: timeout 10 min" in caplog.text and "kept yours: TORCH_NCCL_ASYNC" in caplog.text

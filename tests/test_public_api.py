@@ -14,6 +14,7 @@ from lightning_stability.ledger import LedgerCallback
 
 ROOT = Path(__file__).resolve().parents[1]
 CALLBACKS = {
+    "ClusterHealthMonitor",
     "GradientAccumulation",
     "GradientNormMonitor",
     "LossScaleTuner",

@@ -3,11 +3,13 @@
 
 from lightning_stability.accumulation.callback import GradientAccumulation
 from lightning_stability.amp.callback import LossScaleTuner
+from lightning_stability.cluster.callback import ClusterHealthMonitor
 from lightning_stability.grad_norm import GradientNormMonitor
 from lightning_stability.health.callback import TrainingHealthMonitor
 from lightning_stability.schedules.callback import ScheduledLR, WarmupConstantCosineLR
 
 __all__ = [
+    "ClusterHealthMonitor",
     "GradientAccumulation",
     "GradientNormMonitor",
     "LossScaleTuner",

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,11 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_stability import GradientNormMonitor, StepLedger, TrainingHealthMonitor
 from lightning_stability.ledger.callback import LedgerCallback
+from lightning_stability.norms import local_tensor
+from tests.helpers import exit_worker
 
-VOCAB, DIM, SEQ, GLOBAL_BATCH, STEPS = 32, 16, 8, 8, 6
+VOCAB, DIM, SEQ, GLOBAL_BATCH = 32, 16, 8, 8
+STEPS = int(os.environ.get("TP_STEPS", 6))  # benchmarks/tensor_parallel.py runs longer
 MAX_NORM = 0.5  # below the norms of this model: every step clips
 
 
@@ -141,6 +145,9 @@ MODE = sys.argv[4] if len(sys.argv) > 4 else "lightning"
 #: rank's gradient shard at step FAULT_STEP, and a checkpoint at the end; resume: that checkpoint, loaded at
 #: another mesh (argv[5]), trained one more step
 STABLE = MODE in ("stable", "noplan", "faults", "resume", "fp16")  # fp16: faults with fp16 and the loss scaler
+#: for benchmarks/tensor_parallel.py: Lightning's ModelParallelStrategy without our callbacks (bare), and with its
+#: own gradient_clip_val instead (clip)
+BARE = MODE in ("bare", "clip")
 FAULT_STEP = 2
 
 
@@ -152,6 +159,19 @@ class Inject(pl.Callback):
         if trainer.global_step == FAULT_STEP and trainer.global_rank == trainer.world_size - 1:
             grad = pl_module.model.fc1.weight.grad
             (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("inf")
+
+
+class Timer(pl.Callback):
+    """``perf_counter`` at every batch start: the step times (host wall clock; CPU processes here)."""
+
+    def __init__(self) -> None:
+        self.marks: list[float] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.marks.append(time.perf_counter())
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.marks.append(time.perf_counter())
 
 
 class Restored(pl.Callback):
@@ -166,13 +186,22 @@ class Restored(pl.Callback):
 
 def main() -> None:
     out, dp, tp = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    probe, metrics = Probe(), Metrics()
-    callbacks = [
+    probe, metrics, timer = Probe(), Metrics(), Timer()
+    callbacks: list[pl.Callback] = [
+        timer,
         probe,
         GradientNormMonitor(max_norm=MAX_NORM, per_layer=True, log_every_n_steps=1),
         TrainingHealthMonitor(response="warn", log_every_n_steps=1, report=False),
         metrics,
     ]
+    if BARE:
+        callbacks = [timer, metrics]
+    elif os.environ.get("TP_TIMING"):  # benchmarks/tensor_parallel.py's timed runs: what a user attaches, no probes
+        callbacks = [
+            timer,
+            GradientNormMonitor(max_norm=MAX_NORM),
+            TrainingHealthMonitor(response="warn", report=False),
+        ]
     restored = Restored()
     if MODE == "fp16":
         from lightning_stability import LossScaleTuner
@@ -203,7 +232,8 @@ def main() -> None:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp)
-        trainer = pl.Trainer(devices=dp * tp, strategy=strategy, **common)
+        clip = {"gradient_clip_val": MAX_NORM} if MODE == "clip" else {}
+        trainer = pl.Trainer(devices=dp * tp, strategy=strategy, **clip, **common)
     module = TPModule(fsdp=dp > 1)
     rank = int(os.environ.get("RANK", 0))
     if MODE == "noplan":
@@ -215,7 +245,14 @@ def main() -> None:
             (out / f"rank{rank}.json").write_text(json.dumps({"error": str(err)}))
             return
         raise AssertionError("StableFSDPStrategy(tensor_parallel=2) trained a module without a TP plan")
-    trainer.fit(module, ckpt_path=sys.argv[5] if MODE == "resume" else None)
+    if MODE == "clip":  # Lightning's own clipping on this model: record whether it runs
+        try:
+            trainer.fit(module)
+        except Exception as err:
+            (out / f"rank{rank}.json").write_text(json.dumps({"error": f"{type(err).__name__}: {err}"[:300]}))
+            return
+    else:
+        trainer.fit(module, ckpt_path=sys.argv[5] if MODE == "resume" else None)
     final = {name: whole(p) for name, p in module.model.named_parameters()}  # every rank gathers
     if MODE == "faults":
         trainer.save_checkpoint(out / "tp.ckpt")  # sharded, every rank writes its part
@@ -227,15 +264,25 @@ def main() -> None:
         name: [type(p).__name__ for p in getattr(param, "placements", ())]
         for name, param in module.model.named_parameters()
     }
-    record = StepLedger.of(trainer).record_of()
-    outcomes = {"applied": int(record.applied_steps), "skipped": int(record.skipped_steps)}
+    record = StepLedger.of(trainer).record_of() if not BARE else None
+    outcomes = {"applied": int(record.applied_steps), "skipped": int(record.skipped_steps)} if record else {}
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     if scaler is not None:
         outcomes["scale"] = float(scaler.get_scale())
     (out / f"rank{rank}.json").write_text(
-        json.dumps({"norms": probe.norms, "metrics": metrics.rows, "placements": placements, "outcomes": outcomes})
+        json.dumps(
+            {
+                "norms": probe.norms,
+                "metrics": metrics.rows,
+                "placements": placements,
+                "outcomes": outcomes,
+                "step_times": [b - a for a, b in zip(timer.marks, timer.marks[1:], strict=False)],
+                "param_bytes": sum(local_tensor(p).numel() * p.element_size() for p in module.model.parameters()),
+            }
+        )
     )
 
 
 if __name__ == "__main__":
     main()
+    exit_worker()  # results written: skip the teardown where gloo's threads can abort the process
