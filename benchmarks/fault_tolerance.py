@@ -40,7 +40,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 # per configuration: optimizer steps (enough for the kills), the longest random wait before a kill (seconds)
-SOAK = {"ddp": (80, 0.8), "fsdp_fp16": (48, 1.0), "ddp_plain_loader": (40, 0.8)}
+SOAK = {"ddp": (80, 0.8), "fsdp_fp16": (60, 1.0), "ddp_plain_loader": (40, 0.8)}
 
 
 def soak_all(kills: int, seed: int) -> list[str]:

@@ -121,6 +121,10 @@ def check_directory(directory: Path) -> tuple[int, int]:
     return checked, newest
 
 
+#: the steps a launch may take past its first before its kill (kills x this must stay below the run's steps)
+MAX_STEPS_PER_LAUNCH = 3
+
+
 def kill_once(
     server: Server, out: Path, config: str, steps: int, rng: random.Random, result: SoakResult, max_delay: float
 ) -> int:
@@ -138,7 +142,12 @@ def kill_once(
                 kill(pid)
             server.wait(30)
             raise SoakFailure(f"the {config} run ended before its first step:\n{_log_tail(out, config)}")
-    time.sleep(rng.uniform(0.0, max_delay))
+    # a random moment, but within MAX_STEPS_PER_LAUNCH steps of the first, so that every kill lands before the
+    # run's end whatever the machine's speed (a fast machine would otherwise finish the run inside the delay)
+    first = int(progress.read_text().split()[0])
+    wait_until = time.monotonic() + rng.uniform(0.0, max_delay)
+    while time.monotonic() < wait_until and int(progress.read_text().split()[-1]) < first + MAX_STEPS_PER_LAUNCH:
+        time.sleep(0.002)
     victim = rng.randrange(2)
     kill(pids[victim])
     directory = out / config / "ckpts"
@@ -187,6 +196,10 @@ def compare(out: Path, config: str, result: SoakResult) -> None:
 def soak(out: Path, config: str, kills: int, steps: int, seed: int, max_delay: float = 0.6) -> SoakResult:
     """Kill a run ``kills`` times, resume it each time, finish it and compare it with an uninterrupted run."""
     started = time.monotonic()
+    if kills * (MAX_STEPS_PER_LAUNCH + 2) >= steps:
+        raise ValueError(
+            f"steps={steps} is too few for {kills} kills: pass more than {kills * (MAX_STEPS_PER_LAUNCH + 2)}"
+        )
     rng = random.Random(seed)
     result = SoakResult(config)
     newest = 0
