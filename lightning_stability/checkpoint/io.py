@@ -23,6 +23,12 @@ def local_path(path: _PATH) -> Path | None:
     return Path(local) if isinstance(fs, LocalFileSystem) else None
 
 
+def _weights_only(value: bool | None) -> dict[str, bool]:
+    """``weights_only`` for ``TorchCheckpointIO.load_checkpoint``, only when given: Lightning 2.5 has no such
+    argument (2.6 added it, and passes ``None`` unless asked)."""
+    return {} if value is None else {"weights_only": value}
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Checkpoint files that are whole at every instant, for the single-device and DDP strategies.
 
@@ -72,9 +78,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     ) -> dict[str, Any]:
         target = local_path(path)
         if target is None:
-            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            return super().load_checkpoint(path, map_location=map_location, **_weights_only(weights_only))
         found = atomic.verify_checkpoint(target)
-        return super().load_checkpoint(found, map_location=map_location, weights_only=weights_only)
+        return super().load_checkpoint(found, map_location=map_location, **_weights_only(weights_only))
 
     def remove_checkpoint(self, path: _PATH) -> None:
         target = local_path(path)

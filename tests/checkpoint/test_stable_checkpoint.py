@@ -125,7 +125,10 @@ def test_non_finite_weights_are_never_saved_without_any_monitor(
     with caplog.at_level(logging.INFO):
         fit(tmp_path, Faulty("nan"), [ckpt])
     assert steps_on_disk(tmp_path / "ckpts") == [2, 4]
-    assert torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=False)["global_step"] == 4
+    last = torch.load(tmp_path / "ckpts" / "last.ckpt", weights_only=False)
+    # Lightning 2.6 writes last.ckpt with the due saves (step 4); 2.5 also at each epoch end (step 5): both healthy
+    assert last["global_step"] in (4, 5)
+    assert all(torch.isfinite(v).all() for v in last["state_dict"].values())
     said = [r.getMessage() for r in caplog.records if "not healthy" in r.getMessage()]
     assert len(said) == 1 and "not finite" in said[0], said
 
