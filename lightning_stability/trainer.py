@@ -202,13 +202,7 @@ def _watchdog(world: int, fsdp: bool, notes: list[str]) -> WatchdogSettings | No
         return None
     settings = watchdog_settings(os.environ)
     os.environ.update(settings.env)
-    line = settings.describe()
-    if not fsdp:  # the strategy is Lightning's or yours: its timeout stands
-        line = line.replace(
-            f"timeout {settings.timeout.total_seconds() / 60:g} min",
-            "timeout: your strategy's (pass DDPStrategy(timeout=timedelta(minutes=10)) for a shorter one)",
-        )
-    notes.append(line)
+    notes.append(settings.describe(timeout_applied=fsdp))  # else the strategy is Lightning's or yours: its timeout
     return settings if fsdp else None
 
 

@@ -72,11 +72,19 @@ class WatchdogSettings:
     kept: tuple[str, ...] = ()
     timeout: timedelta = WATCHDOG_TIMEOUT
 
-    def describe(self) -> str:
+    def describe(self, timeout_applied: bool = True) -> str:
         """One line for a preset's info line, e.g. ``process-group watchdog: timeout 10 min; set
-        TORCH_NCCL_ASYNC_ERROR_HANDLING=3, ...; kept yours: TORCH_FR_BUFFER_SIZE (NCCL only)``."""
+        TORCH_NCCL_ASYNC_ERROR_HANDLING=3, ...; kept yours: TORCH_FR_BUFFER_SIZE (NCCL only)``.
+
+        ``timeout_applied=False``: the strategy keeps its own timeout (one of Lightning's, or the user's), and the
+        line says how to pass the shorter one instead of claiming it."""
         minutes = self.timeout.total_seconds() / 60
-        parts = [f"process-group watchdog: timeout {minutes:g} min"]
+        timeout = (
+            f"timeout {minutes:g} min"
+            if timeout_applied
+            else f"timeout: your strategy's (DDPStrategy(timeout=timedelta(minutes={minutes:g})) for a shorter one)"
+        )
+        parts = [f"process-group watchdog: {timeout}"]
         if self.env:
             parts.append("set " + ", ".join(f"{k}={v}" for k, v in self.env.items()))
         if self.kept:
