@@ -191,6 +191,12 @@ def set_module_device_mesh(module: pl.LightningModule, mesh: Any) -> None:
     module._device_mesh = mesh
 
 
+def flatten_mesh_dims(mesh: Any, dims: tuple[str, ...], name: str) -> Any:
+    """Make ``mesh[name]`` the ranks of ``dims`` taken together (torch's private ``DeviceMesh._flatten``, which
+    torchtitan uses for its data-parallel dim)."""
+    return mesh[dims]._flatten(mesh_dim_name=name)
+
+
 def after_closure(precision: Precision, model: pl.LightningModule, optimizer: Any) -> None:
     """Lightning's post-closure step of a precision plugin: ``on_before_optimizer_step`` hooks, then clipping."""
     precision._after_closure(model, optimizer)
@@ -369,6 +375,9 @@ def check_strategy_supported(strategy: Any) -> None:
     if strategy.lightning_module is not None:
         _require_attr(strategy.lightning_module, "_device_mesh", "LightningModule")
     _private("torch.distributed._composable", "checkpoint")
+    from torch.distributed.device_mesh import DeviceMesh
+
+    _require_attr(DeviceMesh, "_flatten", "torch's DeviceMesh")
     if _private("torch.distributed.checkpoint.filesystem", "_metadata_fn") != DCP_METADATA_FILE:
         raise _unsupported(f"`{DCP_METADATA_FILE}` as the metadata file of torch.distributed.checkpoint")
     _check_torch_ops()

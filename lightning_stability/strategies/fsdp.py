@@ -85,8 +85,10 @@ class StableFSDPStrategy(ParallelStrategy):
     ``bucket_cap_mb`` bucketing (each unit is one bucket).
 
     Args:
-        auto_wrap_policy: which modules become units: ``None`` (the repeated blocks), a set of module
-            classes, a callable ``fn(module) -> bool``, or a minimum parameter count.
+        auto_wrap_policy: which modules become units: ``None`` (the repeated blocks, e.g. the transformer
+            layers: one unit per block, also after a tensor-parallel plan, as torchtitan wraps), a set of module
+            classes, a callable ``fn(module) -> bool``, or a minimum parameter count (of the elements a rank holds
+            after ``configure_model``: a tensor-parallel layer counts its slice).
         mixed_precision: ``None`` (follow ``Trainer(precision=...)``), ``True`` (fp16 mixed, as in
             FairScale), ``False``, a Lightning precision name (``"bf16-mixed"``, ``"16-mixed"``,
             ``"32-true"``, ``"bf16-true"``, ``"16-true"``), ``torch.bfloat16``/``torch.float16``, or a
@@ -99,8 +101,11 @@ class StableFSDPStrategy(ParallelStrategy):
         activation_checkpointing: recompute the activations of the wrapped blocks (``True``) or of
             the modules of these classes in backward.
         sharding: ``"full"`` (shard over every rank) or ``"hybrid"`` (shard within a node, replicate
-            across nodes: a 2-D mesh ``(num_nodes, devices)``).
-        device_mesh: for ``sharding="hybrid"``, the mesh shape ``(replicas, shard_size)``.
+            across nodes: a 2-D mesh ``(num_nodes, devices)``; with ``tensor_parallel=N`` a 3-D mesh
+            ``("replicate", "shard", "tensor_parallel")`` of shape ``(num_nodes, devices // N, N)``, whose first
+            two dims together are ``self.device_mesh["data_parallel"]``).
+        device_mesh: for ``sharding="hybrid"``, the shape ``(replicas, shard_size)`` of the data-parallel ranks
+            (all ranks, or all ranks / ``tensor_parallel``).
         state_dict_type: ``"sharded"`` (default) or ``"full"`` checkpoints.
         backend: ``"native"`` (FSDP2) or ``"fairscale"`` (FairScale's FSDP, CUDA only, needs the extra).
         tensor_parallel: devices that split each layer (tensor parallelism, applied by ``configure_model``);

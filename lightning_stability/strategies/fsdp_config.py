@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_stability import _compat
 from lightning_stability.errors import StabilityConfigError, check_int, config_error, require_fairscale
 from lightning_stability.strategies import fsdp_fairscale as fs
 from lightning_stability.strategies import fsdp_wrap as wrap
@@ -166,14 +167,6 @@ def parse_arguments(
         raise config_error(
             "tensor_parallel", tensor_parallel, "is not available with backend='fairscale'", "use backend='native'"
         )
-    if tensor_parallel > 1 and sharding == "hybrid":
-        raise config_error(
-            "sharding",
-            sharding,
-            f"is not available with tensor_parallel={tensor_parallel} yet (a replicate x shard x tensor mesh is not "
-            "built and tested here)",
-            "use sharding='full' (FSDP2 over all data-parallel ranks)",
-        )
     if backend == "fairscale":
         if sharding == "hybrid":
             raise config_error("sharding", sharding, "is not available with backend='fairscale'", "use 'full'")
@@ -268,39 +261,57 @@ def check_device(cfg: FSDPConfig, device: torch.device) -> None:
 
 
 def build_mesh(cfg: FSDPConfig, num_nodes: int, num_processes: int, device_type: str) -> DeviceMesh:
-    """The device mesh: 1-D ``("shard",)`` for full sharding, 2-D ``("replicate", "shard")`` for hybrid; with
-    ``tensor_parallel=N``, 2-D ``("data_parallel", "tensor_parallel")`` (Lightning ``ModelParallelStrategy``'s
-    contract), the tensor-parallel dim innermost so that the N devices of a group are neighbours, within a node.
+    """The device mesh.
+
+    ==============  ==========================================================================================
+    full            1-D ``("shard",)``
+    hybrid          2-D ``("replicate", "shard")``: shard within a node, replicate across nodes
+    full + TP       2-D ``("data_parallel", "tensor_parallel")``, Lightning ``ModelParallelStrategy``'s contract
+    hybrid + TP     3-D ``("replicate", "shard", "tensor_parallel")``, and ``"data_parallel"``: the first two
+                    flattened into one dim (the data-parallel ranks, for the sampler and the module's own use)
+    ==============  ==========================================================================================
+
+    The tensor-parallel dim is innermost, so the N devices of a group are neighbours within a node.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
     world, tp = num_nodes * num_processes, cfg.tensor_parallel
-    if tp > 1:
-        if num_processes % tp:
-            raise config_error(
-                "tensor_parallel",
-                tp,
-                f"does not divide the {num_processes} devices per node ({num_nodes} nodes x {num_processes} devices)",
-                "pass a divisor of the devices per node: a tensor-parallel group communicates at every layer and "
-                "stays within a node's fast links",
-            )
-        return init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    if tp > 1 and num_processes % tp:
+        raise config_error(
+            "tensor_parallel",
+            tp,
+            f"does not divide the {num_processes} devices per node ({num_nodes} nodes x {num_processes} devices)",
+            "pass a divisor of the devices per node: a tensor-parallel group communicates at every layer and "
+            "stays within a node's fast links",
+        )
     if cfg.sharding == "full":
+        if tp > 1:
+            return init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
         return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
-    shape = cfg.mesh_shape or (num_nodes, num_processes)
-    if shape[0] * shape[1] != world:
+    data_parallel = world // tp
+    shape = cfg.mesh_shape or (num_nodes, num_processes // tp)
+    if shape[0] * shape[1] != data_parallel:
+        covers = f"the world size {world}" if tp == 1 else f"the {data_parallel} data-parallel ranks ({world} / {tp})"
         raise config_error(
             "device_mesh",
             shape,
-            f"does not cover the world size {world} ({num_nodes} nodes x {num_processes} devices)",
-            f"pass a (replicas, shard_size) pair whose product is {world}",
+            f"does not cover {covers} ({num_nodes} nodes x {num_processes} devices"
+            + (f", tensor_parallel={tp}" if tp > 1 else "")
+            + ")",
+            f"pass a (replicas, shard_size) pair whose product is {data_parallel}",
         )
-    return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+    if tp == 1:
+        return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh(device_type, (*shape, tp), mesh_dim_names=("replicate", "shard", "tensor_parallel"))
+    _compat.flatten_mesh_dims(mesh, ("replicate", "shard"), "data_parallel")
+    return mesh
 
 
 def fsdp_mesh(cfg: FSDPConfig, mesh: DeviceMesh) -> DeviceMesh:
     """The part of ``mesh`` that FSDP2 shards (and, hybrid, replicates) over: all of it but the tensor-parallel dim."""
-    return mesh if cfg.tensor_parallel == 1 else mesh["data_parallel"]
+    if cfg.tensor_parallel == 1:
+        return mesh
+    return mesh["replicate", "shard"] if cfg.sharding == "hybrid" else mesh["data_parallel"]
 
 
 def check_tensor_parallel_applied(cfg: FSDPConfig, module: nn.Module, mesh: DeviceMesh | None) -> None:

@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_stability import _compat
 from lightning_stability.errors import StabilityConfigError, config_error
+from lightning_stability.norms import local_tensor
 
 #: A set of module classes, a predicate on modules, a minimum parameter count, or ``None`` (automatic).
 WrapPolicy = Collection[type[nn.Module]] | Callable[[nn.Module], bool] | int | None
@@ -127,7 +128,10 @@ def select_blocks(root: nn.Module, policy: WrapPolicy) -> list[nn.Module]:
     Args:
         root: the model (never returned itself).
         policy: see :data:`WrapPolicy`. A parameter count wraps, bottom-up, every module whose
-            parameters not yet inside a wrapped descendant number at least that many.
+            parameters not yet inside a wrapped descendant number at least that many. The count is of the
+            elements each rank holds after ``configure_model``: under tensor parallelism a split layer counts
+            its local slice (what one all-gather of the unit moves per tensor-parallel rank), so the same count
+            gives units of the same communication size with or without tensor parallelism.
     """
     if policy is None:
         blocks = find_repeated_blocks(root)
@@ -139,7 +143,7 @@ def select_blocks(root: nn.Module, policy: WrapPolicy) -> list[nn.Module]:
         for module in _post_order(root):
             if module is root or isinstance(module, _CONTAINERS):
                 continue
-            free = sum(p.numel() for p in module.parameters() if id(p) not in covered)
+            free = sum(local_tensor(p).numel() for p in module.parameters() if id(p) not in covered)
             if free >= policy:
                 picked.append(module)
                 covered.update(id(p) for p in module.parameters())

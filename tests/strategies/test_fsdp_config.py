@@ -64,7 +64,6 @@ def clean_env() -> Iterator[None]:
         ({"tensor_parallel": 0}, r"`tensor_parallel=0` must be an int >= 1.*tensor_parallel=2"),
         ({"tensor_parallel": True}, r"`tensor_parallel=True` must be an int >= 1"),
         ({"backend": "fairscale", "tensor_parallel": 2}, r"`tensor_parallel=2` is not available with backend='fai"),
-        ({"tensor_parallel": 2, "sharding": "hybrid"}, r"`sharding='hybrid'` is not available with tensor_parallel=2"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs: dict, match: str) -> None:
@@ -82,6 +81,12 @@ def test_bad_arguments_fail_at_construction(kwargs: dict, match: str) -> None:
             r"`tensor_parallel=2` does not divide the 3 devices per node \(1 nodes x 3 devices",
         ),
         ({"tensor_parallel": 4}, 2, 2, r"`tensor_parallel=4` does not divide the 2 devices per node.*within a node"),
+        (
+            {"tensor_parallel": 2, "sharding": "hybrid", "device_mesh": (2, 2)},
+            1,
+            4,
+            r"`device_mesh=\(2, 2\)` does not cover the 2 data-parallel ranks \(4 / 2\).*product is 2",
+        ),
     ],
 )
 def test_a_tensor_parallel_mesh_that_does_not_fit_the_world_names_the_argument(
@@ -190,6 +195,45 @@ def test_explicit_policies_select_children_before_parents() -> None:
     by_size = select_blocks(model, 2000)  # the MLPs (2128 parameters) before their block can count them
     assert [type(m) for m in by_size] == [nn.Sequential, nn.Sequential]
     assert find_repeated_blocks(nn.Linear(2, 2)) == []
+
+
+@pytest.fixture
+def one_process_mesh(tmp_path) -> Iterator[object]:
+    """A real 1-rank gloo group and its device mesh (no other process)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("tensor_parallel",))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_parameter_count_policy_counts_the_slice_a_rank_holds_under_tensor_parallelism(one_process_mesh) -> None:
+    """Each MLP split as a 2-way tensor-parallel plan splits it (its first linear by rows, the second by columns;
+    the DTensors declare the global shape, as on a 2-rank mesh): the count is of the local slices, so the
+    2000-element units are the blocks (2176 local elements), no longer the MLPs (2128 in all, 1072 per rank)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def split(param: nn.Parameter, dim: int) -> nn.Parameter:
+        shape = param.shape
+        local = param.detach().chunk(2, dim=dim)[0].contiguous()
+        dt = DTensor.from_local(
+            local, one_process_mesh, [Shard(dim)], run_check=False, shape=shape, stride=param.stride()
+        )
+        return nn.Parameter(dt)
+
+    model = TinyGPT(layers=2)
+    for block in model.blocks:
+        up, down = block.mlp[0], block.mlp[2]
+        up.weight, up.bias = split(up.weight, 0), split(up.bias, 0)
+        down.weight = split(down.weight, 1)
+        down.bias = nn.Parameter(DTensor.from_local(down.bias.detach(), one_process_mesh, [Replicate()]))
+        assert up.weight.numel() == 64 * 16 and up.weight.to_local().numel() == 32 * 16
+    assert select_blocks(model, 2000) == list(model.blocks)
+    whole = TinyGPT(layers=2)  # the same model without the split: its MLPs reach 2000 first
+    assert select_blocks(whole, 2000) == [block.mlp for block in whole.blocks]
 
 
 def test_policy_that_wraps_nothing_is_an_error_naming_what_could_be_wrapped() -> None:
