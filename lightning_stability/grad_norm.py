@@ -1,12 +1,15 @@
 """GradientNormMonitor: measure the global gradient norm once per optimizer step; clip; skip non-finite steps.
 
-Also the replica check (``check_replicas=True``): each rank's gradient norm gathered on logging steps, and a
-warning naming a rank that disagrees, a cheap detector of a faulty device.
+Also the replica check (``check_replicas=True``): the norm of each rank's local gradients gathered on logging
+steps and compared among the ranks that must hold the same gradients (the data-parallel replicas; under tensor
+parallelism the ranks of one tensor-parallel coordinate), and a warning naming a rank that disagrees, a cheap
+detector of a faulty device.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_stability.amp.diagnostics import fp16_without_scaler_problem
 from lightning_stability.errors import StabilityConfigError, check_bool, check_int, config_error
 from lightning_stability.ledger import (
     FlushValues,
@@ -26,7 +30,7 @@ from lightning_stability.ledger import (
     StepLedger,
     loss_scaler,
 )
-from lightning_stability.norms import group_norms, module_groups
+from lightning_stability.norms import group_norms, local_tensor, module_groups, total_norm
 
 _K_STEPS = "grad_norm_monitor/steps"
 _K_CLIPPED = "grad_norm_monitor/clipped"
@@ -72,7 +76,13 @@ class GradientNormMonitor(LedgerCallback):
     start of an explosion can be found.
 
     ``check_replicas=True`` compares the gradient norms of the data-parallel replicas on logging steps (one
-    small all-gather) and warns naming the rank that disagrees: a cheap detector of a faulty device.
+    small all-gather) and warns naming the rank that disagrees: a cheap detector of a faulty device. Each rank
+    sends the norm of its own local gradients (its shards), compared only among the ranks that must hold the
+    same ones (:func:`~lightning_stability.cluster.weight_hash.replica_layout`: every rank under DDP; the ranks
+    along a ``Replicate`` mesh dim, e.g. hybrid sharding's replicas of one tensor-parallel rank): the ranks of a
+    tensor-parallel group legitimately hold different shards, and a global norm would carry one rank's fault
+    to every rank it is reduced with. Where no two ranks must hold the same gradients (full sharding) the
+    global norms are compared instead, which every rank must agree on.
 
     With several optimizers (a GAN, manual optimization) each optimizer is measured, clipped, skipped and
     logged on its own; its keys end in ``/<optimizer>`` (``LearningRateMonitor``'s names: ``Adam``,
@@ -151,6 +161,7 @@ class GradientNormMonitor(LedgerCallback):
         self._names: dict[int, str] = {}
         self._layers: dict[int, _Layers] = {}  # per optimizer (track index)
         self._scaler_skips = False
+        self._replica_groups: tuple[int, ...] | None = None  # which ranks must hold equal local gradients
 
     def state_fields(self) -> dict[str, Any]:
         return {"max_norm": self.max_norm, "norm_type": self.norm_type}
@@ -163,6 +174,9 @@ class GradientNormMonitor(LedgerCallback):
                 f"{trainer.gradient_clip_val}) would clip twice. Fix: remove `gradient_clip_val` from the Trainer, "
                 "or pass `max_norm=None` to GradientNormMonitor to only measure."
             )
+        problem = fp16_without_scaler_problem(trainer)
+        if problem is not None:
+            raise StabilityConfigError(problem)
         strategy = type(trainer.strategy).__name__
         if strategy in _UNSUPPORTED_STRATEGIES or getattr(trainer.strategy, "gradients_are_local_shards", False):
             raise StabilityConfigError(
@@ -175,6 +189,14 @@ class GradientNormMonitor(LedgerCallback):
         self._names = {id(p): name for name, p in pl_module.named_parameters()}
         self._scaler_skips = loss_scaler(trainer) is not None
         self._layers = {}
+        self._replica_groups = None
+        if self.check_replicas and trainer.world_size > 1:
+            from lightning_stability.cluster.weight_hash import keeps_plain_parameters_equal, replica_layout
+
+            layout = replica_layout(
+                list(pl_module.parameters()), trainer.world_size, keeps_plain_parameters_equal(trainer.strategy)
+            )
+            self._replica_groups = None if isinstance(layout, str) else layout.groups
 
     # ------------------------------------------------------------------ the step
     def _layers_of(self, ledger: StepLedger, gradients: StepGradients, device: torch.device) -> _Layers:
@@ -203,6 +225,7 @@ class GradientNormMonitor(LedgerCallback):
         record = ledger.record_of()
         record.accumulate(_K_STEPS, 1.0)
         self.record_metric("stability/grad_norm", total)
+        replica_norm = self._replica_norm(trainer, gradients) if self.is_logging_step else None
         if self.max_norm is not None:
             # relative to another callback's clip, if one came first; the metrics after the step, once every
             # clip is done
@@ -214,7 +237,18 @@ class GradientNormMonitor(LedgerCallback):
             ledger.mark_skip(Outcome.SKIPPED_NONFINITE, bad)
         if self.is_logging_step:
             layer_norms = group_norms(norms, layers.index, len(layers.names), self.norm_type)
-            self._send_layers(trainer, total, layer_norms, layers)
+            self._send_layers(layer_norms, layers, replica_norm)
+
+    def _replica_norm(self, trainer: pl.Trainer, gradients: StepGradients) -> Tensor | None:
+        """What the replica check compares: the norm of this rank's own gradient shards, before this step's clips
+        (a clip's coefficient comes from the global norm, which one rank's fault changes on every rank it is
+        reduced with), when the ranks that must hold the same shards are known; else the global norm."""
+        if not self.check_replicas or trainer.world_size < 2:
+            return None
+        if self._replica_groups is None:
+            return gradients.total
+        local = total_norm([local_tensor(g) for g in gradients.grads], self.norm_type)  # a few kernels
+        return local / gradients.coefficient
 
     def after_step(self, trainer: pl.Trainer, ledger: StepLedger) -> None:
         gradients, self._gradients = self._gradients, None
@@ -233,7 +267,7 @@ class GradientNormMonitor(LedgerCallback):
         # counted now that the step closed, so this step's outcome is included
         self.record_metric("stability/skipped_steps", record.skipped_steps)
 
-    def _send_layers(self, trainer: pl.Trainer, total: Tensor, layer_norms: Tensor, layers: _Layers) -> None:
+    def _send_layers(self, layer_norms: Tensor, layers: _Layers, replica_norm: Tensor | None) -> None:
         if self.per_layer is True:
             self.to_host("layers", layer_norms)
         elif self.per_layer:
@@ -241,8 +275,8 @@ class GradientNormMonitor(LedgerCallback):
             top = torch.topk(torch.nan_to_num(layer_norms, nan=math.inf), k)
             self.to_host("top_values", layer_norms[top.indices])
             self.to_host("top_indices", top.indices)
-        if self.check_replicas and trainer.world_size > 1:
-            self.to_host("replica_norms", gather_from_ranks(total))
+        if replica_norm is not None:
+            self.to_host("replica_norms", gather_from_ranks(replica_norm))
         self._send_bad_report(layers)
 
     def _send_bad_report(self, layers: _Layers) -> None:
@@ -273,7 +307,7 @@ class GradientNormMonitor(LedgerCallback):
             )
         replicas = values.get("replica_norms")
         if isinstance(replicas, list):
-            warn_disagreeing_replicas(replicas, step)
+            warn_disagreeing_replicas(replicas, step, groups=self._replica_groups)
         if values.get("bad_seen"):
             self._warn_nonfinite(values, names)
         return extra
@@ -323,7 +357,7 @@ class GradientNormMonitor(LedgerCallback):
         return {"max_norm": self.max_norm, "norm_type": self.norm_type}
 
     def transient_state(self) -> dict[str, Any]:
-        return {"_layers": {}, "_names": {}}
+        return {"_layers": {}, "_names": {}, "_replica_groups": None}
 
 
 class _Layers:
@@ -356,28 +390,44 @@ def gather_from_ranks(value: Tensor) -> Tensor:
     return out
 
 
-def warn_disagreeing_replicas(norms: list[float], step: int, rel_tol: float = 1e-5) -> None:
+def warn_disagreeing_replicas(
+    norms: list[float], step: int, rel_tol: float = 1e-5, groups: Sequence[int] | None = None
+) -> None:
     """Warn, naming the ranks, when data-parallel replicas measured different gradient norms.
 
     Replicas hold identical gradients after the all-reduce (and sharded norms are reduced across the mesh),
     so every rank measures the same global norm. A rank that differs computed or received other gradients:
     a faulty device (silent data corruption) or a hook that changed one rank's gradients. Its weights will
-    drift from the others'. The reference is the value a strict majority of ranks agree on, or else rank 0's.
+    drift from the others'. ``groups``: one group id per rank, the ranks of a group compared with each other
+    only (``norms`` then the norms of each rank's local shards); ``None``: all ranks. Within a group the
+    reference is the value a strict majority of its ranks agree on, or else its first rank's.
     """
 
     def same(a: float, b: float) -> bool:
         return a == b or (math.isfinite(a) and math.isfinite(b) and abs(a - b) <= rel_tol * max(abs(a), abs(b)))
 
-    majority = [v for v in norms if sum(same(v, w) for w in norms) * 2 > len(norms)]
-    reference, source = (majority[0], "most ranks") if majority else (norms[0], "rank 0 (no majority)")
-    bad = [rank for rank, v in enumerate(norms) if not same(v, reference)]
+    ids = list(groups) if groups is not None else [0] * len(norms)
+    bad: list[str] = []
+    for group in sorted(set(ids)):
+        members = [r for r, g in enumerate(ids) if g == group]
+        values = [norms[r] for r in members]
+        majority = [v for v in values if sum(same(v, w) for w in values) * 2 > len(values)]
+        reference, source = (majority[0], "most") if majority else (values[0], f"rank {members[0]} (no majority)")
+        for rank in members:
+            if not same(norms[rank], reference):
+                if groups is None:
+                    where = f"{'most ranks' if majority else source} measured {reference:.6g}"
+                else:
+                    others = ", ".join(str(m) for m in members if m != rank)
+                    where = f"its replicas (ranks {others}): {'most' if majority else source} {reference:.6g}"
+                bad.append(f"rank {rank}: {norms[rank]:.6g} ({where})")
     if bad:
-        shown = ", ".join(f"rank {r}: {norms[r]:.6g}" for r in bad)
+        what = "the norms of their local gradient shards, " if groups is not None else ""
         rank_zero_warn(
-            f"Gradient norms disagree across data-parallel replicas at optimizer step {step}: {source} measured "
-            f"{reference:.6g}, but {shown}. Replicas hold the same all-reduced gradients, so the rank(s) named "
-            "computed or received different gradients: a faulty device (silent data corruption) or a hook that "
-            "edits one rank's gradients. Their weights will drift apart. Fix: check that device (rerun the step "
-            "there, run a GPU memory test) or the hook.",
+            f"Gradient norms disagree across data-parallel replicas at optimizer step {step} ({what}compared "
+            f"among the ranks that must hold the same gradients): {'; '.join(bad)}. Replicas hold the same "
+            "all-reduced gradients, so the rank(s) named computed or received different gradients: a faulty "
+            "device (silent data corruption) or a hook that edits one rank's gradients. Their weights will drift "
+            "apart. Fix: check that device (rerun the step there, run a GPU memory test) or the hook.",
             category=RuntimeWarning,
         )

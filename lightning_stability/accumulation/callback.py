@@ -143,6 +143,7 @@ class GradientAccumulation(LedgerCallback):
         self._adascale = adascale.AdaScaleGain()
         self._tuner = TunerSearchGuard()
         self._user_factor = 1  # the Trainer's accumulate_grad_batches as configured (setup refuses others)
+        self._fsdp: list[Any] = []  # FSDP2 modules whose gradient sync this callback drives (see `fsdp_to_drive`)
 
     def state_fields(self) -> dict[str, Any]:
         return {"steps": repr(self.steps), "lr_scaling": self.lr_scaling}
@@ -228,6 +229,7 @@ class GradientAccumulation(LedgerCallback):
         self._lr.start(self._optimizer, active=self.lr_scaling in ("linear", "sqrt") and not has_schedule)
         if self.lr_scaling == "adascale":
             self._adascale.start(self._optimizer)
+        self._fsdp = fsdp_to_drive(trainer.strategy, pl_module)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning steps on the last batch of every epoch, so an epoch always starts a new window.
@@ -258,6 +260,9 @@ class GradientAccumulation(LedgerCallback):
         if self._micro >= self._size:
             self._start_window(trainer, pl_module, batch_idx)
         self._micro += 1
+        last = self._micro >= self._size
+        for module in self._fsdp:  # reduce-scatter (and, hybrid, all-reduce) on the last micro-batch only
+            module.set_requires_gradient_sync(last, recurse=False)
 
     def _start_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
         k = self._next_factor(StepLedger.of(trainer))
@@ -314,6 +319,9 @@ class GradientAccumulation(LedgerCallback):
             return
         _compat.override_accumulation_decision(trainer, None)  # Lightning's own decision again
         trainer.accumulate_grad_batches = 1
+        for module in self._fsdp:
+            module.set_requires_gradient_sync(True, recurse=False)
+        self._fsdp = []
         self._tuner.remove()
         self._adascale.stop()
         self._restore_stash()
@@ -343,7 +351,27 @@ class GradientAccumulation(LedgerCallback):
         self._adascale.saved_statistics = state_dict.get("adascale")
 
     def transient_state(self) -> dict[str, Any]:
-        return {"_optimizer": None, "_stash": [], "_tuner": TunerSearchGuard()}
+        return {"_optimizer": None, "_stash": [], "_tuner": TunerSearchGuard(), "_fsdp": []}
+
+
+def fsdp_to_drive(strategy: Any, pl_module: pl.LightningModule) -> list[Any]:
+    """The FSDP2 modules (``fully_shard``) in ``pl_module`` whose gradient sync nobody else turns off on the
+    non-final micro-batches: under a strategy that keeps Lightning's default ``block_backward_sync`` (DDP's
+    ``no_sync`` only), such as Lightning's ``ModelParallelStrategy``, where ``configure_model`` applied
+    ``fully_shard``. Left alone, FSDP2 reduce-scatters every micro-batch's gradients across the data-parallel ranks:
+    the same sum, at ``k`` times the communication. A strategy with its own ``block_backward_sync``
+    (``StableFSDPStrategy``) drives them itself: none."""
+    from lightning.pytorch.strategies import ParallelStrategy
+
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return []
+    if not isinstance(strategy, ParallelStrategy):
+        return []
+    if type(strategy).block_backward_sync is not ParallelStrategy.block_backward_sync:
+        return []
+    return [m for m in pl_module.modules() if isinstance(m, FSDPModule)]
 
 
 def check_trainer(trainer: pl.Trainer, pl_module: pl.LightningModule, me: str) -> None:

@@ -16,10 +16,15 @@ from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info, r
 from torch.optim import Optimizer
 
 from lightning_stability import _compat
-from lightning_stability.amp.diagnostics import PrecisionDiagnostics, check_loss, run_fit_start_checks
+from lightning_stability.amp.diagnostics import (
+    PrecisionDiagnostics,
+    check_loss,
+    fp16_without_scaler_problem,
+    run_fit_start_checks,
+)
 from lightning_stability.amp.rule import ScaleRule
 from lightning_stability.amp.scaler import TunedGradScaler, check_scaler_arguments
-from lightning_stability.errors import check_bool, config_error
+from lightning_stability.errors import StabilityConfigError, check_bool, config_error
 from lightning_stability.ledger import FlushValues, OptimizerRecord, StepLedger
 from lightning_stability.ledger.callback import LedgerCallback
 from lightning_stability.ledger.skips import unscale_if_deferred
@@ -184,6 +189,9 @@ class LossScaleTuner(LedgerCallback):
         plugin = trainer.precision_plugin
         precision = str(getattr(plugin, "precision", trainer.precision))
         current = getattr(plugin, "scaler", None)
+        problem = fp16_without_scaler_problem(trainer)  # "16-true" under ModelParallelStrategy: nothing to tune
+        if problem is not None:
+            raise StabilityConfigError(f"LossScaleTuner: {problem}")
         if precision != "16-mixed" or current is None or not current.is_enabled():
             self._scaler = None
             rank_zero_info(

@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from lightning_stability import _compat
 from lightning_stability.errors import StabilityConfigError, config_error
+from lightning_stability.ledger.skips import loss_scaler
 from lightning_stability.norms import combine_norms, per_tensor_norms
 
 _FP16_PRECISIONS = ("16-mixed", "16-true")
@@ -326,3 +327,23 @@ def check_training_status(model: nn.Module, verbose: bool = True) -> TrainingSta
     if verbose and getattr(rank_zero_only, "rank", 0) == 0:  # the rank Lightning set, 0 outside a run
         print(status.lines())
     return status
+
+
+def fp16_without_scaler_problem(trainer: pl.Trainer) -> str | None:
+    """A message when the run trains in fp16 under Lightning's ``ModelParallelStrategy``, which has no loss scaler
+    (Lightning refuses ``"16-mixed"`` there and lets ``"16-true"`` through): fp16 gradients unscaled underflow, and a
+    norm, a clip or a skip on them acts on what is left. ``None`` otherwise."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    precision = str(getattr(trainer.precision_plugin, "precision", trainer.precision))
+    if not isinstance(trainer.strategy, ModelParallelStrategy) or not precision.startswith("16"):
+        return None
+    if loss_scaler(trainer) is not None:
+        return None
+    return (
+        f"Trainer(precision={precision!r}) under Lightning's ModelParallelStrategy trains in fp16 with no loss "
+        "scaler (the strategy has none): small gradients underflow to zero, and the gradient norm, clipping and "
+        "non-finite skips would act on what is left. Fix: strategy=StableFSDPStrategy(tensor_parallel=N, "
+        'mixed_precision="16-mixed") (the same data_parallel x tensor_parallel mesh and configure_model, with a '
+        "loss scaler every rank agrees on), or precision='bf16-mixed'."
+    )

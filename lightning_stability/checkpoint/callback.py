@@ -155,6 +155,8 @@ class StableCheckpoint(ModelCheckpoint):
         self._stop: dict[signal.Signals, int] = {}  # the agreed signals (ranks per signal)
         self._stop_step = -1
         self._handlers_installed = False
+        self._saved_names: set[str] = set()  # the checkpoints this fit wrote
+        self._resumed_step = -1  # the listed checkpoint this fit resumed from, if any: it and older ones are its own
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_batch_loss": None}
@@ -174,6 +176,7 @@ class StableCheckpoint(ModelCheckpoint):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self._boundary = trainer.global_step
+        self._resumed_step = self._listed_step(trainer.ckpt_path)
         # after the Trainer installed its own handlers (at the start of fit), so that ours run first
         if self.signals and not self._preemption.install():
             rank_zero_warn(
@@ -320,10 +323,45 @@ class StableCheckpoint(ModelCheckpoint):
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         super()._save_checkpoint(trainer, filepath)  # every rank; the strategy publishes it whole
         self._healthy_list.add(Path(filepath).name, trainer.global_step, self._kind, write=trainer.is_global_zero)
+        self._saved_names.add(Path(filepath).name)
 
     def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
         self._healthy_list.drop(Path(filepath).name, write=trainer.is_global_zero)  # off the list, then deleted
         super()._remove_checkpoint(trainer, filepath)
+
+    # ------------------------------------------------------------------ rollback from disk
+    def healthy_checkpoints(self, up_to_step: int | None = None) -> list[tuple[Path, int]]:
+        """This run's listed healthy checkpoints, newest first, as ``(path, global_step at the save)``; with
+        ``up_to_step``, those saved at or before that global step (``TrainingHealthMonitor`` rolls back to them).
+
+        This run's: those this fit saved and, when it resumed from a listed checkpoint, that one and the older
+        ones listed: a fresh run in the directory of an earlier run never sees the earlier run's. The same on
+        every rank, without reading the disk.
+        """
+        return [
+            (self._healthy_list.directory / e.name, e.step)
+            for e in self._healthy_list.newest_first()
+            if (e.name in self._saved_names or e.step <= self._resumed_step)
+            and (up_to_step is None or e.step <= up_to_step)
+        ]
+
+    def discard_newer_than(self, trainer: pl.Trainer, step: int) -> list[Path]:
+        """Take the checkpoints saved after global step ``step`` off the list (a rollback found the state they hold
+        damaged): ``ckpt_path="last"`` and later rollbacks skip them; the files stay. Every rank calls it, rank 0
+        writes the list. Returns their paths."""
+        names = [e.name for e in self._healthy_list.entries if e.step > step]
+        for name in names:
+            self._healthy_list.drop(name, write=trainer.is_global_zero)
+            self._saved_names.discard(name)
+        return [self._healthy_list.directory / name for name in names]
+
+    def _listed_step(self, resumed: _PATH | None) -> int:
+        """The global step of the listed checkpoint at ``resumed`` (-1: none, or not one of this directory)."""
+        path = _local_dir(resumed) if resumed else None
+        for entry in self._healthy_list.entries:
+            if path is not None and self._healthy_list.directory / entry.name == path:
+                return entry.step
+        return -1
 
     def _newest_name(self) -> str | None:
         newest = self._healthy_list.newest_first()

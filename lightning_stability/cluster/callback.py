@@ -9,7 +9,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
@@ -19,6 +18,7 @@ from lightning_stability.cluster.weight_hash import (
     ReplicaLayout,
     disagreeing_replicas,
     gather_fingerprints,
+    keeps_plain_parameters_equal,
     replica_layout,
     weight_fingerprint,
 )
@@ -122,8 +122,9 @@ class ClusterHealthMonitor(LedgerCallback):
         if self.weight_hash_every is None:
             return
         strategy = trainer.strategy
-        data_parallel = isinstance(strategy, DDPStrategy) and type(strategy).__name__ != "DeepSpeedStrategy"
-        layout = replica_layout(list(pl_module.parameters()), trainer.world_size, data_parallel)
+        layout = replica_layout(
+            list(pl_module.parameters()), trainer.world_size, keeps_plain_parameters_equal(strategy)
+        )
         if isinstance(layout, str):
             rank_zero_info(
                 f"ClusterHealthMonitor(weight_hash_every={self.weight_hash_every}): the weight-hash check is off "

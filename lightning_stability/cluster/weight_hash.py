@@ -12,12 +12,16 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_stability.norms import is_dtensor, local_tensor
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 try:  # DTensor is public from torch 2.5
     from torch.distributed.tensor import Replicate
@@ -70,12 +74,15 @@ def replica_groups(mesh_ranks: Tensor, replicate_dims: Sequence[int]) -> tuple[i
 def replica_layout(params: Sequence[Tensor], world_size: int, data_parallel: bool) -> ReplicaLayout | str:
     """Which ranks must hold equal weights, or, for a layout this check does not cover, why (a sentence).
 
-    Covered: plain parameters under a data-parallel strategy (DDP: every rank); ``DTensor`` parameters that
-    all live on one device mesh spanning every rank and are ``Replicate`` along some of its dims (hybrid
-    sharding's ``"replicate"`` dim; the data-parallel dim of a tensor-parallel model that is replicated over
-    it): the ranks that differ only along those dims. Not covered: fully sharded parameters (every rank holds a
-    different shard), parameters on several meshes or on a mesh smaller than the world, plain parameters under
-    a strategy that does not keep them equal.
+    Covered: plain parameters under a data-parallel strategy (DDP: every rank); ``DTensor`` parameters on one
+    device mesh spanning every rank, or on it and on sub-meshes of it (``mesh["data_parallel"]``, the mesh FSDP2
+    gives the parameters a tensor-parallel plan left alone), whose placements are ``Replicate`` along some dims
+    of the whole mesh for every parameter: the ranks that differ only along those dims (hybrid sharding's
+    ``"replicate"`` dim; the data-parallel dim of a tensor-parallel model that is replicated over it). A
+    parameter on a sub-mesh counts as replicated along the dims its sub-mesh leaves out. The tensor-parallel dim
+    never qualifies while some parameter is split over it: its ranks legitimately hold different shards. Not
+    covered: fully sharded parameters (every rank holds a different shard), meshes that are not dims of one mesh
+    spanning the world, plain parameters beside DTensors or under a strategy that does not keep them equal.
 
     Args:
         params: the model's parameters (``DTensor`` or plain).
@@ -92,21 +99,57 @@ def replica_layout(params: Sequence[Tensor], world_size: int, data_parallel: boo
     if len(sharded) != len(params):
         return "some parameters are DTensors and some are not"
     meshes = {id(p.device_mesh): p.device_mesh for p in sharded}  # type: ignore[attr-defined]
-    if len(meshes) > 1:
-        return f"the parameters live on {len(meshes)} different device meshes"
-    (mesh,) = meshes.values()
-    if mesh.size() != world_size:
+    whole = [m for m in meshes.values() if m.size() == world_size]
+    if not whole:
+        (mesh, *_) = meshes.values()
         return f"the parameters' device mesh holds {mesh.size()} of the {world_size} ranks"
-    dims = [
-        d
-        for d in range(mesh.ndim)
-        if Replicate is not None and all(isinstance(p.placements[d], Replicate) for p in sharded)  # type: ignore[attr-defined]
-    ]
-    if not dims:
+    world = whole[0]
+    dims_of = {key: _dims_in(mesh, world) for key, mesh in meshes.items()}
+    if any(dims is None for dims in dims_of.values()):
+        return f"the parameters live on {len(meshes)} different device meshes that are not dims of one mesh"
+    replicated = set(range(world.ndim))
+    for p in sharded:
+        dims = dims_of[id(p.device_mesh)]  # type: ignore[attr-defined]
+        assert dims is not None
+        split = {dims[d] for d, placement in enumerate(p.placements) if not _is_replicate(placement)}  # type: ignore[attr-defined]
+        replicated -= split
+    if not replicated:
         return "every rank holds a different shard of the weights (fully sharded): no two ranks must be equal"
-    names = mesh.mesh_dim_names or tuple(str(d) for d in range(mesh.ndim))
-    replicated = ", ".join(repr(names[d]) for d in dims)
-    return ReplicaLayout(replica_groups(mesh.mesh, dims), f"the ranks along mesh dim {replicated} hold equal shards")
+    names = world.mesh_dim_names or tuple(str(d) for d in range(world.ndim))
+    which = ", ".join(repr(names[d]) for d in sorted(replicated))
+    return ReplicaLayout(
+        replica_groups(world.mesh, sorted(replicated)), f"the ranks along mesh dim {which} hold equal shards"
+    )
+
+
+def _is_replicate(placement: object) -> bool:
+    return Replicate is not None and isinstance(placement, Replicate)
+
+
+def _dims_in(mesh: DeviceMesh, world: DeviceMesh) -> list[int] | None:
+    """For each dim of ``mesh``, the dim of ``world`` it is, when ``mesh`` is ``world`` or this rank's sub-mesh of
+    it along named dims (in ``world``'s order); else ``None``."""
+    if mesh is world:
+        return list(range(world.ndim))
+    names, world_names = mesh.mesh_dim_names, world.mesh_dim_names
+    if not names or not world_names or any(n not in world_names for n in names):
+        return None
+    dims = [world_names.index(n) for n in names]
+    if dims != sorted(set(dims)):
+        return None
+    here = world.get_coordinate()
+    if here is None:
+        return None
+    index = tuple(slice(None) if d in dims else here[d] for d in range(world.ndim))
+    return dims if torch.equal(world.mesh[index], mesh.mesh) else None
+
+
+def keeps_plain_parameters_equal(strategy: object) -> bool:
+    """Whether ``strategy`` keeps plain (non-DTensor) parameters equal on every rank: Lightning's DDP, not
+    DeepSpeed (a ``DDPStrategy`` subclass that shards them)."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    return isinstance(strategy, DDPStrategy) and type(strategy).__name__ != "DeepSpeedStrategy"
 
 
 def _bits(t: Tensor) -> Tensor:

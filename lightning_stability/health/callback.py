@@ -16,10 +16,12 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_stability.checkpoint.atomic import CheckpointError, verify_checkpoint
+from lightning_stability.checkpoint.callback import StableCheckpoint
 from lightning_stability.errors import StabilityConfigError, check_int, config_error
 from lightning_stability.grad_norm import GradientNormMonitor
 from lightning_stability.health.history import HealthHistory, HealthReporter
-from lightning_stability.health.rollback import HostFlag, Rollback
+from lightning_stability.health.rollback import HostFlag, Rollback, newest_clean_step, restore_checkpoint
 from lightning_stability.health.signals import UpdateSize, capacity, mean_over_ranks, peak_memory_over_ranks
 from lightning_stability.health.spike_stats import NEW_LEVEL_AFTER, IntervalMean, SpikeStats, zclip_threshold
 from lightning_stability.ledger import FlushValues, LedgerCallback, OptimizerRecord, Outcome, StepLedger, loss_scaler
@@ -55,9 +57,11 @@ class TrainingHealthMonitor(LedgerCallback):
     * ``"rollback"``: the update is skipped; when the spike outlasts it (the next step spikes too, on the same
       weights: the damage is in the weights, not in one batch), the step after that restores the weights and
       optimizer state from the last good snapshot (taken every ``snapshot_every`` steps, in host memory, each
-      rank its own shard), drops its own update and skips the next ``skip_batches`` batches (PaLM); after
-      ``max_rollbacks`` rollbacks training stops with :class:`TrainingDivergedError`. No host sync: the flag is
-      copied to the host without waiting and read one step later (see ``lightning_stability.health.rollback``).
+      rank its own shard), drops its own update and skips the next ``skip_batches`` batches (PaLM). After
+      ``max_rollbacks`` rollbacks, with a ``StableCheckpoint`` attached, the next ones (``max_disk_rollbacks``)
+      restore the newest healthy checkpoint on disk older than the damage, each a different one; then training
+      stops with :class:`TrainingDivergedError`. No host sync: the flag is copied to the host without waiting and
+      read one step later (see ``lightning_stability.health.rollback``).
 
     On logging steps it also measures the update-to-weight ratio ``‖Δθ‖/‖θ‖`` (total and per module, one
     transient copy of the local shard) and the peak memory (max over ranks), and warns when the peak nears
@@ -76,7 +80,11 @@ class TrainingHealthMonitor(LedgerCallback):
         skip_batches: optimizer steps skipped after a rollback, each with its batch (its ``k`` micro-batches
             under gradient accumulation). Default (``None``): 0.2% of the run's steps, at least 1 and at most
             200; 200 when the length is not known (PaLM skipped 200-500 batches in a run of 255k steps).
-        max_rollbacks: rollbacks allowed before :class:`TrainingDivergedError`.
+        max_rollbacks: rollbacks from the snapshot in memory.
+        max_disk_rollbacks: rollbacks from a checkpoint on disk once those from memory are spent (or when the
+            snapshot in memory is not older than the damage), with a ``StableCheckpoint`` attached: each to the
+            newest healthy checkpoint saved before the damage and not rolled back to already. ``0``: none. Then
+            :class:`TrainingDivergedError`.
         memory_warn_fraction: warn when the peak memory passes this share of the capacity.
         top_modules: per-module update ratios logged on logging steps (the largest ones).
         report: write the stability report at the end of ``fit``.
@@ -101,6 +109,7 @@ class TrainingHealthMonitor(LedgerCallback):
         snapshot_every: int | None = None,
         skip_batches: int | None = None,
         max_rollbacks: int = 3,
+        max_disk_rollbacks: int = 1,
         memory_warn_fraction: float = 0.9,
         top_modules: int = 5,
         report: bool = True,
@@ -119,9 +128,10 @@ class TrainingHealthMonitor(LedgerCallback):
             max_rollbacks,
             memory_warn_fraction,
             top_modules,
+            max_disk_rollbacks,
         )
         self.response, self.spike_z, self.clip_z = response, float(spike_z), float(clip_z)
-        self.rollback = Rollback(snapshot_every, skip_batches, max_rollbacks)
+        self.rollback = Rollback(snapshot_every, skip_batches, max_rollbacks, max_disk_rollbacks)
         self.report, self.report_dir = report, report_dir
         # a lasting new level is learnt after 10 steps above the threshold; never under "rollback", which rolls
         # back each time and, past max_rollbacks, stops with an error that says what to change; nor for the
@@ -184,8 +194,9 @@ class TrainingHealthMonitor(LedgerCallback):
                 f"TrainingHealthMonitor: for a run {length}, a rollback snapshot every {every} steps and "
                 f"{skip} batches skipped after a rollback"
             )
-            # the state before the next step: labelled with the last step taken (-1 at the very start)
-            self.rollback.start(pl_module, trainer.optimizers, StepLedger.of(trainer)._label() - 1)
+            # the state before the next step: labelled with the last step taken (-1 at the very start); from the
+            # global step, not Lightning's label, which after a mid-epoch resume is one behind until the first batch
+            self.rollback.start(pl_module, trainer.optimizers, trainer.global_step - 1)
 
     # ------------------------------------------------------------------ the step
     def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer) -> None:
@@ -299,14 +310,77 @@ class TrainingHealthMonitor(LedgerCallback):
         return False
 
     def _roll_back(self, ledger: StepLedger, step: int, end: bool) -> None:
+        """Restore the snapshot in memory, or a healthy checkpoint on disk, or stop (every rank alike)."""
         trainer = ledger.trainer
         assert trainer is not None
-        event = self.rollback.roll_back(trainer.lightning_module, trainer.optimizers, step, skip=not end)
+        r, module, optimizers = self.rollback, trainer.lightning_module, trainer.optimizers
+        rings = [cb for cb in trainer.callbacks if isinstance(cb, StableCheckpoint)]  # type: ignore[attr-defined]
+        if r.from_memory(step):
+            event = r.roll_back(module, optimizers, step, skip=not end)
+            said = f"rollback {r.memory_rollbacks}/{r.max_rollbacks}"
+        else:
+            found, why_not = self._checkpoint_before_damage(trainer, rings, step)
+            if found is not None:
+                path, saved_at = found
+                restore_checkpoint(trainer, path)
+                event = r.rolled_back_to_disk(module, optimizers, step, path, saved_at, skip=not end)
+                said = f"rollback from disk {r.disk_rollbacks}/{r.max_disk_rollbacks}"
+            elif r.memory_rollbacks < r.max_rollbacks and r.snapshot is not None:
+                # the snapshot is the resumed state, not known older than the damage, and no checkpoint is: the
+                # best there is
+                event = r.roll_back(module, optimizers, step, skip=not end)
+                said = f"rollback {r.memory_rollbacks}/{r.max_rollbacks}"
+            else:
+                raise r.diverged(step, why_not)
         self._spiked = False  # the next step is scored on the restored weights
         self._log.events.append(event)
         ledger.note(event)
+        rank_zero_warn(f"TrainingHealthMonitor: {said}: {event['detail']}.")
+        # the checkpoints saved after the newest clean state hold the damage: off the healthy list
+        for ring in rings:
+            dropped = ring.discard_newer_than(trainer, newest_clean_step(step) + 1)
+            if dropped:
+                rank_zero_info(
+                    f"TrainingHealthMonitor: {', '.join(map(str, dropped))} hold(s) the state this rollback undid: "
+                    "taken off the healthy list (ckpt_path='last' and later rollbacks skip it; the file stays)."
+                )
+
+    def _checkpoint_before_damage(
+        self, trainer: pl.Trainer, rings: list[StableCheckpoint], step: int
+    ) -> tuple[tuple[Path, int] | None, str]:
+        """The newest healthy checkpoint saved before the damage and not rolled back to already, as ``(path,
+        global step)``, chosen by rank 0 (the first that passes ``verify_checkpoint``) and broadcast; else
+        ``None`` and why not, for the error."""
         r = self.rollback
-        rank_zero_warn(f"TrainingHealthMonitor: rollback {r.rollbacks}/{r.max_rollbacks}: {event['detail']}.")
+        if not rings:
+            return None, (
+                "none from disk: no StableCheckpoint is attached (add StableCheckpoint(dirpath=..., "
+                "every_n_train_steps=...) to the callbacks to go back to a healthy checkpoint instead of stopping)"
+            )
+        if r.disk_rollbacks >= r.max_disk_rollbacks:
+            return None, f"{r.disk_rollbacks} from disk (max_disk_rollbacks={r.max_disk_rollbacks})"
+        newest = newest_clean_step(step) + 1  # the global step of a save of the newest clean state
+        found: tuple[str, int] | None = None
+        if trainer.is_global_zero:
+            candidates = sorted(
+                {(p, s) for ring in rings for p, s in ring.healthy_checkpoints(newest) if s not in r.disk_steps},
+                key=lambda c: (c[1], str(c[0])),
+                reverse=True,
+            )
+            for path, saved_at in candidates:
+                try:
+                    found = (str(verify_checkpoint(path)), saved_at)
+                    break
+                except (CheckpointError, FileNotFoundError) as err:
+                    rank_zero_warn(f"TrainingHealthMonitor: skipping a damaged checkpoint for the rollback: {err}")
+        found = trainer.strategy.broadcast(found)  # every rank loads the same one
+        if found is None:
+            return None, (
+                f"none from disk: no healthy checkpoint saved at or before global step {newest} (before the damage) "
+                f"that was not rolled back to already{f' (steps {r.disk_steps})' if r.disk_steps else ''}; "
+                "StableCheckpoint(every_n_train_steps=...) saves more often, keep=... keeps more"
+            )
+        return (Path(found[0]), int(found[1])), ""
 
     # ------------------------------------------------------------------ logging steps
     def _on_logging_step(self, ledger: StepLedger) -> None:
@@ -344,7 +418,8 @@ class TrainingHealthMonitor(LedgerCallback):
                 trainer.logger.log_dir if trainer.logger is not None and trainer.logger.log_dir else None
             ) or trainer.default_root_dir
         meta = {"response": self.response, "spike_z": self.spike_z, "clip_z": self.clip_z}
-        return self._log.write_report(directory or ".", {**meta, "rollbacks": self.rollback.rollbacks})
+        counts = {"rollbacks": self.rollback.rollbacks, "disk_rollbacks": self.rollback.disk_rollbacks}
+        return self._log.write_report(directory or ".", {**meta, **counts})
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -393,6 +468,7 @@ def check_health_arguments(
     max_rollbacks: Any,
     memory_warn_fraction: Any,
     top_modules: Any,
+    max_disk_rollbacks: Any,
 ) -> None:
     """Raise ``StabilityConfigError`` for the first bad argument."""
     if response not in RESPONSES:
@@ -414,6 +490,7 @@ def check_health_arguments(
         check_int("skip_batches", skip_batches, 0, "5, or None to scale it to the run")
     for name, value in (("max_rollbacks", max_rollbacks), ("top_modules", top_modules)):
         check_int(name, value, 0, "3 or 5")
+    check_int("max_disk_rollbacks", max_disk_rollbacks, 0, "1, or 0 to stop instead of loading a checkpoint")
     if not 0 < memory_warn_fraction <= 1:
         raise config_error("memory_warn_fraction", memory_warn_fraction, "must be in (0, 1]", "pass e.g. 0.9")
 

@@ -26,6 +26,16 @@ blocking the host (the copy is ordered on the stream like any kernel, and restor
 into the existing tensors, so the optimizer, the strategy's wrappers and any reference to a parameter stay
 valid.
 
+From disk, when memory is not enough. After ``max_rollbacks`` rollbacks from memory (or when the good snapshot is
+not older than the damage: the resumed state, right after a resume), and with a ``StableCheckpoint`` attached, the
+rollback goes to the newest healthy checkpoint on disk that is older than the damage (saved at a global step at
+most that of the newest clean state, :func:`newest_clean_step` + 1), and never twice to the same one: its weights
+and optimizer state are loaded in place through the Trainer's strategy (:func:`restore_checkpoint`), every rank
+alike; the rest is as from memory (this step's update dropped, ``skip_batches`` batches skipped, the data, the LR
+schedule, the loss scale and every callback's state going on forward). At most ``max_disk_rollbacks`` of them;
+then, or with no such checkpoint, :class:`TrainingDivergedError` says what to add. After any rollback, the
+checkpoints saved after the newest clean state are taken off the healthy list: they hold the damage.
+
 Defaults that fit the run (:func:`scaled_defaults`): PaLM (Chowdhery et al. 2022, section 5.1) restarted from a
 checkpoint ~100 steps before a spike and skipped 200-500 batches, in a run of 255k steps; those numbers stand
 from 100k steps on. A shorter run gets a snapshot every 1% of its steps (so a rollback loses about 1% of the
@@ -36,8 +46,10 @@ steps), at least one step each.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import numpy as np
 import torch
 from torch import Tensor, nn
@@ -53,6 +65,16 @@ SNAPSHOT_FRACTION, SKIP_FRACTION = 0.01, 0.002
 #: steps a candidate snapshot waits before it is good: its own step and the next are scored, and the flag of the
 #: second is read one step later
 CONFIRM_STEPS = 2
+#: a rollback comes this many steps after the first spike of a lasting one (the flag of the second is read a step
+#: later)
+ROLLBACK_DELAY = 2
+
+
+def newest_clean_step(step: int) -> int:
+    """The last step whose state is known clean at a rollback decided at ``step``: the first spike, at ``step - 2``,
+    scored the state after ``step - 3`` (the damage); the state after ``step - 4`` scored at ``step - 3`` without a
+    lasting spike. A checkpoint saved at global step ``S`` holds the state after step ``S - 1``."""
+    return step - ROLLBACK_DELAY - 2
 
 
 def scaled_defaults(total_steps: float | None) -> tuple[int, int]:
@@ -76,7 +98,7 @@ def scaled_defaults(total_steps: float | None) -> tuple[int, int]:
 
 
 class TrainingDivergedError(RuntimeError):
-    """Training kept spiking after ``max_rollbacks`` rollbacks."""
+    """Training kept spiking after ``max_rollbacks`` rollbacks (and ``max_disk_rollbacks`` from disk)."""
 
 
 class Rollback:
@@ -85,15 +107,22 @@ class Rollback:
     Args:
         snapshot_every: steps between snapshots; ``None``: scaled to the run by :meth:`fit_to_run`.
         skip_batches: batches skipped after a rollback; ``None``: scaled to the run by :meth:`fit_to_run`.
-        max_rollbacks: rollbacks allowed; the next one raises :class:`TrainingDivergedError`.
+        max_rollbacks: rollbacks from memory allowed.
+        max_disk_rollbacks: rollbacks from a checkpoint on disk allowed, once those from memory are spent; the next
+            one raises :class:`TrainingDivergedError`.
     """
 
-    def __init__(self, snapshot_every: int | None, skip_batches: int | None, max_rollbacks: int) -> None:
+    def __init__(
+        self, snapshot_every: int | None, skip_batches: int | None, max_rollbacks: int, max_disk_rollbacks: int = 0
+    ) -> None:
         self.asked = (snapshot_every, skip_batches)
         every, skip = scaled_defaults(None)
         self.snapshot_every = every if snapshot_every is None else snapshot_every
         self.skip_batches = skip if skip_batches is None else skip_batches
         self.max_rollbacks = max_rollbacks
+        self.max_disk_rollbacks = max_disk_rollbacks
+        self.disk_rollbacks = 0  # of `rollbacks`, those from disk
+        self.disk_steps: list[int] = []  # the global steps of the checkpoints rolled back to: never twice the same
         self.snapshot: Snapshot | None = None  # the good snapshot: what a rollback restores
         self.candidate: Snapshot | None = None  # the newest snapshot, good once CONFIRM_STEPS steps passed clean
         self._spare: Snapshot | None = None  # a dropped snapshot whose buffers the next one reuses
@@ -128,43 +157,102 @@ class Rollback:
             self.candidate = Snapshot(module, optimizers, step - 1, reuse=self._spare)
             self._spare = None
 
+    @property
+    def memory_rollbacks(self) -> int:
+        return self.rollbacks - self.disk_rollbacks
+
+    def from_memory(self, step: int) -> bool:
+        """Whether a rollback decided at ``step`` restores the good snapshot: some of ``max_rollbacks`` are left
+        and the snapshot is older than the damage (the resumed state, right after a resume, may not be)."""
+        return (
+            self.memory_rollbacks < self.max_rollbacks
+            and self.snapshot is not None
+            and self.snapshot.step <= newest_clean_step(step)
+        )
+
     def roll_back(
         self, module: nn.Module, optimizers: Sequence[Optimizer], step: int, skip: bool = True
     ) -> dict[str, Any]:
         """Restore the good snapshot and (with ``skip``) start skipping; returns the event to record."""
         if self.snapshot is None:
             raise RuntimeError("roll_back() before any snapshot")
-        if self.rollbacks >= self.max_rollbacks:
-            raise TrainingDivergedError(
-                f"TrainingHealthMonitor: training spiked again at step {step} after {self.rollbacks} rollback(s) "
-                f"(max_rollbacks={self.max_rollbacks}). Fix: lower the learning rate, clip harder "
-                "(GradientNormMonitor(max_norm=...)), or look at the data around these steps; raise max_rollbacks "
-                "to retry more. If the loss settled at a new level for a reason (new data, layers unfrozen), "
-                f'response="skip" learns a new level after {NEW_LEVEL_AFTER} steps above the threshold.'
-            )
         self.snapshot.restore(module, optimizers)
         if self.candidate is not None:  # taken after the damage got in
             self._spare, self.candidate = self.candidate, None
         self.rollbacks += 1
-        self.skip_left = self.skip_batches if skip else 0
         where = "the state at the start" if self.snapshot.step < 0 else f"the state after step {self.snapshot.step}"
-        detail = f"restored {where}; " + (
+        return self._start_skipping(step, self.snapshot.step, f"restored {where}", skip)
+
+    def rolled_back_to_disk(
+        self, module: nn.Module, optimizers: Sequence[Optimizer], step: int, path: Path, saved_at: int, skip: bool
+    ) -> dict[str, Any]:
+        """After :func:`restore_checkpoint` loaded the checkpoint at ``path`` (saved at global step ``saved_at``):
+        count it, keep its state as the good snapshot, (with ``skip``) start skipping; returns the event."""
+        reuse = self.snapshot or self._spare
+        self.snapshot, self.candidate, self._spare = Snapshot(module, optimizers, saved_at - 1, reuse=reuse), None, None
+        self.rollbacks += 1
+        self.disk_rollbacks += 1
+        self.disk_steps.append(saved_at)
+        event = self._start_skipping(step, saved_at - 1, f"restored {path} (the state after step {saved_at - 1})", skip)
+        return {**event, "checkpoint": str(path)}
+
+    def _start_skipping(self, step: int, to_step: int, restored: str, skip: bool) -> dict[str, Any]:
+        self.skip_left = self.skip_batches if skip else 0
+        detail = f"{restored}; " + (
             f"dropped this step's update and skipping the next {self.skip_batches} batches"
             if skip
             else "training ended, nothing left to skip"
         )
-        return {"step": step, "kind": "rollback", "to_step": self.snapshot.step, "detail": detail}
+        return {"step": step, "kind": "rollback", "to_step": to_step, "detail": detail}
+
+    def diverged(self, step: int, why_not_disk: str) -> TrainingDivergedError:
+        """The error that stops the run: no rollback is left, or none can go back far enough."""
+        return TrainingDivergedError(
+            f"TrainingHealthMonitor: training spiked again at step {step} after {self.memory_rollbacks} rollback(s) "
+            f"(max_rollbacks={self.max_rollbacks}) and {why_not_disk}. Fix: lower the learning rate, clip harder "
+            "(GradientNormMonitor(max_norm=...)), or look at the data around these steps; raise max_rollbacks "
+            "(max_disk_rollbacks) to retry more. If the loss settled at a new level for a reason (new data, layers "
+            f'unfrozen), response="skip" learns a new level after {NEW_LEVEL_AFTER} steps above the threshold.'
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         # host copies of the weights stay out of pickles
         return {**self.__dict__, "snapshot": None, "candidate": None, "_spare": None}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rollbacks": self.rollbacks, "skip_left": self.skip_left}
+        return {
+            "rollbacks": self.rollbacks,
+            "skip_left": self.skip_left,
+            "disk_rollbacks": self.disk_rollbacks,
+            "disk_steps": list(self.disk_steps),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.rollbacks = int(state.get("rollbacks", 0))
         self.skip_left = int(state.get("skip_left", 0))
+        self.disk_rollbacks = int(state.get("disk_rollbacks", 0))
+        self.disk_steps = [int(s) for s in state.get("disk_steps", [])]
+
+
+def restore_checkpoint(trainer: pl.Trainer, path: Path) -> None:
+    """Load the weights and optimizer state of the checkpoint at ``path`` into the running Trainer, in place,
+    through its strategy; every rank calls it, at the same step.
+
+    As Lightning's own resume does: ``strategy.load_checkpoint`` (``StableFSDPStrategy`` first checks on every rank
+    that the checkpoint is whole, a clear ``CheckpointError`` otherwise, then loads each rank's shards into the
+    sharded module and optimizer; ``AtomicCheckpointIO`` checks the file), then ``load_model_state_dict`` (into
+    the existing parameters and buffers) and ``load_optimizer_state_dict``. The optimizers' hyperparameters
+    (LR, betas, weight decay) are put back as they were: the LR follows the run's schedule, as after a rollback
+    from memory. Nothing else of the checkpoint is used (loops, callbacks, loss scale, ledger).
+    """
+    strategy, module = trainer.strategy, trainer.lightning_module
+    kept = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in trainer.optimizers]
+    checkpoint = strategy.load_checkpoint(path)
+    strategy.load_model_state_dict(checkpoint, strict=module.strict_loading)
+    strategy.load_optimizer_state_dict(checkpoint)
+    for opt, groups in zip(trainer.optimizers, kept, strict=True):
+        for group, hyper in zip(opt.param_groups, groups, strict=True):
+            group.update(hyper)
 
 
 class HostFlag:

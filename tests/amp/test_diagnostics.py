@@ -234,3 +234,29 @@ def test_check_training_status_called_as_a_statement_prints_its_two_lines(capsys
     assert out[1].startswith(f"Param norms: mean={status.param_norm_mean:.4g} max={status.param_norm_max:.4g} (")
     check_training_status(model, verbose=False)
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("callback", ["LossScaleTuner", "GradientNormMonitor"])
+def test_fp16_under_lightnings_model_parallel_strategy_is_refused_at_setup_naming_our_strategy(
+    callback: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Lightning's ModelParallelStrategy has no loss scaler and lets precision="16-true" through: both callbacks
+    refuse at setup, naming StableFSDPStrategy(tensor_parallel=N, mixed_precision="16-mixed")."""
+    import os
+
+    import torch.distributed as dist
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lightning_stability import GradientNormMonitor
+
+    for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):  # the launcher writes them
+        monkeypatch.setenv(key, os.environ.get(key, ""))
+        monkeypatch.delenv(key)
+    made = LossScaleTuner() if callback == "LossScaleTuner" else GradientNormMonitor(max_norm=1.0)
+    trainer = quiet_trainer(strategy=ModelParallelStrategy(), precision="16-true", max_steps=1, callbacks=[made])
+    try:
+        with pytest.raises(StabilityConfigError, match=r"no loss scaler.*StableFSDPStrategy\(tensor_parallel=N"):
+            trainer.fit(TinyModule())
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,8 +1,8 @@
 """torchrun script: a GPT-style model under Lightning's own ``ModelParallelStrategy`` with our callbacks.
 
-Usage: ``torchrun --nproc_per_node=DP*TP tensor_parallel_script.py OUT_DIR DP TP [lightning|stable]``; writes
-``OUT_DIR/rank{R}.json``
-(per-step norms and logged metrics) and, on rank 0, ``OUT_DIR/final.pt`` (the whole weights after training).
+Usage: ``torchrun --nproc_per_node=DP*TP tensor_parallel_script.py OUT_DIR DP TP [MODE]``; writes
+``OUT_DIR/rank{R}.json`` (per-step norms, LRs and logged metrics, warnings) and, on rank 0, ``OUT_DIR/final.pt``
+(the whole weights after training). The modes are listed at ``MODE`` below.
 ``lightning`` (default) runs Lightning's ``ModelParallelStrategy`` (``configure_model`` applies TP and FSDP2),
 ``stable`` our ``StableFSDPStrategy(tensor_parallel=TP)`` (``configure_model`` applies TP only; the strategy
 shards). ``python tensor_parallel_script.py OUT_DIR 1 1`` is the one-process reference on the same global batches.
@@ -20,22 +20,34 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_stability import GradientNormMonitor, StepLedger, TrainingHealthMonitor
+from lightning_stability import (
+    ClusterHealthMonitor,
+    GradientAccumulation,
+    GradientNormMonitor,
+    StepLedger,
+    TrainingHealthMonitor,
+    WarmupConstantCosineLR,
+)
 from lightning_stability.ledger.callback import LedgerCallback
 from lightning_stability.norms import local_tensor
 from tests.helpers import exit_worker
 
+MODE = sys.argv[4] if len(sys.argv) > 4 else "lightning"
 VOCAB, DIM, SEQ, GLOBAL_BATCH = 32, 16, 8, 8
-STEPS = int(os.environ.get("TP_STEPS", 6))  # benchmarks/tensor_parallel.py runs longer
+#: benchmarks/tensor_parallel.py runs longer; a rollback needs the spike statistics' warm-up and snapshots first
+STEPS = int(os.environ.get("TP_STEPS", 20 if MODE == "rollback" else 6))
 MAX_NORM = 0.5  # below the norms of this model: every step clips
+ACCELERATOR = os.environ.get("TP_ACCELERATOR", "cpu")  # "gpu": tests/gpu/check.sh on a machine with 4 GPUs (NCCL)
 
 
 class Net(nn.Module):
@@ -93,7 +105,10 @@ class TPModule(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (tokens,) = batch
         logits = self.model(tokens[:, :-1])
-        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        if MODE == "rollback" and self.global_step in SPIKES:  # every rank, as in the reference
+            return loss * 100
+        return loss
 
     def train_dataloader(self) -> DataLoader:
         """Each data-parallel rank takes every dp-th sample, in order: together one global batch per step, the
@@ -109,14 +124,17 @@ class TPModule(pl.LightningModule):
 
 
 class Probe(LedgerCallback):
-    """Before the monitor (first in the list): the ledger's 2- and inf-norms of each step, read on the host."""
+    """Before the monitor (first in the list): the ledger's 2- and inf-norms of each step, read on the host, and
+    the LR the step's update uses."""
 
     def __init__(self) -> None:
         super().__init__(log_every_n_steps=1)
         self.norms: list[dict[str, float]] = []
+        self.lrs: list[float] = []
 
     def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Any) -> None:
         self.norms.append({"2": float(ledger.gradients(2.0).total), "inf": float(ledger.gradients(math.inf).total)})
+        self.lrs.append(float(optimizer.param_groups[0]["lr"]))  # what this update uses (a schedule wrote it)
 
 
 class Metrics(pl.Callback):
@@ -140,15 +158,21 @@ def data() -> TensorDataset:
     return TensorDataset(torch.randint(VOCAB, (STEPS * GLOBAL_BATCH, SEQ + 1), generator=g))
 
 
-MODE = sys.argv[4] if len(sys.argv) > 4 else "lightning"
-#: noplan: our strategy and a configure_model that forgets the TP plan; faults: our strategy, an inf in one
-#: rank's gradient shard at step FAULT_STEP, and a checkpoint at the end; resume: that checkpoint, loaded at
-#: another mesh (argv[5]), trained one more step
-STABLE = MODE in ("stable", "noplan", "faults", "resume", "fp16")  # fp16: faults with fp16 and the loss scaler
+#: lightning / stable: Lightning's ModelParallelStrategy / our StableFSDPStrategy(tensor_parallel=TP).
+#: noplan: our strategy and a configure_model that forgets the TP plan; then fp16 under ModelParallelStrategy.
+#: faults: our strategy, an LR schedule, an inf in one rank's gradient shard at step FAULT_STEP, and a checkpoint
+#: at the end; resume: that checkpoint, loaded at another mesh (argv[5]), trained one more step.
+#: accum: ModelParallelStrategy with GradientAccumulation(ACCUM), an LR schedule and both replica checks, the
+#: gradient collectives counted per micro-batch; replicas: the same under our strategy with hybrid sharding
+#: (DP replicas x TP), the last rank's gradient shard corrupted at CORRUPT_STEP; rollback: our strategy,
+#: TrainingHealthMonitor(response="rollback"), a spike at SPIKES that outlasts its skipped update.
+STABLE = MODE in ("stable", "noplan", "faults", "resume", "fp16", "replicas", "rollback")  # fp16: faults in fp16
 #: for benchmarks/tensor_parallel.py: Lightning's ModelParallelStrategy without our callbacks (bare), and with its
 #: own gradient_clip_val instead (clip)
 BARE = MODE in ("bare", "clip")
 FAULT_STEP = 2
+ACCUM, CORRUPT_STEP = 2, 4
+SPIKES = (11, 12)  # the second spikes on the first's weights (its update skipped): rolled back at 13 to step 7
 
 
 class Inject(pl.Callback):
@@ -159,6 +183,56 @@ class Inject(pl.Callback):
         if trainer.global_step == FAULT_STEP and trainer.global_rank == trainer.world_size - 1:
             grad = pl_module.model.fc1.weight.grad
             (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("inf")
+
+
+class Corrupt(pl.Callback):
+    """At CORRUPT_STEP, after every collective, the last rank's local ``fc1.weight`` gradient shard tripled: one
+    data-parallel replica's gradient goes bad (its tensor-parallel partner reduces the global norm with it)."""
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if trainer.global_step == CORRUPT_STEP and trainer.global_rank == trainer.world_size - 1:
+            pl_module.model.fc1.weight.grad.to_local().mul_(3.0)
+
+
+class Collectives(pl.Callback):
+    """The gradient reductions across data-parallel ranks of each micro-batch, from its start to its end: FSDP2's
+    reduce-scatters and hybrid sharding's all-reduces (torch.distributed calls by module attribute), and the
+    all-reduces our callbacks make once per optimizer step (not in a non-final micro-batch either)."""
+
+    def __init__(self) -> None:
+        self.per_batch: list[int] = []
+        self.count = 0
+        self._at_start = 0
+        for name in ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce"):  # the first: torch >= 2.13
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+
+            def counting(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                self.count += 1
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counting)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._at_start = self.count
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.per_batch.append(self.count - self._at_start)
+
+
+class Weights(pl.Callback):
+    """The whole weights after every batch (every rank gathers; rank 0 keeps them), and where each parameter and
+    its local shard live (a restore in place keeps both)."""
+
+    def __init__(self) -> None:
+        self.after: list[dict[str, torch.Tensor]] = []
+        self.places: set[tuple[int, ...]] = set()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.after.append({name: whole(p) for name, p in pl_module.model.named_parameters()})
+        params = list(pl_module.model.parameters())
+        self.places.add(tuple(id(p) for p in params) + tuple(local_tensor(p).data_ptr() for p in params))
 
 
 class Timer(pl.Callback):
@@ -202,7 +276,26 @@ def main() -> None:
             GradientNormMonitor(max_norm=MAX_NORM),
             TrainingHealthMonitor(response="warn", report=False),
         ]
-    restored = Restored()
+    restored, collectives, weights = Restored(), None, Weights()
+    warm = STEPS * 2 // 3  # steps; then a cosine decay: a new LR at every step but one
+    schedule = WarmupConstantCosineLR(warmup=warm, decay=STEPS - warm, total_steps=STEPS)
+    gradient_monitor = next((cb for cb in callbacks if isinstance(cb, GradientNormMonitor)), None)
+    cluster = ClusterHealthMonitor(straggler_factor=None, weight_hash_every=1, log_every_n_steps=1)
+    if MODE in ("faults", "resume", "accum", "replicas", "rollback"):
+        callbacks.insert(-1, schedule)
+    if MODE in ("accum", "replicas"):
+        assert gradient_monitor is not None
+        gradient_monitor.check_replicas = True
+        collectives = Collectives()
+        callbacks[-1:-1] = [GradientAccumulation(steps=ACCUM, lr_scaling="none"), cluster, collectives]
+    if MODE == "replicas":
+        callbacks.insert(1, Corrupt())  # before the monitor: after every collective
+    if MODE == "rollback":
+        rollback = TrainingHealthMonitor(
+            response="rollback", warmup_steps=5, snapshot_every=4, skip_batches=3, log_every_n_steps=1, report=False
+        )
+        callbacks = [rollback if isinstance(cb, TrainingHealthMonitor) else cb for cb in callbacks]
+        callbacks.append(weights)
     if MODE == "fp16":
         from lightning_stability import LossScaleTuner
 
@@ -212,7 +305,7 @@ def main() -> None:
     if MODE == "resume":
         callbacks.append(restored)
     common: dict[str, Any] = dict(
-        accelerator="cpu",
+        accelerator=ACCELERATOR,
         max_steps=STEPS + 1 if MODE == "resume" else STEPS,
         logger=False,
         enable_progress_bar=False,
@@ -226,8 +319,12 @@ def main() -> None:
     elif STABLE:
         from lightning_stability import StableFSDPStrategy
 
-        precision = {"mixed_precision": "16-mixed"} if MODE == "fp16" else {}
-        trainer = pl.Trainer(devices=dp * tp, strategy=StableFSDPStrategy(tensor_parallel=tp, **precision), **common)
+        kwargs: dict[str, Any] = {"mixed_precision": "16-mixed"} if MODE == "fp16" else {}
+        if MODE == "replicas":  # dp replicas x 1 shard x tp: every data-parallel rank holds the whole TP shard
+            kwargs.update(sharding="hybrid", device_mesh=(dp, 1))
+        if os.environ.get("TP_HYBRID"):  # "replicas,shard": hybrid sharding, a replicate x shard x tensor mesh
+            kwargs.update(sharding="hybrid", device_mesh=tuple(int(n) for n in os.environ["TP_HYBRID"].split(",")))
+        trainer = pl.Trainer(devices=dp * tp, strategy=StableFSDPStrategy(tensor_parallel=tp, **kwargs), **common)
     else:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -242,9 +339,11 @@ def main() -> None:
         try:
             trainer.fit(module)
         except StabilityConfigError as err:
-            (out / f"rank{rank}.json").write_text(json.dumps({"error": str(err)}))
+            errors = {"error": str(err), **fp16_under_model_parallel(dp, tp)}
+            (out / f"rank{rank}.json").write_text(json.dumps(errors))
             return
         raise AssertionError("StableFSDPStrategy(tensor_parallel=2) trained a module without a TP plan")
+    caught: list[warnings.WarningMessage] = []
     if MODE == "clip":  # Lightning's own clipping on this model: record whether it runs
         try:
             trainer.fit(module)
@@ -252,7 +351,10 @@ def main() -> None:
             (out / f"rank{rank}.json").write_text(json.dumps({"error": f"{type(err).__name__}: {err}"[:300]}))
             return
     else:
-        trainer.fit(module, ckpt_path=sys.argv[5] if MODE == "resume" else None)
+        with warnings.catch_warnings(record=True) as recorded:
+            warnings.simplefilter("always")
+            trainer.fit(module, ckpt_path=sys.argv[5] if MODE == "resume" else None)
+        caught = list(recorded or [])
     final = {name: whole(p) for name, p in module.model.named_parameters()}  # every rank gathers
     if MODE == "faults":
         trainer.save_checkpoint(out / "tp.ckpt")  # sharded, every rank writes its part
@@ -260,6 +362,8 @@ def main() -> None:
         torch.save(final, out / "final.pt")
         if MODE == "resume":
             torch.save(restored.weights, out / "restored.pt")
+        if MODE == "rollback":
+            torch.save(weights.after, out / "weights.pt")
     placements = {
         name: [type(p).__name__ for p in getattr(param, "placements", ())]
         for name, param in module.model.named_parameters()
@@ -278,9 +382,52 @@ def main() -> None:
                 "outcomes": outcomes,
                 "step_times": [b - a for a, b in zip(timer.marks, timer.marks[1:], strict=False)],
                 "param_bytes": sum(local_tensor(p).numel() * p.element_size() for p in module.model.parameters()),
+                "lrs": probe.lrs,
+                "warnings": [str(w.message) for w in caught],
+                "collectives": collectives.per_batch if collectives is not None else [],
+                "replica_groups": {  # which ranks each check compares (None: off)
+                    "grad_norm": getattr(gradient_monitor, "_replica_groups", None),
+                    "weight_hash": list(cluster._layout.groups) if cluster._layout is not None else None,
+                },
+                "health": health_record(trainer),
+                "weight_places": len(weights.places),  # 1: every parameter stayed where it was (rollback mode)
             }
         )
     )
+
+
+def health_record(trainer: pl.Trainer) -> dict[str, Any]:
+    """The health monitor's rollbacks and events, and each step's outcome."""
+    monitor = next((cb for cb in trainer.callbacks if isinstance(cb, TrainingHealthMonitor)), None)  # type: ignore[attr-defined]
+    if monitor is None:
+        return {}
+    return {
+        "rollbacks": monitor.rollback.rollbacks,
+        "events": [{k: v for k, v in e.items() if k in ("step", "kind", "to_step")} for e in monitor.events],
+        "outcomes": [int(o) for o in monitor.history.series["outcome"]],
+    }
+
+
+def fp16_under_model_parallel(dp: int, tp: int) -> dict[str, str]:
+    """fp16 under Lightning's ModelParallelStrategy, which has no loss scaler: ``"16-mixed"`` (Lightning refuses at
+    construction) and ``"16-true"`` with our GradientNormMonitor (refused at setup), each error's message."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lightning_stability import StabilityConfigError
+
+    found: dict[str, str] = {}
+    common: dict[str, Any] = dict(accelerator=ACCELERATOR, devices=dp * tp, max_steps=1, logger=False)
+    common.update(enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    for precision in ("16-mixed", "16-true"):
+        try:
+            strategy = ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp)
+            trainer = pl.Trainer(strategy=strategy, precision=precision, callbacks=[GradientNormMonitor()], **common)
+            trainer.fit(TPModule(fsdp=True))
+        except (ValueError, StabilityConfigError) as err:
+            found[precision] = f"{type(err).__name__}: {err}"
+        else:
+            found[precision] = "trained"
+    return found
 
 
 if __name__ == "__main__":

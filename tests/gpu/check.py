@@ -19,6 +19,13 @@ Sections:
 * ``fp16auto`` fp16 on tensor cores with gradients 1000x too large for torch's default scale: torch's
   ``GradScaler(65536)`` against ``LossScaleTuner(init_scale="auto")``: updates lost before the first applied
   one, the scale found, and whether the loss falls.
+* ``tp``       tensor parallelism, the parts one GPU can answer (a TP plan on a 1-GPU mesh splits nothing): our
+  norms of DTensors on a 1 x 1 ``("data_parallel", "tensor_parallel")`` CUDA mesh, every placement FSDP2 x TP
+  makes (``Shard``, ``_StridedShard``, ``Partial``, ``Replicate``, a plain tensor beside them), against the
+  full tensors' norms; the host syncs of ``GradientNormMonitor`` over DTensor parameters (Lightning's
+  ``ModelParallelStrategy`` on that mesh, ``parallelize_module`` + ``fully_shard``) against a bare Trainer;
+  and the planner's TP advice for GPT-3 175B on 8 nodes of 8 GPUs like this one. The real 2 x 2 run with NCCL is
+  ``check.sh``'s next section, on a machine with 4 GPUs or more.
 """
 
 from __future__ import annotations
@@ -147,6 +154,158 @@ def check_syncs(args: argparse.Namespace, report: Callable[[str], None]) -> bool
             ok &= max(other) <= 0 and max(logged) <= 1
         report(f"{precision}, fused AdamW, {args.steps} steps: " + "; ".join(cells))
     return ok
+
+
+# ---------------------------------------------------------------------------------------------- tp
+def tp_norm_errors(device: str) -> dict[str, float]:
+    """The largest relative error of :func:`per_tensor_norms` / :func:`total_norm` of DTensors on a 1 x 1 mesh,
+    per placement (and for the total of all of them beside a plain tensor), against the full tensors' norms."""
+    import math
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard  # what FSDP2 x TP makes
+
+    from lightning_stability.norms import per_tensor_norms, total_norm
+
+    mesh = init_device_mesh(device, (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    g = torch.Generator().manual_seed(0)
+    full = [torch.randn(7, 3, generator=g).to(device), (torch.randn(5, generator=g) * 3).to(device)]
+    plain = torch.randn(4, generator=g).to(device)
+    placements = {
+        "Shard": [Shard(0), Shard(0)],
+        "_StridedShard": [_StridedShard(0, split_factor=1), Shard(0)],
+        "Partial": [Replicate(), Partial()],
+        "Replicate": [Replicate(), Replicate()],
+    }
+    errors: dict[str, float] = {}
+    every: list[torch.Tensor] = []
+    for name, where in placements.items():
+        tensors = [DTensor.from_local(t, mesh, where, run_check=False) for t in full]
+        every += tensors
+        for p in (2.0, 1.0, math.inf):
+            ours = per_tensor_norms(tensors, p)
+            assert ours.device.type == torch.device(device).type and ours.dtype == torch.float32
+            expected = torch.stack([torch.linalg.vector_norm(t, p) for t in full])
+            errors[name] = max(errors.get(name, 0.0), float(((ours - expected).abs() / expected).max()))
+    for p in (2.0, 1.0, math.inf):
+        expected = torch.linalg.vector_norm(torch.cat([*(t.flatten() for t in full * len(placements)), plain]), p)
+        ours = total_norm([*every, plain], p)
+        errors["total"] = max(errors.get("total", 0.0), float((ours - expected).abs() / expected))
+    return errors
+
+
+class TPNet(torch.nn.Module):
+    """A column/row-parallel MLP beside a LayerNorm left replicated."""
+
+    def __init__(self, size: Size) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(size.vocab, size.d_model)
+        self.ln = torch.nn.LayerNorm(size.d_model)
+        self.fc1 = torch.nn.Linear(size.d_model, 4 * size.d_model)
+        self.fc2 = torch.nn.Linear(4 * size.d_model, size.d_model)
+        self.head = torch.nn.Linear(size.d_model, size.vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        return self.head(x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x)))))
+
+
+class TPBlock(pl.LightningModule):
+    """:class:`TPNet`; ``configure_model`` applies the TP plan and FSDP2, as a module written for Lightning's
+    ``ModelParallelStrategy`` does."""
+
+    def __init__(self, size: Size) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = TPNet(size)
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = self.device_mesh
+        assert mesh is not None
+        parallelize_module(self.net, mesh["tensor_parallel"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        fully_shard(self.net, mesh=mesh["data_parallel"])
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        logits = self.net(batch[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
+
+
+def tp_sync_counts(config: str, steps: int, device: str, size: Size) -> dict[str, list[int]]:
+    """Host syncs per step under ModelParallelStrategy on one device: a bare Trainer, or GradientNormMonitor
+    clipping at 1.0 (``config="ours"``)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lightning_stability import GradientNormMonitor
+
+    tokens = bigram_tokens(size, steps)
+    with tempfile.TemporaryDirectory() as root, cuda_sync_debug(device) as record:
+        syncs, made = SyncCounter(), HostDataCounter()
+        counters: dict[str, Any] = {"ops": syncs, "host-made": made}
+        if device == "cuda":
+            counters["cuda"] = CudaSyncWarnings(record)
+        steppers = {name: StepSyncCounter(c) for name, c in counters.items()}
+        ours = [GradientNormMonitor(max_norm=1.0)] if config == "ours" else []
+        trainer = pl.Trainer(
+            accelerator=device,
+            devices=1,
+            strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1),
+            max_steps=steps,
+            log_every_n_steps=LOG_EVERY,
+            logger=pl.loggers.CSVLogger(root, name=config),
+            default_root_dir=root,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            callbacks=[*steppers.values(), *ours],
+        )
+        with syncs, made:
+            trainer.fit(TPBlock(size), DataLoader(Batches(tokens), batch_size=None))
+        assert all(type(p).__name__ == "DTensor" for p in trainer.lightning_module.parameters())
+    return {name: s.per_step for name, s in steppers.items()}
+
+
+def check_tp(args: argparse.Namespace, report: Callable[[str], None]) -> bool:
+    import torch.distributed as dist
+
+    from lightning_stability.planner import ModelShape, advise_tensor_parallel
+
+    if not dist.is_initialized():  # one process, a one-rank group: ModelParallelStrategy below keeps it
+        with tempfile.NamedTemporaryFile(delete=False) as store:
+            backend = "nccl" if args.device == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=f"file://{store.name}", rank=0, world_size=1)
+    errors = tp_norm_errors(args.device)
+    print(f"  norm errors by placement: {errors}")
+    ok = max(errors.values()) < 1e-5
+    report(
+        f"norms of DTensors on a 1x1 {args.device} mesh, max rel error {max(errors.values()):.1e} ({len(errors)} cases)"
+    )
+
+    size, logging_steps = SIZES[args.size], {i for i in range(args.steps) if (i + 1) % LOG_EVERY == 0}
+    counts = {c: tp_sync_counts(c, args.steps, args.device, size) for c in ("bare", "ours")}
+    cells = []
+    for kind in counts["bare"]:
+        bare, ours = counts["bare"][kind], counts["ours"][kind]
+        extra = [o - b for b, o in zip(bare, ours, strict=True)]
+        other = [e for i, e in enumerate(extra[:-1]) if i and i not in logging_steps]
+        logged = [extra[i] for i in sorted(logging_steps)]
+        print(f"  {kind}: bare {bare}\n  {kind}: ours {ours}")
+        cells.append(f"{kind} extra: non-logging max {max(other)}, logging max {max(logged, default=0)}")
+        ok &= max(other) <= 0 and max(logged, default=0) <= 1
+    report("GradientNormMonitor over DTensor params (ModelParallelStrategy 1x1): " + "; ".join(cells))
+
+    # issue 21's case (GPT-3 175B on 8 nodes of 8 GPUs), with this GPU's memory: pure arithmetic, reported
+    memory = torch.cuda.get_device_properties(0).total_memory if args.device == "cuda" else 80 * 2**30
+    advice = advise_tensor_parallel(ModelShape(175e9), nodes=8, gpus_per_node=8, gpu_memory=memory)
+    print(f"  {advice.text()}")
+    report(f"planner, 175B on 8 x 8 GPUs of {memory / 2**30:.0f} GiB: {advice.text()}")
+    return ok and len(advice.plans) > 1
 
 
 # ---------------------------------------------------------------------------------------------- overhead
@@ -284,7 +443,7 @@ def check_fp16_auto(args: argparse.Namespace, report: Callable[[str], None]) -> 
     return first == 0 and lost == 0 and falls
 
 
-SECTIONS = {"syncs": check_syncs, "overhead": check_overhead, "fp16auto": check_fp16_auto}
+SECTIONS = {"syncs": check_syncs, "overhead": check_overhead, "fp16auto": check_fp16_auto, "tp": check_tp}
 
 
 def main(argv: list[str] | None = None) -> int:

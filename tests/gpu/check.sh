@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The GPU questions in one command, for a session that is lent a CUDA machine (one GPU is enough).
-# Runs in <= 8 minutes of run time (each section has its own limit below) and never the whole suite (CI runs
-# that). Writes $OUT/summary.txt first, one line per section as it ends (PASS / FAIL / INFO / TIMEOUT / ERROR),
+# Runs in <= 9 minutes of run time on a machine with fewer than 4 GPUs (each section has its own limit below) and
+# never the whole suite (CI runs that); with 4 GPUs or more, the real 2 x 2 tensor-parallel tests add <= 4 minutes. Writes $OUT/summary.txt first, one line per section as it ends (PASS / FAIL / INFO / TIMEOUT / ERROR),
 # and every section's output to $OUT/details.txt, so a run cut short still reports what finished.
 #
 # Installs nothing it can import already: the package runs from this checkout (PYTHONPATH), with the torch,
 # Lightning and pytest of the machine. FairScale, which the lent machines lack, comes from .whl/ if present:
 #   here:     bash tests/gpu/prepare.sh          (puts the FairScale wheel into .whl/, git-ignored locally)
-#   device:   run(command="bash tests/gpu/check.sh", carry=[".whl"], timeout_s=540)
+#   device:   run(command="bash tests/gpu/check.sh", carry=[".whl"], timeout_s=570)
 # Elsewhere: OUT=/tmp/gpu-check bash tests/gpu/check.sh
 # CHECK_DEVICE=cpu CHECK_QUICK=1 runs every section on the CPU with tiny sizes (tests/gpu/test_check.py does, in
 # CI, so that this script cannot rot); its figures mean nothing there.
@@ -96,6 +96,19 @@ run overhead 120 'check overhead $timing'
 # 5. the norm benchmark on CUDA: the per-parameter .item() loop against one fused norm
 run grad-norm 60 '"$python" -m benchmarks.grad_norm --device $device $gn_model | tee /tmp/gn.txt &&
     { echo "grad-norm: INFO (the last lines of its table)"; tail -6 /tmp/gn.txt | sed "s/^/  /"; } >>"$summary"'
+
+# 6. tensor parallelism on one GPU (a TP plan on a 1-GPU mesh splits nothing): our norms of DTensors on a 1 x 1
+#    CUDA mesh, every placement; GradientNormMonitor's host syncs over DTensor parameters; the planner's TP advice
+run tp 60 'check tp --steps $steps'
+# 7. with 4 GPUs or more: the 2 x 2 (data x tensor parallel) tests of tests/distributed on the GPUs, with NCCL
+gpus=0
+[ "$device" = cuda ] && gpus=$("$python" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [ "$gpus" -ge 4 ]; then
+    run tp-2x2 240 'export TP_ACCELERATOR=gpu; pytest_section tp-2x2 tests/distributed/test_tensor_parallel.py \
+        -k "dp2xtp2 or accumulation or replica"'
+else
+    echo "tp-2x2: INFO not run: $gpus CUDA device(s) here, the 2 x 2 tensor-parallel tests need 4" | tee -a "$summary"
+fi
 
 echo "----- summary ($summary)"
 cat "$summary"
