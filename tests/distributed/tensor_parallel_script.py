@@ -258,13 +258,17 @@ class Restored(pl.Callback):
         self.weights = {name: whole(p) for name, p in pl_module.model.named_parameters()}
 
 
+#: our strategy clips through Trainer(gradient_clip_val=MAX_NORM), the monitor only measures (and skips non-finite)
+TRAINER_CLIPS = bool(os.environ.get("TP_TRAINER_CLIPS"))
+
+
 def main() -> None:
     out, dp, tp = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     probe, metrics, timer = Probe(), Metrics(), Timer()
     callbacks: list[pl.Callback] = [
         timer,
         probe,
-        GradientNormMonitor(max_norm=MAX_NORM, per_layer=True, log_every_n_steps=1),
+        GradientNormMonitor(max_norm=None if TRAINER_CLIPS else MAX_NORM, per_layer=True, log_every_n_steps=1),
         TrainingHealthMonitor(response="warn", log_every_n_steps=1, report=False),
         metrics,
     ]
@@ -324,7 +328,9 @@ def main() -> None:
             kwargs.update(sharding="hybrid", device_mesh=(dp, 1))
         if os.environ.get("TP_HYBRID"):  # "replicas,shard": hybrid sharding, a replicate x shard x tensor mesh
             kwargs.update(sharding="hybrid", device_mesh=tuple(int(n) for n in os.environ["TP_HYBRID"].split(",")))
-        trainer = pl.Trainer(devices=dp * tp, strategy=StableFSDPStrategy(tensor_parallel=tp, **kwargs), **common)
+        clip_by = {"gradient_clip_val": MAX_NORM} if TRAINER_CLIPS else {}  # the strategy's global-norm clip
+        strategy = StableFSDPStrategy(tensor_parallel=tp, **kwargs)
+        trainer = pl.Trainer(devices=dp * tp, strategy=strategy, **clip_by, **common)
     else:
         from lightning.pytorch.strategies import ModelParallelStrategy
 

@@ -173,9 +173,10 @@ def test_hybrid_sharding_with_tensor_parallel_on_a_three_dimensional_mesh_equals
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """StableFSDPStrategy(tensor_parallel=2, sharding="hybrid", device_mesh=(2, 2)) on 8 processes: 2 replicas x
-    2 shards x 2 tensor-parallel ranks. The gradient norms and the final weights equal the one-process run's, the
-    inf in one rank's shard skips the update on all eight, and the checkpoint loads on one process to the same
-    weights."""
+    2 shards x 2 tensor-parallel ranks, clipping through Trainer(gradient_clip_val=...) (the strategy's global-norm
+    clip; GradientNormMonitor only measures). The gradient norms and the final weights equal the one-process run's
+    (which clips with GradientNormMonitor), the inf in one rank's shard skips the update on all eight, and the
+    checkpoint loads on one process to the same weights."""
     ref_dir, run_dir, one_dir = (tmp_path / d for d in ("reference", "2x2x2", "1x1"))
     for d in (ref_dir, run_dir, one_dir):
         d.mkdir()
@@ -183,6 +184,7 @@ def test_hybrid_sharding_with_tensor_parallel_on_a_three_dimensional_mesh_equals
     subprocess.run([sys.executable, str(SCRIPT), str(ref_dir), "1", "1", "faults"], env=env, check=True)
     reference = json.loads((ref_dir / "rank0.json").read_text())
     monkeypatch.setenv("TP_HYBRID", "2,2")
+    monkeypatch.setenv("TP_TRAINER_CLIPS", "1")
     results = torchrun(SCRIPT, 8, run_dir, "4", "2", "faults", timeout=400)
     # replicated over dim 0, sharded by FSDP2 over dim 1, split by the TP plan over dim 2
     assert results[0]["placements"]["fc1.weight"] == ["Replicate", "_StridedShard", "Shard"]
@@ -199,6 +201,7 @@ def test_hybrid_sharding_with_tensor_parallel_on_a_three_dimensional_mesh_equals
     for name, weight in torch.load(ref_dir / "final.pt").items():
         torch.testing.assert_close(saved[name], weight, rtol=1e-5, atol=1e-6, msg=name)
     monkeypatch.delenv("TP_HYBRID")
+    monkeypatch.delenv("TP_TRAINER_CLIPS")
     torchrun(SCRIPT, 1, one_dir, "1", "1", "resume", str(run_dir / "tp.ckpt"), timeout=300)
     restored = torch.load(one_dir / "restored.pt")
     assert all(torch.equal(restored[name], saved[name]) for name in saved)
