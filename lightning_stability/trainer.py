@@ -269,14 +269,31 @@ def _callbacks(preset: Preset, args: dict[str, Any]) -> list[Callback]:
     return callbacks
 
 
+#: a preset run of known length saves every 10% of it, and at least every 500 optimizer steps (torchtitan's default
+#: checkpoint interval), so that a crash costs at most that much
+SAVE_FRACTION, SAVE_EVERY_MAX = 0.1, 500
+
+
+def checkpoint_interval(max_steps: Any) -> int | None:
+    """The preset's ``every_n_train_steps`` for a run of ``max_steps`` optimizer steps; ``None`` when the length is
+    not given (``max_steps=-1``, ``max_epochs`` only): then a save at each epoch end, Lightning's default."""
+    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps <= 0:
+        return None
+    return min(SAVE_EVERY_MAX, max(1, int(max_steps * SAVE_FRACTION)))
+
+
 def _stable_checkpoint(args: dict[str, Any], extra: list[Callback]) -> StableCheckpoint | None:
     """The preset's ``StableCheckpoint`` in ``<default_root_dir>/checkpoints`` (the same directory in every run, so
-    ``ckpt_path="last"`` finds it); none with ``enable_checkpointing=False``, a ``ModelCheckpoint`` of the user's,
-    or a remote ``default_root_dir`` (Lightning's own ``ModelCheckpoint`` then applies)."""
+    ``ckpt_path="last"`` finds it), every :func:`checkpoint_interval` steps and at the end; none with
+    ``enable_checkpointing=False``, a ``ModelCheckpoint`` of the user's, or a remote ``default_root_dir`` (Lightning's
+    own ``ModelCheckpoint`` then applies)."""
     if args.get("enable_checkpointing") is False or any(isinstance(cb, ModelCheckpoint) for cb in extra):
         return None
     root = local_path(args.get("default_root_dir") or os.getcwd())
-    return StableCheckpoint(dirpath=root / "checkpoints") if root is not None else None
+    if root is None:
+        return None
+    every = checkpoint_interval(args.get("max_steps"))
+    return StableCheckpoint(dirpath=root / "checkpoints", every_n_train_steps=every, save_at_end=every is not None)
 
 
 _FIELD_OF = {

@@ -24,7 +24,7 @@ from lightning_stability.checkpoint.atomic import CheckpointError
 from lightning_stability.checkpoint.io import local_path
 from lightning_stability.checkpoint.preemption import PreemptionSignals, check_signals, default_signals
 from lightning_stability.checkpoint.ring import BEST, LAST, RING, HealthyCheckpoints
-from lightning_stability.errors import config_error
+from lightning_stability.errors import check_bool, config_error
 from lightning_stability.ledger.step_ledger import StepLedger
 from lightning_stability.ledger.track import Outcome
 from lightning_stability.norms import local_tensor
@@ -74,6 +74,8 @@ class StableCheckpoint(ModelCheckpoint):
             changes from run to run: pass a fixed one to resume with ``ckpt_path="last"``).
         keep: the newest healthy checkpoints kept in the ring (``save_top_k=1``, the default, without monitor).
         signals: the signals that save and stop (``()``: none).
+        save_at_end: also save the state training ends in (when healthy and not saved at that step already), e.g.
+            the last steps of a ``max_steps`` run that ``every_n_train_steps`` does not divide.
         filename, monitor, verbose, save_last, save_top_k, mode, auto_insert_metric_name, every_n_train_steps,
             train_time_interval, every_n_epochs, save_on_train_epoch_end, enable_version_counter: as for
             ``ModelCheckpoint``.
@@ -101,6 +103,7 @@ class StableCheckpoint(ModelCheckpoint):
         save_top_k: int = 1,
         keep: int = 3,
         signals: Sequence[int] | None = None,
+        save_at_end: bool = False,
         save_weights_only: bool = False,
         mode: str = "min",
         auto_insert_metric_name: bool = True,
@@ -140,7 +143,9 @@ class StableCheckpoint(ModelCheckpoint):
             save_on_train_epoch_end=save_on_train_epoch_end,
             enable_version_counter=enable_version_counter,
         )
+        check_bool("save_at_end", save_at_end)
         self.keep = keep
+        self.save_at_end = save_at_end
         self.signals = check_signals(default_signals() if signals is None else signals)
         self._preemption = PreemptionSignals(self.signals)
         self._healthy_list = HealthyCheckpoints(Path("."))
@@ -186,6 +191,17 @@ class StableCheckpoint(ModelCheckpoint):
         self._handlers_installed = True
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        step = trainer.global_step
+        if (
+            self.save_at_end
+            and not trainer.fast_dev_run  # type: ignore[attr-defined]
+            and step > 0
+            and _compat.model_checkpoint_saved_at(self) != step
+            and self._healthy(trainer)
+        ):
+            candidates = self._monitor_candidates(trainer)
+            self._save_ring(trainer, candidates, force=True)
+            self._save_last_checkpoint(trainer, candidates)
         super().on_train_end(trainer, pl_module)
         self._preemption.finish()
         self._preemption.restore()

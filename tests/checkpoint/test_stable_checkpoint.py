@@ -29,6 +29,7 @@ from lightning_stability import (
 )
 from lightning_stability.checkpoint import atomic
 from lightning_stability.checkpoint.ring import FILE_NAME
+from lightning_stability.trainer import checkpoint_interval
 from tests.helpers import TinyModule, quiet_trainer
 
 BAD = 5  # the module misbehaves in the step that starts at this global_step (it closes as step BAD + 1)
@@ -219,13 +220,29 @@ def test_from_preset_attaches_it_unless_checkpointing_is_the_users(tmp_path: Pat
     assert len(ours) == 1 and isinstance(ours[0], StableCheckpoint)
     assert Path(str(ours[0].dirpath)) == tmp_path / "checkpoints"
     trainer.fit(TinyModule())
-    assert steps_on_disk(tmp_path / "checkpoints") == [2]  # Lightning's trigger: the end of the (last) epoch
+    assert steps_on_disk(tmp_path / "checkpoints") == [1, 2]  # a run of 2 steps: every 10% of it, at least 1
 
     plain = ModelCheckpoint(dirpath=tmp_path / "mine")
     trainer = StableTrainer.from_preset("tiny", callbacks=[plain], **common)
     assert [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)] == [plain]  # type: ignore[attr-defined]
     trainer = StableTrainer.from_preset("tiny", enable_checkpointing=False, **common)
     assert not [cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]  # type: ignore[attr-defined]
+
+
+def test_a_preset_run_saves_every_tenth_of_its_steps_and_its_last_state(tmp_path: Path) -> None:
+    """max_steps=23: every 2 steps (10%), and the state at step 23, which 2 does not divide; the ring keeps 3. With
+    max_epochs only (the length unknown at construction), Lightning's epoch ends."""
+    common: dict[str, Any] = dict(accelerator="cpu", logger=False, enable_progress_bar=False)
+    trainer = StableTrainer.from_preset("tiny", default_root_dir=tmp_path / "steps", max_steps=23, **common)
+    trainer.fit(TinyModule())
+    assert trainer.global_step == 23
+    assert steps_on_disk(tmp_path / "steps" / "checkpoints") == [20, 22, 23]
+    assert [checkpoint_interval(n) for n in (2, 23, 4_000, 10**6, -1, None)] == [1, 2, 400, 500, None, None]
+
+    trainer = StableTrainer.from_preset("tiny", default_root_dir=tmp_path / "epochs", max_epochs=2, **common)
+    trainer.fit(TinyModule())
+    per_epoch = trainer.global_step // 2
+    assert steps_on_disk(tmp_path / "epochs" / "checkpoints") == [per_epoch, 2 * per_epoch]
 
 
 @pytest.mark.parametrize(
@@ -235,6 +252,7 @@ def test_from_preset_attaches_it_unless_checkpointing_is_the_users(tmp_path: Pat
         ({"signals": [signal.SIGKILL]}, r"`signals=<Signals.SIGKILL: 9>` is not a signal this process can catch"),
         ({"save_weights_only": True}, r"`save_weights_only=True` would make checkpoints a run cannot resume from"),
         ({"dirpath": "memory://ckpts"}, r"`dirpath='memory://ckpts'` is not a local or mounted path"),
+        ({"save_at_end": "yes"}, r"`save_at_end='yes'` must be a bool"),
     ],
 )
 def test_bad_arguments_name_the_argument_and_the_fix(kwargs: dict[str, Any], match: str) -> None:
