@@ -182,6 +182,7 @@ class StableCheckpoint(ModelCheckpoint):
         super().on_train_start(trainer, pl_module)
         self._boundary = trainer.global_step
         self._resumed_step = self._listed_step(trainer.ckpt_path)
+        self._forget_other_timelines(trainer)
         # after the Trainer installed its own handlers (at the start of fit), so that ours run first
         if self.signals and not self._preemption.install():
             rank_zero_warn(
@@ -189,6 +190,20 @@ class StableCheckpoint(ModelCheckpoint):
                 f"handlers; {', '.join(s.name for s in self.signals)} will not save and stop this run."
             )
         self._handlers_installed = True
+
+    def _forget_other_timelines(self, trainer: pl.Trainer) -> None:
+        """Listed checkpoints newer than the step this fit starts from belong to another run (a fresh fit in a used
+        directory) or to a continuation this fit abandoned (a resume from an older one): off the list, so that
+        ``ckpt_path="last"`` after a crash resumes this run, never theirs. The files stay."""
+        gone = self._healthy_list.forget_after(trainer.global_step, write=trainer.is_global_zero)
+        if gone:
+            rank_zero_warn(
+                f"StableCheckpoint: {len(gone)} checkpoint(s) in {self._healthy_list.directory} were saved after "
+                f"step {trainer.global_step}, where this fit starts ({', '.join(e.name for e in gone)}): another "
+                "run's, or the continuation of the resumed checkpoint that this fit replaces. They are off the "
+                "healthy list, so ckpt_path='last' resumes this run; the files stay. To go on from them instead, "
+                "resume with ckpt_path='last' (or their path)."
+            )
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.global_step

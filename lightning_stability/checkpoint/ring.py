@@ -58,6 +58,15 @@ class HealthyCheckpoints:
         if write:
             self._write()
 
+    def forget_after(self, step: int, write: bool) -> list[Entry]:
+        """Take the checkpoints saved after ``step`` off the list (in one write); returns them."""
+        gone = [e for e in self.entries if e.step > step]
+        if gone:
+            self.entries = [e for e in self.entries if e.step <= step]
+            if write:
+                self._write()
+        return gone
+
     def ring(self) -> list[str]:
         """The names of the ring's checkpoints, oldest first."""
         return [e.name for e in self.entries if e.kind == RING]

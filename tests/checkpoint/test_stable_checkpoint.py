@@ -28,7 +28,7 @@ from lightning_stability import (
     TrainingHealthMonitor,
 )
 from lightning_stability.checkpoint import atomic
-from lightning_stability.checkpoint.ring import FILE_NAME
+from lightning_stability.checkpoint.ring import FILE_NAME, HealthyCheckpoints
 from lightning_stability.trainer import checkpoint_interval
 from tests.helpers import TinyModule, quiet_trainer
 
@@ -152,10 +152,33 @@ def test_the_ring_keeps_keep_and_last_resumes_from_the_newest_complete_one(tmp_p
         max_steps=9, ckpt_path="last")  # fmt: skip
     assert start.step == 6  # step 7 failed verify_checkpoint, last.ckpt is not listed
     assert not list(directory.glob(f"{atomic.PARTIAL_PREFIX}*"))  # cleaned where "last" was resolved
-    # the ring goes on; the broken 7 was the oldest listed one beyond keep=3, so it went too
-    assert sorted(p.name for p in directory.glob("epoch=*")) == [
-        "epoch=6-step=7-v1.ckpt", "epoch=7-step=8.ckpt", "epoch=8-step=9.ckpt"
+    # the ring goes on from 6; the broken 7, newer than where this fit started, went off the list at its start
+    assert [(e.name, e.step) for e in HealthyCheckpoints(directory).load().entries] == [
+        ("epoch=6-step=7-v1.ckpt", 7), ("epoch=7-step=8.ckpt", 8), ("epoch=8-step=9.ckpt", 9)
     ]  # fmt: skip
+
+
+def test_a_fresh_fit_or_an_older_resume_takes_the_newer_listed_checkpoints_off_the_list(tmp_path: Path) -> None:
+    """A fresh fit in a directory an earlier run used, then a crash: ckpt_path="last" must resume this run, not the
+    earlier run's newer step. The same after resuming from an older checkpoint than the newest."""
+    directory = tmp_path / "ckpts"
+
+    def run(max_steps: int, ckpt_path: str | None = None) -> int:
+        start = StartStep()
+        pl.seed_everything(0)
+        callbacks = [StableCheckpoint(dirpath=directory, every_n_train_steps=1, keep=3), start]
+        fit(tmp_path, Faulty(), callbacks, max_steps=max_steps, ckpt_path=ckpt_path)
+        return start.step
+
+    run(6)  # an earlier run: 4, 5, 6 listed
+    with pytest.warns(UserWarning, match=r"3 checkpoint\(s\) .* saved after step 0, where this fit starts"):
+        assert run(2) == 0  # a fresh one in the same directory, stopped at 2 (as by a crash)
+    assert [e.step for e in HealthyCheckpoints(directory).load().entries] == [1, 2]
+    assert run(3, ckpt_path="last") == 2  # this run's step 2, not the earlier run's 6
+    with pytest.warns(UserWarning, match=r"2 checkpoint\(s\) .* saved after step 1"):
+        assert run(2, ckpt_path=str(directory / "epoch=0-step=1.ckpt")) == 1  # back to 1: 2 and 3 abandoned
+    assert [e.step for e in HealthyCheckpoints(directory).load().entries] == [1, 2]
+    assert run(4, ckpt_path="last") == 2
 
 
 # ---------------------------------------------------------------------- signals
