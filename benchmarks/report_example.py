@@ -1,8 +1,9 @@
 """The stability report of a short run that spikes twice, as the README shows it.
 
 A small MLP regression in fp16 (CPU, an explicit scaler plugin) with the package's stack: clipping, the
-warmup-constant-cosine LR, loss-scale tuning and ``TrainingHealthMonitor(response="rollback")``. Two batches are
-poisoned (targets x100); the monitor rolls back both times. Run::
+warmup-constant-cosine LR, loss-scale tuning and ``TrainingHealthMonitor(response="rollback")``. One batch is
+poisoned at step 90 (targets x100): its update is skipped, nothing needs restoring. Three in a row at 170-172: the
+spike outlasts its skipped update, so the monitor rolls back and skips the next batches. Run::
 
     python -m benchmarks.report_example --out docs
 
@@ -66,7 +67,7 @@ def main() -> None:
         plugins=[MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))],
         callbacks=[GradientNormMonitor(max_norm=1.0), WarmupConstantCosineLR(), LossScaleTuner(), monitor],
     )
-    trainer.fit(Regression(poisoned={90, 170}))
+    trainer.fit(Regression(poisoned={90, 170, 171, 172}))
     for event in monitor.events:
         print(event)
 
