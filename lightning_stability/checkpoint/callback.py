@@ -195,11 +195,11 @@ class StableCheckpoint(ModelCheckpoint):
         """Listed checkpoints newer than the step this fit starts from belong to another run (a fresh fit in a used
         directory) or to a continuation this fit abandoned (a resume from an older one): off the list, so that
         ``ckpt_path="last"`` after a crash resumes this run, never theirs. The files stay."""
-        gone = self._healthy_list.forget_after(trainer.global_step, write=trainer.is_global_zero)
+        gone = self.discard_newer_than(trainer, trainer.global_step)
         if gone:
             rank_zero_warn(
                 f"StableCheckpoint: {len(gone)} checkpoint(s) in {self._healthy_list.directory} were saved after "
-                f"step {trainer.global_step}, where this fit starts ({', '.join(e.name for e in gone)}): another "
+                f"step {trainer.global_step}, where this fit starts ({', '.join(p.name for p in gone)}): another "
                 "run's, or the continuation of the resumed checkpoint that this fit replaces. They are off the "
                 "healthy list, so ckpt_path='last' resumes this run; the files stay. To go on from them instead, "
                 "resume with ckpt_path='last' (or their path)."
@@ -378,13 +378,11 @@ class StableCheckpoint(ModelCheckpoint):
 
     def discard_newer_than(self, trainer: pl.Trainer, step: int) -> list[Path]:
         """Take the checkpoints saved after global step ``step`` off the list (a rollback found the state they hold
-        damaged): ``ckpt_path="last"`` and later rollbacks skip them; the files stay. Every rank calls it, rank 0
-        writes the list. Returns their paths."""
-        names = [e.name for e in self._healthy_list.entries if e.step > step]
-        for name in names:
-            self._healthy_list.drop(name, write=trainer.is_global_zero)
-            self._saved_names.discard(name)
-        return [self._healthy_list.directory / name for name in names]
+        damaged, or this fit starts before them): ``ckpt_path="last"`` and later rollbacks skip them; the files
+        stay. Every rank calls it, rank 0 writes the list. Returns their paths."""
+        gone = self._healthy_list.forget_after(step, write=trainer.is_global_zero)
+        self._saved_names.difference_update(e.name for e in gone)
+        return [self._healthy_list.directory / e.name for e in gone]
 
     def _listed_step(self, resumed: _PATH | None) -> int:
         """The global step of the listed checkpoint at ``resumed`` (-1: none, or not one of this directory)."""

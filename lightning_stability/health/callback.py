@@ -315,23 +315,21 @@ class TrainingHealthMonitor(LedgerCallback):
         assert trainer is not None
         r, module, optimizers = self.rollback, trainer.lightning_module, trainer.optimizers
         rings = [cb for cb in trainer.callbacks if isinstance(cb, StableCheckpoint)]  # type: ignore[attr-defined]
-        if r.from_memory(step):
+        found, why_not = None, ""
+        if not r.from_memory(step):
+            found, why_not = self._checkpoint_before_damage(trainer, rings, step)
+        if found is not None:
+            path, saved_at = found
+            restore_checkpoint(trainer, path)
+            event = r.rolled_back_to_disk(module, optimizers, step, path, saved_at, skip=not end)
+            said = f"rollback from disk {r.disk_rollbacks}/{r.max_disk_rollbacks}"
+        elif r.memory_rollbacks < r.max_rollbacks and r.snapshot is not None:
+            # the good snapshot; or, when it is the resumed state (not known older than the damage) and no
+            # checkpoint is, the best there is
             event = r.roll_back(module, optimizers, step, skip=not end)
             said = f"rollback {r.memory_rollbacks}/{r.max_rollbacks}"
         else:
-            found, why_not = self._checkpoint_before_damage(trainer, rings, step)
-            if found is not None:
-                path, saved_at = found
-                restore_checkpoint(trainer, path)
-                event = r.rolled_back_to_disk(module, optimizers, step, path, saved_at, skip=not end)
-                said = f"rollback from disk {r.disk_rollbacks}/{r.max_disk_rollbacks}"
-            elif r.memory_rollbacks < r.max_rollbacks and r.snapshot is not None:
-                # the snapshot is the resumed state, not known older than the damage, and no checkpoint is: the
-                # best there is
-                event = r.roll_back(module, optimizers, step, skip=not end)
-                said = f"rollback {r.memory_rollbacks}/{r.max_rollbacks}"
-            else:
-                raise r.diverged(step, why_not)
+            raise r.diverged(step, why_not)
         self._spiked = False  # the next step is scored on the restored weights
         self._log.events.append(event)
         ledger.note(event)

@@ -139,21 +139,30 @@ def sync_counts(config: str, precision: str, steps: int, device: str, size: Size
 
 def check_syncs(args: argparse.Namespace, report: Callable[[str], None]) -> bool:
     size, ok = SIZES[args.size], True
-    logging_steps = {i for i in range(args.steps) if (i + 1) % LOG_EVERY == 0}
     for precision in ("bf16-mixed", "16-mixed"):
         counts = {c: sync_counts(c, precision, args.steps, args.device, size) for c in ("bare", "preset")}
-        cells = []
-        for kind in counts["bare"]:
-            bare, preset = counts["bare"][kind], counts["preset"][kind]
-            extra = [p - b for b, p in zip(bare, preset, strict=True)]
-            # step 0 sets the run up; the last one also holds on_train_end
-            other = [e for i, e in enumerate(extra[:-1]) if i and i not in logging_steps]
-            logged = [extra[i] for i in sorted(logging_steps)]
-            print(f"  {precision} {kind}: bare {bare}\n  {precision} {kind}: preset {preset}")
-            cells.append(f"{kind} extra: non-logging max {max(other)}, logging max {max(logged)}")
-            ok &= max(other) <= 0 and max(logged) <= 1
+        cells, fine = extra_syncs(counts["bare"], counts["preset"], args.steps, f"{precision} ", "preset")
+        ok &= fine
         report(f"{precision}, fused AdamW, {args.steps} steps: " + "; ".join(cells))
     return ok
+
+
+def extra_syncs(
+    bare: dict[str, list[int]], ours: dict[str, list[int]], steps: int, label: str, name: str
+) -> tuple[list[str], bool]:
+    """Per counter kind, the syncs ``ours`` adds to ``bare`` at each step, printed; and whether they stay within
+    none on a non-logging step and one on a logging step. Step 0 sets the run up and the last one also holds
+    ``on_train_end``: neither counts as a non-logging step."""
+    logging_steps = {i for i in range(steps) if (i + 1) % LOG_EVERY == 0}
+    cells, ok = [], True
+    for kind in bare:
+        extra = [o - b for b, o in zip(bare[kind], ours[kind], strict=True)]
+        other = [e for i, e in enumerate(extra[:-1]) if i and i not in logging_steps]
+        logged = [extra[i] for i in sorted(logging_steps)]
+        print(f"  {label}{kind}: bare {bare[kind]}\n  {label}{kind}: {name} {ours[kind]}")
+        cells.append(f"{kind} extra: non-logging max {max(other)}, logging max {max(logged)}")
+        ok &= max(other) <= 0 and max(logged) <= 1
+    return cells, ok
 
 
 # ---------------------------------------------------------------------------------------------- tp
@@ -287,17 +296,9 @@ def check_tp(args: argparse.Namespace, report: Callable[[str], None]) -> bool:
         f"norms of DTensors on a 1x1 {args.device} mesh, max rel error {max(errors.values()):.1e} ({len(errors)} cases)"
     )
 
-    size, logging_steps = SIZES[args.size], {i for i in range(args.steps) if (i + 1) % LOG_EVERY == 0}
-    counts = {c: tp_sync_counts(c, args.steps, args.device, size) for c in ("bare", "ours")}
-    cells = []
-    for kind in counts["bare"]:
-        bare, ours = counts["bare"][kind], counts["ours"][kind]
-        extra = [o - b for b, o in zip(bare, ours, strict=True)]
-        other = [e for i, e in enumerate(extra[:-1]) if i and i not in logging_steps]
-        logged = [extra[i] for i in sorted(logging_steps)]
-        print(f"  {kind}: bare {bare}\n  {kind}: ours {ours}")
-        cells.append(f"{kind} extra: non-logging max {max(other)}, logging max {max(logged, default=0)}")
-        ok &= max(other) <= 0 and max(logged, default=0) <= 1
+    counts = {c: tp_sync_counts(c, args.steps, args.device, SIZES[args.size]) for c in ("bare", "ours")}
+    cells, fine = extra_syncs(counts["bare"], counts["ours"], args.steps, "", "ours")
+    ok &= fine
     report("GradientNormMonitor over DTensor params (ModelParallelStrategy 1x1): " + "; ".join(cells))
 
     # issue 21's case (GPT-3 175B on 8 nodes of 8 GPUs), with this GPU's memory: pure arithmetic, reported
