@@ -73,10 +73,16 @@ def _doc_imports(path: Path) -> list[str]:
     return [re.sub(r"\s*#[^\n]*", "", line) for line in found]
 
 
-@pytest.mark.parametrize("doc", ["README.md", "ARCHITECTURE.md"])
+DOCS = ["README.md", "ARCHITECTURE.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))]
+DOCS += sorted(str(p.relative_to(ROOT)) for p in (ROOT / "examples").glob("*.py"))
+
+
+def test_the_parse_finds_the_docs_imports() -> None:
+    assert len(_doc_imports(ROOT / "README.md")) >= 2
+    assert sum(len(_doc_imports(ROOT / doc)) for doc in DOCS) >= 25
+
+
+@pytest.mark.parametrize("doc", DOCS)
 def test_every_import_line_of_the_docs_works(doc: str) -> None:
-    lines = _doc_imports(ROOT / doc)
-    if doc == "README.md":
-        assert len(lines) >= 10  # the parse found the README's examples
-    for line in lines:
+    for line in _doc_imports(ROOT / doc):
         exec(compile(line, doc, "exec"), {})  # raises ImportError on a name that is not there

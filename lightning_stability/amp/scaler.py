@@ -56,8 +56,12 @@ class TunedGradScaler(torch.amp.GradScaler):
     Args:
         device: ``"cuda"``, ``"cpu"``, ... as for ``torch.amp.GradScaler``.
         init_scale: the first scale, or ``"auto"``.
-        growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, consecutive_hysteresis:
-            see :class:`~lightning_stability.amp.rule.ScaleRule`.
+        growth_factor: as in :class:`~lightning_stability.amp.rule.ScaleRule`.
+        backoff_factor: as in :class:`~lightning_stability.amp.rule.ScaleRule`.
+        growth_interval: as in :class:`~lightning_stability.amp.rule.ScaleRule`.
+        hysteresis: as in :class:`~lightning_stability.amp.rule.ScaleRule`.
+        min_scale: as in :class:`~lightning_stability.amp.rule.ScaleRule`.
+        consecutive_hysteresis: as in :class:`~lightning_stability.amp.rule.ScaleRule`.
         overflow_window: how many recent steps :meth:`overflow_rate` covers.
         auto_headroom: safety factor of ``init_scale="auto"``.
         process_group: the group the overflow flag is reduced over; ``None``: the default group.

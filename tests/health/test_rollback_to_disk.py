@@ -272,19 +272,22 @@ def test_a_damaged_checkpoint_is_skipped_for_an_older_one(tmp_path: Path) -> Non
     assert all(torch.equal(saved_at(tmp_path, 9)["state_dict"][k], v) for k, v in after.states[13]["weights"].items())
 
 
-def test_the_readme_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """README's "Rollback from disk" example, run as written but for a shorter run (60 steps, a save every step)
-    on a model whose loss spikes lastingly four times: three rollbacks from memory, then one from disk."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "max_disk_rollbacks" in b]
+def test_the_docs_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rollback example of docs/concepts/health-monitor.md, run as written but for a shorter run (60 steps, a
+    save every step) on a model whose loss spikes lastingly four times: three rollbacks from memory, then one from
+    disk."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "concepts" / "health-monitor.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", page, flags=re.S) if "max_disk_rollbacks" in b]
+    assert '# trainer.fit(model, ckpt_path="last")' in block
     block = block.replace("max_steps=10_000", "max_steps=60").replace(
         "every_n_train_steps=200", "every_n_train_steps=1"
     )
+    block = block.replace('# trainer.fit(model, ckpt_path="last")', 'trainer.fit(model, ckpt_path="last")')
     monkeypatch.chdir(tmp_path)
     model = Spiky(spike_at=(27, 28, 31, 32, 35, 36, 39, 40))
     namespace: dict[str, Any] = {"L": lightning, "model": model}
     with pytest.warns(UserWarning, match=r"rollback from disk 1/1: restored .*ckpts"):
-        exec(compile(block, "README.md", "exec"), namespace)
+        exec(compile(block, "health-monitor.md", "exec"), namespace)
     trainer = namespace["trainer"]
     assert float(trainer.callback_metrics["stability/rollbacks"]) == 4.0
     mon = next(cb for cb in trainer.callbacks if isinstance(cb, TrainingHealthMonitor))

@@ -1,0 +1,69 @@
+"""Save only healthy checkpoints, atomically, and resume after a crash with ckpt_path="last".
+
+The first fit crashes part-way (an exception stands in for a lost node or a kill); the second call, the same
+script run again, resumes from the newest healthy checkpoint. Run: python examples/resume_after_a_crash.py
+(EXAMPLE_STEPS=20 runs it at a tiny size, as CI does)
+"""
+
+import os
+import tempfile
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_stability import AtomicCheckpointIO, GradientNormMonitor, StableCheckpoint
+
+STEPS = int(os.environ.get("EXAMPLE_STEPS", 200))
+CRASH_AT = STEPS // 2 + 3
+
+
+class Regression(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
+
+    def train_dataloader(self):  # 10 batches per epoch
+        x = torch.randn(320, 16, generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=32, shuffle=True)
+
+
+class Crash(L.Callback):
+    def on_train_batch_start(self, trainer, *args):
+        if trainer.global_step == CRASH_AT:
+            raise RuntimeError(f"simulated crash at step {CRASH_AT}")
+
+
+def fit(ckpt_dir: str, crash: bool) -> L.Trainer:
+    trainer = L.Trainer(
+        max_steps=STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        plugins=[AtomicCheckpointIO()],  # a kill mid-save leaves the old checkpoint or the new one, whole
+        callbacks=[
+            GradientNormMonitor(max_norm=1.0),
+            StableCheckpoint(dirpath=ckpt_dir, every_n_train_steps=5, keep=3),  # healthy steps only
+            *([Crash()] if crash else []),
+        ],
+    )
+    trainer.fit(Regression(), ckpt_path="last")  # the newest healthy checkpoint that verifies; none: a fresh start
+    return trainer
+
+
+if __name__ == "__main__":
+    ckpt_dir = tempfile.mkdtemp(prefix="ckpts-")
+    try:
+        fit(ckpt_dir, crash=True)
+    except RuntimeError as error:
+        print(f"first run: {error}; checkpoints: {sorted(os.listdir(ckpt_dir))}")
+    trainer = fit(ckpt_dir, crash=False)
+    print(f"second run resumed and finished at step {trainer.global_step}")
+    assert trainer.global_step == STEPS
