@@ -21,7 +21,9 @@ STEPS = int(os.environ.get("EXAMPLE_STEPS", 200))
 class Block(nn.Module):  # a repeated block: StableFSDPStrategy makes each one an FSDP unit
     def __init__(self, width: int) -> None:
         super().__init__()
-        self.ff = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        self.ff = nn.Sequential(
+            nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
 
     def forward(self, x):
         return x + self.ff(x)

@@ -16,7 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
@@ -91,9 +90,7 @@ def test_the_docs_have_commands_to_test() -> None:
     assert len(COMMANDS) >= 5
 
 
-@pytest.mark.parametrize(
-    ("path", "args"), COMMANDS, ids=[f"{p.name}: {' '.join(a)}" for p, a in COMMANDS]
-)
+@pytest.mark.parametrize(("path", "args"), COMMANDS, ids=[f"{p.name}: {' '.join(a)}" for p, a in COMMANDS])
 def test_every_command_runs(path: Path, args: list[str], tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "lightning_stability.cli", *args],
@@ -163,7 +160,7 @@ def _code_keys() -> set[str]:
                 if re.fullmatch(r"stability/\w[\w/]*\w", node.value):
                     keys.add(node.value)
             elif isinstance(node, ast.JoinedStr):
-                text = "".join(v.value if isinstance(v, ast.Constant) else "<>" for v in node.values)  # type: ignore[misc]
+                text = "".join(v.value if isinstance(v, ast.Constant) else "<>" for v in node.values)
                 if re.fullmatch(r"stability/\w[\w/]*<>", text):
                     keys.add(text)
     return keys
