@@ -2,7 +2,7 @@
 
 Conventions (also stated on docs/index.md): a page's ```python blocks run top to bottom in one namespace, in a
 fresh working directory; a block whose first line starts with ``# needs:`` (GPUs, several nodes) is compiled and
-its import lines are run, not executed; a block that only includes a script (``--8<-- "examples/..."``) is run
+its import lines are run, not executed; a script a page includes (``literalinclude`` of ``examples/...``) is run
 by tests/test_examples.py. In ```bash blocks, every ``lightning-stability`` command is run (``demo`` only with
 ``--help``: the demo itself is tested in tests/test_cli.py).
 """
@@ -47,7 +47,7 @@ def _ids(paths: list[Path]) -> list[str]:
 
 def test_the_docs_have_code_to_test() -> None:
     assert len(PAGES) >= 27
-    assert sum(len(_blocks(p, "python")) for p in DOCS) >= 25
+    assert sum(len(_blocks(p, "python")) for p in DOCS) >= 15
     assert len(_blocks(ROOT / "README.md", "python")) >= 2
 
 
@@ -57,8 +57,6 @@ def test_every_python_block_runs_as_written(path: Path, tmp_path: Path, monkeypa
     namespace: dict[str, object] = {"__name__": "__docs__"}
     for number, block in enumerate(_blocks(path, "python"), start=1):
         name = f"{path.name} block {number}"
-        if block.lstrip().startswith("--8<--"):
-            continue
         code = compile(block, name, "exec")
         if block.startswith(NEEDS):  # compiled above; run its imports only
             tree = ast.parse(block)
@@ -201,3 +199,24 @@ def test_every_key_a_trainer_with_every_callback_logs_is_on_the_page(tmp_path: P
     assert not missing, f"logged but not on {METRICS_PAGE.name}: {missing}"
     # every section of the page is exercised by this run (the keys that need CUDA or several ranks aside)
     assert len(logged) >= 20, sorted(logged)
+
+
+# ---- the API reference
+
+
+# Their docstrings do not parse as reStructuredText yet (files being changed on another branch); add them to
+# docs/reference/api.md once they do: StableCheckpoint (checkpoint/callback.py: a field list that ends without a
+# blank line), Preset (presets.py: an unexpected indentation).
+NOT_YET_ON_THE_API_PAGE = {"StableCheckpoint", "Preset"}
+
+
+def test_every_public_name_is_on_the_api_page() -> None:
+    import lightning_stability
+
+    page = (ROOT / "docs" / "reference" / "api.md").read_text()
+    documented = set(re.findall(r"^\.\. auto(?:class|function):: [\w.]+\.(\w+)$", page, flags=re.M))
+    assert documented <= set(lightning_stability._EXPORTS)
+    assert set(lightning_stability._EXPORTS) - documented == NOT_YET_ON_THE_API_PAGE
+    for target in re.findall(r"^\.\. auto(?:class|function):: ([\w.]+)$", page, flags=re.M):
+        module, name = target.rsplit(".", 1)
+        assert lightning_stability._EXPORTS[name] == module, target

@@ -98,18 +98,18 @@ def watchdog_settings(
     """The watchdog variables to set for a long run, leaving every one the user set (under any name torch reads
     for it) as it is. Pure: reads ``existing_env`` (pass ``os.environ``), changes nothing.
 
-    ================================  =======  ===========================================================
-    Variable (torch also reads)       Value    Effect
-    ================================  =======  ===========================================================
-    TORCH_NCCL_ASYNC_ERROR_HANDLING   3        on a timeout/NCCL error the process is torn down (restartable)
+    ==================================  =======  ===========================================================
+    Variable (torch also reads)         Value    Effect
+    ==================================  =======  ===========================================================
+    TORCH_NCCL_ASYNC_ERROR_HANDLING     3        on a timeout/NCCL error the process is torn down (restartable)
     (NCCL_ASYNC_ERROR_HANDLING)
-    TORCH_FR_BUFFER_SIZE              2000     the flight recorder keeps each rank's last 2000 collectives
+    TORCH_FR_BUFFER_SIZE                2000     the flight recorder keeps each rank's last 2000 collectives
     (TORCH_NCCL_TRACE_BUFFER_SIZE)
-    TORCH_NCCL_DUMP_ON_TIMEOUT        1        on a timeout each rank dumps its flight record
-    TORCH_NCCL_ENABLE_MONITORING      1        a hung watchdog aborts the process (the dump needs it)
-    TORCH_FR_DUMP_TEMP_FILE           prefix   where the dumps go (only with ``dump_prefix``; torch's default
-    (TORCH_NCCL_DEBUG_INFO_TEMP_FILE)          is ``/tmp/nccl_trace_rank_``, lost with a node's ``/tmp``)
-    ================================  =======  ===========================================================
+    TORCH_NCCL_DUMP_ON_TIMEOUT          1        on a timeout each rank dumps its flight record
+    TORCH_NCCL_ENABLE_MONITORING        1        a hung watchdog aborts the process (the dump needs it)
+    TORCH_FR_DUMP_TEMP_FILE             prefix   where the dumps go (only with ``dump_prefix``; torch's default
+    (TORCH_NCCL_DEBUG_INFO_TEMP_FILE)            is ``/tmp/nccl_trace_rank_``, lost with a node's ``/tmp``)
+    ==================================  =======  ===========================================================
 
     Args:
         existing_env: the environment the job runs with (``os.environ``).
