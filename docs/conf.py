@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -31,3 +32,19 @@ napoleon_numpy_docstring = False
 
 html_theme = "furo"
 html_title = "lightning_stability"
+
+
+def _unresolved_in_a_page(app: Any, env: Any, node: Any, contnode: Any) -> None:
+    """A ``{py:class}`` link written in a documentation page must resolve (the docstrings on the API page may name
+    internals that are not documented there; those are left alone)."""
+    from sphinx.util import logging
+
+    docname = getattr(env, "docname", "")
+    if node.get("refdomain") == "py" and docname != "reference/api":
+        logging.getLogger(__name__).warning(
+            "unresolved API link %s: is it on reference/api.md?", node["reftarget"], location=node
+        )
+
+
+def setup(app: Any) -> None:
+    app.connect("missing-reference", _unresolved_in_a_page)

@@ -54,13 +54,8 @@ class ScheduledLR(LedgerCallback):
     With :class:`GradientAccumulation` among the callbacks, its LR scaling is folded in here:
     ``lr = base_lr * schedule(n) * accumulation.lr_scale_at(n)`` is computed in this one place.
 
-    No host sync is added to a training step: the applied count is a host integer while every skip
-    decision was made on the host (no skips; non-finite skips of non-fused optimizers; the fp16 scaler's
-    skips of non-fused optimizers). When a decision stayed on the device (fused optimizers skipping via
-    ``found_inf``, with or without the fp16 scaler), the multiplier is looked up on the device in a table
-    of the schedule (4 bytes per step) and written as a tensor ``lr``, which fused and capturable
-    optimizers read in their kernels. (Non-fused optimizers leave no decision on the device; should they
-    meet device-decided counts anyway, e.g. from a checkpoint of a fused run, they cost one sync a step.)
+    No host sync is added to a training step: where skips are decided on the device (fused optimizers), the LR is
+    looked up on the device in a table of the schedule (4 bytes per step) and written as a tensor ``lr``.
 
     Logged keys (to the loggers on logging steps; in ``trainer.callback_metrics`` after every step):
 
