@@ -5,8 +5,8 @@ from __future__ import annotations
 import csv
 import logging
 import math
-import re
 import pickle
+import re
 import warnings
 from pathlib import Path
 from typing import Any
