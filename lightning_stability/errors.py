@@ -54,3 +54,23 @@ def check_bool(argument: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise config_error(argument, value, "must be a bool", "pass True or False")
     return value
+
+
+def check_ratio(argument: str, value: object, example: str = "0.1") -> float:
+    """``value`` as a float if it is a number in ``[0, 1]``, else a config error naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise config_error(argument, value, "must be in [0, 1]", f"pass e.g. {example}")
+    return float(value)
+
+
+def check_length(argument: str, value: object) -> float:
+    """A phase length: a fraction of the run in ``[0, 1)`` or a whole step count ``>= 1``, else a config error."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise config_error(
+            argument, value, "must be a fraction in [0, 1) or a whole step count >= 1", "pass e.g. 0.05 or 500"
+        )
+    if value >= 1 and float(value) != int(value):
+        raise config_error(
+            argument, value, "is >= 1 but not a whole number of steps", f"pass {int(value)} or a fraction < 1"
+        )
+    return float(value)

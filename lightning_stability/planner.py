@@ -455,23 +455,33 @@ def _standard_shape(shape: ModelShape) -> tuple[ModelShape, str | None]:
 
 @dataclass(frozen=True)
 class TensorParallelAdvice:
-    """Whether tensor parallelism is needed to fit, and which size: one plan per size tried.
+    """Whether sharding or tensor parallelism is needed to fit, and which: one plan per size tried.
 
     ``plans``: the plans at each tensor-parallel size tried (1, 2, 4, 8, ... up to the GPUs per node, those that
     divide the heads and the GPUs); ``smallest``: the smallest size whose plan fits (``None``: none fits).
+    ``sharded``: asked without full sharding on several GPUs and not fitting, the plan with plain full sharding
+    (FSDP, ZeRO-3) at TP 1, tried first; the larger TP sizes are planned with full sharding, as
+    ``StableFSDPStrategy(tensor_parallel=...)`` runs them.
     """
 
     plans: tuple[MemoryPlan, ...]
     smallest: int | None
     also: tuple[str, ...] = ("offload", "more GPUs")
+    sharded: MemoryPlan | None = None
 
     def text(self) -> str:
-        """One line: not needed, needed (and which size fits), or no size fits (and what else to try)."""
+        """One line: not needed, sharding fits, TP needed (and which size fits), or nothing fits (and what to try)."""
         tried = ", ".join(f"TP {p.tensor_parallel}: {p.total_bytes / GiB:.2f}" for p in self.plans)
         usable = self.plans[0].usable_bytes / GiB
         partial = " (counting what is known: see 'not counted')" if self.plans[0].missing else ""
         if self.smallest == 1:
             return f"tensor parallel: not needed: TP 1 fits{partial} ({tried} GiB of {usable:.2f} usable)"
+        if self.sharded is not None and self.sharded.fits:
+            return (
+                f"sharding: needed: plain full sharding fits{partial} ({self.sharded.total_bytes / GiB:.2f} GiB of "
+                f"{usable:.2f} usable; unsharded {self.plans[0].total_bytes / GiB:.2f}); pass --sharding full "
+                "(StableFSDPStrategy(), the preset field fsdp=True): no tensor parallelism needed"
+            )
         if self.smallest is not None:
             return (
                 f"tensor parallel: needed: TP {self.smallest} is the smallest size that fits{partial} ({tried} GiB "
@@ -484,8 +494,9 @@ class TensorParallelAdvice:
 
 
 def advise_tensor_parallel(model: ModelShape | nn.Module | float, **kwargs: Any) -> TensorParallelAdvice:
-    """:func:`plan_memory` at tensor-parallel sizes 1, 2, 4, 8, ... up to ``gpus_per_node`` (those that divide
-    the GPUs per node, the heads, and the GPUs with ``pipeline_parallel``), the other arguments as given.
+    """:func:`plan_memory` with plain full sharding first (when ``sharding`` is not ``"full"``), then at
+    tensor-parallel sizes 1, 2, 4, 8, ... up to ``gpus_per_node`` (those that divide the GPUs per node, the heads,
+    and the GPUs with ``pipeline_parallel``), the other arguments as given.
 
     Example::
 
@@ -497,6 +508,10 @@ def advise_tensor_parallel(model: ModelShape | nn.Module | float, **kwargs: Any)
     shape = first.shape if first.shape is not None else _shape(model)
     gpus, world = first.world_size // max(1, kwargs.get("nodes", 1)), first.world_size
     pp = first.pipeline_parallel
+    sharded = None
+    if kwargs.get("sharding", "full") != "full" and not first.fits and world > 1:
+        kwargs = {**kwargs, "sharding": "full"}  # sharding before tensor parallelism, which needs it here
+        sharded = plan_memory(shape, **kwargs)
     plans = [first]
     size = 2
     while size <= gpus:
@@ -511,7 +526,7 @@ def advise_tensor_parallel(model: ModelShape | nn.Module | float, **kwargs: Any)
         "offloading the optimizer state" if not kwargs.get("cpu_offload") else "",
         "more GPUs",
     ]
-    return TensorParallelAdvice(tuple(plans), smallest, tuple(filter(None, also)))
+    return TensorParallelAdvice(tuple(plans), smallest, tuple(filter(None, also)), sharded)
 
 
 def _moments(optimizer: str, moment: int) -> str:

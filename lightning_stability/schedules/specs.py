@@ -11,10 +11,10 @@ from typing import Any
 
 from lightning_stability.errors import config_error
 from lightning_stability.schedules.functions import (
-    _check_floor,
     _check_lengths,
     _check_step_args,
     _require_total,
+    check_floor,
     cosine,
     inverse_sqrt,
     linear,
@@ -57,7 +57,7 @@ class WarmupConstantCosineSchedule(Schedule):
 
     def __post_init__(self) -> None:
         _check_lengths({"warmup": self.warmup, "decay": self.decay})
-        _check_floor(self.min_lr_ratio)
+        check_floor(self.min_lr_ratio)
         if self.warmup < 1 and self.decay < 1 and self.warmup + self.decay > 1 + 1e-9:
             raise config_error(
                 "warmup + decay",
@@ -84,7 +84,7 @@ class _WarmupDecaySchedule(Schedule):
 
     def __post_init__(self) -> None:
         _check_lengths({"warmup": self.warmup})
-        _check_floor(self.min_lr_ratio)
+        check_floor(self.min_lr_ratio)
 
     @staticmethod
     def shape(step: int, total_steps: int, warmup: float, min_lr_ratio: float) -> float:
@@ -154,7 +154,7 @@ class InverseSqrtSchedule(Schedule):
 
     def __post_init__(self) -> None:
         _check_lengths({"warmup": self.warmup})
-        _check_floor(self.min_lr_ratio)
+        check_floor(self.min_lr_ratio)
 
     @property
     def needs_total_steps(self) -> bool:  # type: ignore[override]
