@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+from typing import Any, cast
 
 
 class StabilityConfigError(ValueError):
@@ -74,3 +76,17 @@ def check_length(argument: str, value: object) -> float:
             argument, value, "is >= 1 but not a whole number of steps", f"pass {int(value)} or a fraction < 1"
         )
     return float(value)
+
+
+def check_instance(argument: str, value: object, types: type | tuple[type, ...], what: str, example: str) -> Any:
+    """``value`` if it is an instance of ``types`` (a ``bool`` only where ``types`` names ``bool``), else a config
+    error naming it: ``what`` says what was expected ("a str"), ``example`` a value to pass."""
+    allowed = types if isinstance(types, tuple) else (types,)
+    if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+        raise config_error(argument, value, f"must be {what}", f"pass e.g. {argument}={example}")
+    return value
+
+
+def check_path(argument: str, value: object, example: str = "'checkpoints/'") -> str | os.PathLike[str]:
+    """``value`` if it is a path (a ``str`` or an ``os.PathLike``), else a config error naming it."""
+    return cast("str | os.PathLike[str]", check_instance(argument, value, (str, os.PathLike), "a path", example))

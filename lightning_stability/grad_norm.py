@@ -43,6 +43,8 @@ def _parse_norm_type(norm_type: float | str) -> float:
         if norm_type.lower() not in ("inf", "+inf"):
             raise config_error("norm_type", norm_type, "is not a norm order", "pass 2.0, 1.0, 'inf' or any p > 0")
         return math.inf
+    if not isinstance(norm_type, (int, float)):
+        raise config_error("norm_type", norm_type, "is not a norm order", "pass 2.0, 1.0, 'inf' or any p > 0")
     value = float(norm_type)
     if math.isnan(value) or value <= 0:
         raise config_error(

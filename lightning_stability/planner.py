@@ -45,7 +45,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from lightning_stability.errors import check_int, check_number, config_error
+from lightning_stability.errors import check_bool, check_int, check_number, config_error
 
 if TYPE_CHECKING:
     from torch import nn
@@ -224,8 +224,13 @@ def plan_memory(
     check_int("micro_batch", micro_batch)
     check_int("tensor_parallel", tensor_parallel, example="tensor_parallel=8 (GPUs splitting each layer; 1: none)")
     check_int("pipeline_parallel", pipeline_parallel, example="pipeline_parallel=4 (pipeline stages; 1: none)")
-    if not isinstance(sequence_parallel, bool):
-        raise config_error("sequence_parallel", sequence_parallel, "must be a bool", "pass True or False")
+    for name, flag in (
+        ("activation_checkpointing", activation_checkpointing),
+        ("cpu_offload", cpu_offload),
+        ("flash_attention", flash_attention),
+        ("sequence_parallel", sequence_parallel),
+    ):
+        check_bool(name, flag)
     if effective_batch is not None:
         check_int("effective_batch", effective_batch)
     if headroom != 0:
@@ -538,7 +543,7 @@ def _shape(model: object) -> ModelShape:
     if isinstance(model, ModelShape):
         return model
     if isinstance(model, (int, float)) and not isinstance(model, bool):
-        return ModelShape(float(model))
+        return ModelShape(check_number("model", model, example="7e9 (a parameter count)"))
     if hasattr(model, "parameters") and hasattr(model, "modules"):
         return ModelShape.from_module(model)  # type: ignore[arg-type]
     raise config_error(

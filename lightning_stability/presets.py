@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from lightning_stability.errors import (
-    StabilityConfigError,
     check_bool,
+    check_instance,
     check_int,
     check_length,
     check_number,
@@ -82,6 +82,11 @@ class Preset:
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
+        for key in ("name", "description"):
+            check_instance(key, getattr(self, key), str, "a str", "'my-recipe'")
+        if not self.name:
+            raise config_error("name", self.name, "is empty", "pass a name, e.g. 'my-recipe'")
+        check_instance("sources", self.sources, dict, "a dict of field names to sources", "{}")
         if self.max_norm is not None:
             check_number("max_norm", self.max_norm, example="1.0 (or None: measure only, no clipping)")
         for key in ("warmup", "decay"):
@@ -312,16 +317,20 @@ def list_presets() -> dict[str, str]:
     return {name: p.description for name, p in PRESETS.items()}
 
 
-def get_preset(name: str) -> Preset:
-    """The preset ``name``; an unknown name is an error that lists the known ones and suggests the closest."""
-    preset = PRESETS.get(str(name).lower())
+def get_preset(name: str, argument: str = "name") -> Preset:
+    """The preset ``name``; an unknown name is an error (naming ``argument``) that lists the known ones and suggests
+    the closest."""
+    check_instance(argument, name, str, "a preset name or a Preset", "'gpt'")
+    preset = PRESETS.get(name.lower())
     if preset is not None:
         return preset
-    close = difflib.get_close_matches(str(name).lower(), PRESETS, n=1)
+    close = difflib.get_close_matches(name.lower(), PRESETS, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise StabilityConfigError(
-        f"Unknown preset {name!r}.{hint} Known presets: {', '.join(PRESETS)}. "
-        "Fix: pass one of them (`lightning-stability presets` lists them)."
+    raise config_error(
+        argument,
+        name,
+        f"is not a preset.{hint} Known presets: {', '.join(PRESETS)}",
+        "pass one of them (`lightning-stability presets` lists them)",
     )
 
 

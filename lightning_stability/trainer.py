@@ -27,7 +27,7 @@ from lightning_stability.amp.callback import LossScaleTuner
 from lightning_stability.checkpoint.callback import StableCheckpoint
 from lightning_stability.checkpoint.io import AtomicCheckpointIO, local_path
 from lightning_stability.cluster.watchdog import WatchdogSettings, watchdog_settings
-from lightning_stability.errors import StabilityConfigError
+from lightning_stability.errors import StabilityConfigError, check_instance
 from lightning_stability.grad_norm import GradientNormMonitor
 from lightning_stability.health.callback import TrainingHealthMonitor
 from lightning_stability.ledger.callback import LedgerCallback
@@ -79,6 +79,8 @@ class StableTrainer(pl.Trainer):
         **kwargs: Any,
     ) -> None:
         recipe = None
+        if preset_overrides is not None:
+            check_instance("preset_overrides", preset_overrides, dict, "a dict of preset fields", '{"max_norm": 0.3}')
         if preset is not None:
             recipe, kwargs = _preset_arguments(preset, dict(preset_overrides or {}), kwargs)
         elif preset_overrides:
@@ -115,7 +117,7 @@ def _preset_arguments(
     name: str | Preset, fields: dict[str, Any], args: dict[str, Any]
 ) -> tuple[Preset, dict[str, Any]]:
     """The preset with ``fields`` applied (and adapted to this hardware), and the Trainer arguments that build it."""
-    preset = name if isinstance(name, Preset) else get_preset(name)
+    preset = name if isinstance(name, Preset) else get_preset(name, "preset")
     unknown = sorted(set(fields) - set(FIELDS))
     if unknown:
         raise StabilityConfigError(

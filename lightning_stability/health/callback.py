@@ -18,7 +18,14 @@ from torch.optim import Optimizer
 
 from lightning_stability.checkpoint.atomic import CheckpointError, verify_checkpoint
 from lightning_stability.checkpoint.callback import StableCheckpoint
-from lightning_stability.errors import StabilityConfigError, check_int, config_error
+from lightning_stability.errors import (
+    StabilityConfigError,
+    check_bool,
+    check_int,
+    check_number,
+    check_path,
+    config_error,
+)
 from lightning_stability.grad_norm import GradientNormMonitor
 from lightning_stability.health.history import HealthHistory, HealthReporter
 from lightning_stability.health.report_loggers import send_report
@@ -133,6 +140,9 @@ class TrainingHealthMonitor(LedgerCallback):
             top_modules,
             max_disk_rollbacks,
         )
+        check_bool("report", report)
+        if report_dir is not None:
+            check_path("report_dir", report_dir, "'reports/'")
         self.response, self.spike_z, self.clip_z = response, float(spike_z), float(clip_z)
         self.rollback = Rollback(snapshot_every, skip_batches, max_rollbacks, max_disk_rollbacks)
         self.report, self.report_dir = report, report_dir
@@ -513,7 +523,8 @@ def check_health_arguments(
     for name, value in (("max_rollbacks", max_rollbacks), ("top_modules", top_modules)):
         check_int(name, value, 0, "3 or 5")
     check_int("max_disk_rollbacks", max_disk_rollbacks, 0, "1, or 0 to stop instead of loading a checkpoint")
-    if not 0 < memory_warn_fraction <= 1:
+    check_number("memory_warn_fraction", memory_warn_fraction, 0.0, example="0.9")
+    if memory_warn_fraction > 1:
         raise config_error("memory_warn_fraction", memory_warn_fraction, "must be in (0, 1]", "pass e.g. 0.9")
 
 

@@ -171,6 +171,10 @@ def _check_step_args(gamma: float, every: float | None, milestones: Sequence[flo
     check_floor(min_lr_ratio)
     if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 < gamma <= 1:
         raise config_error("gamma", gamma, "must be in (0, 1]", "pass e.g. 0.1 (divide the LR by 10 at each drop)")
+    if not isinstance(milestones, (list, tuple)):
+        raise config_error(
+            "milestones", milestones, "must be a list of update counts or fractions", "pass e.g. [1000, 2000]"
+        )
     if (every is None) == (not milestones):
         raise config_error(
             "every/milestones",
@@ -179,6 +183,8 @@ def _check_step_args(gamma: float, every: float | None, milestones: Sequence[flo
             "pass every=1000 or milestones=[...]",
         )
     _check_lengths({"every": every, **{f"milestones[{i}]": m for i, m in enumerate(milestones)}})
+    if every is not None and every == 0:
+        raise config_error("every", every, "must be > 0", "pass e.g. every=1000 (updates) or 0.3 (of the run)")
 
 
 def step_decay(

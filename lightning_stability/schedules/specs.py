@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_stability.errors import config_error
+from lightning_stability.errors import check_instance, check_length, config_error
 from lightning_stability.schedules.functions import (
     _check_lengths,
     _check_step_args,
@@ -56,7 +56,8 @@ class WarmupConstantCosineSchedule(Schedule):
     min_lr_ratio: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_lengths({"warmup": self.warmup, "decay": self.decay})
+        check_length("warmup", self.warmup)
+        _check_lengths({"decay": self.decay})
         check_floor(self.min_lr_ratio)
         if self.warmup < 1 and self.decay < 1 and self.warmup + self.decay > 1 + 1e-9:
             raise config_error(
@@ -83,7 +84,7 @@ class _WarmupDecaySchedule(Schedule):
     min_lr_ratio: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_lengths({"warmup": self.warmup})
+        check_length("warmup", self.warmup)
         check_floor(self.min_lr_ratio)
 
     @staticmethod
@@ -127,8 +128,9 @@ class StepSchedule(Schedule):
     min_lr_ratio: float = 0.0
 
     def __post_init__(self) -> None:
+        check_instance("milestones", self.milestones, (list, tuple), "a list of update counts or fractions", "[1000]")
         object.__setattr__(self, "milestones", tuple(self.milestones))
-        _check_lengths({"warmup": self.warmup})
+        check_length("warmup", self.warmup)
         _check_step_args(self.gamma, self.every, self.milestones, self.min_lr_ratio)
 
     @property
@@ -153,7 +155,7 @@ class InverseSqrtSchedule(Schedule):
     min_lr_ratio: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_lengths({"warmup": self.warmup})
+        check_length("warmup", self.warmup)
         check_floor(self.min_lr_ratio)
 
     @property

@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 from lightning_stability import _compat
 from lightning_stability.checkpoint import atomic
 from lightning_stability.checkpoint.atomic import CheckpointError
-from lightning_stability.errors import StabilityConfigError, config_error
+from lightning_stability.errors import StabilityConfigError, check_instance, config_error
 from lightning_stability.strategies import fsdp_checkpoint as ckpt
 from lightning_stability.strategies import fsdp_fairscale as fs
 from lightning_stability.strategies import fsdp_lightning as lightning
@@ -198,6 +198,10 @@ class StableFSDPStrategy(ParallelStrategy):
             extra=fairscale_kwargs,
             tensor_parallel=tensor_parallel,
         )
+        if process_group_backend is not None:
+            check_instance("process_group_backend", process_group_backend, str, "a backend name or None", "'nccl'")
+        if timeout is not None:
+            check_instance("timeout", timeout, timedelta, "a timedelta or None", "timedelta(minutes=10)")
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._device_mesh: DeviceMesh | None = None
