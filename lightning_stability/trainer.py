@@ -161,7 +161,9 @@ def _hardware(preset: Preset, args: dict[str, Any], notes: list[str], chosen: bo
     if nodes is None:
         nodes = min(preset.num_nodes, _nodes_in_environment())
         if nodes != preset.num_nodes:
-            notes.append(f"num_nodes {preset.num_nodes} -> {nodes} (the job runs on {nodes} machine(s))")
+            notes.append(
+                f"num_nodes {preset.num_nodes} -> {nodes} (the job runs on {nodes} machine(s); num_nodes= sets it)"
+            )
         out["num_nodes"] = nodes
     per_node = _devices_per_node(args.get("devices", "auto"), gpu)
     world = nodes * per_node
