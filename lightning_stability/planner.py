@@ -488,10 +488,13 @@ class TensorParallelAdvice:
                 "(StableFSDPStrategy(), the preset field fsdp=True): no tensor parallelism needed"
             )
         if self.smallest is not None:
+            sharded = " with full sharding" if self.sharded is not None else ""
+            fsdp = " and fsdp=True" if self.sharded is not None else ""
             return (
-                f"tensor parallel: needed: TP {self.smallest} is the smallest size that fits{partial} ({tried} GiB "
-                f"of {usable:.2f} usable); pass --tensor-parallel {self.smallest} (StableFSDPStrategy(tensor_parallel="
-                f"{self.smallest}), the preset field tensor_parallel={self.smallest})"
+                f"tensor parallel: needed: TP {self.smallest}{sharded} is the smallest size that fits{partial} "
+                f"({tried} GiB of {usable:.2f} usable); pass --tensor-parallel {self.smallest} "
+                f"(StableFSDPStrategy(tensor_parallel={self.smallest}), the preset fields "
+                f"tensor_parallel={self.smallest}{fsdp})"
             )
         largest = self.plans[-1].tensor_parallel
         also = ", ".join(self.also[:-1]) + f" or {self.also[-1]}" if len(self.also) > 1 else "".join(self.also)

@@ -368,3 +368,16 @@ def test_dropped_parts_are_said_with_the_way_to_change_them(caplog: pytest.LogCa
     assert len(lines) == 1
     assert "FSDP off (one device: nothing to shard)" in lines[0]
     assert "activation checkpointing off (it comes with FSDP, off on one device)" in lines[0]
+
+
+def test_tensor_parallelism_is_advised_only_where_plain_sharding_does_not_fit() -> None:
+    from lightning_stability import ModelShape, advise_tensor_parallel
+
+    gpt3 = ModelShape(175e9, 96, 12288, 96, 51200)
+    kwargs: dict[str, Any] = dict(nodes=8, gpus_per_node=8, sequence_parallel=True, flash_attention=True)
+    advice = advise_tensor_parallel(gpt3, sharding="none", **kwargs)
+    assert advice.sharded is not None and not advice.sharded.fits  # full sharding alone: too large
+    assert advice.smallest == advise_tensor_parallel(gpt3, sharding="full", **kwargs).smallest == 4
+    assert all(p.title.count("sharding=full") for p in advice.plans[1:])  # TP runs with full sharding here
+    assert advice.text().startswith("tensor parallel: needed: TP 4 with full sharding is the smallest size")
+    assert "tensor_parallel=4 and fsdp=True" in advice.text()
