@@ -102,17 +102,27 @@ def _presets(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from lightning_stability.planner import ModelShape, advise_tensor_parallel, plan_memory
-    from lightning_stability.presets import get_preset
+    from lightning_stability.presets import get_preset, layout
 
     preset = get_preset(args.preset) if args.preset else None
     shape = ModelShape(args.params, layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab)
-    precision = args.precision or (preset.precision if preset else "bf16-mixed")
-    sharding = args.sharding or ("full" if preset is None or preset.fsdp else "none")
-    checkpointing = args.activation_checkpointing or bool(preset and preset.activation_checkpointing)
+    nodes = args.nodes if args.nodes is not None else (preset.num_nodes if preset else 1)
+    built = None
+    if preset is not None:  # what StableTrainer.from_preset builds on these GPUs
+        built = layout(
+            preset,
+            world_size=nodes * args.gpus_per_node,
+            devices_per_node=args.gpus_per_node,
+            gpu=True,
+            own_precision=args.precision is not None,
+        )
+    precision = args.precision or (built.precision if built else "bf16-mixed")
+    sharding = args.sharding or (built.sharding if built else "full")
+    checkpointing = args.activation_checkpointing or bool(built and built.activation_checkpointing)
     effective = args.effective_batch or (preset.effective_batch if preset else None)
-    tensor_parallel = args.tensor_parallel or (preset.tensor_parallel if preset else 1)
+    tensor_parallel = args.tensor_parallel or (built.tensor_parallel if built else 1)
     settings = dict(
-        nodes=args.nodes if args.nodes is not None else (preset.num_nodes if preset else 1),
+        nodes=nodes,
         gpus_per_node=args.gpus_per_node,
         gpu_memory=args.gpu_memory,
         precision=precision,
@@ -133,6 +143,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(
             f"preset {preset.name}: precision {precision}, sharding {sharding}, activation checkpointing "
             f"{checkpointing}, effective batch {effective}, tensor parallel {tensor_parallel}"
+            + (f" ({'; '.join(built.notes)})" if built and built.notes else "")
         )
     print(plan.table())
     print(advice.text())

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+from typing import Any, cast
 
 
 class StabilityConfigError(ValueError):
@@ -54,3 +56,37 @@ def check_bool(argument: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise config_error(argument, value, "must be a bool", "pass True or False")
     return value
+
+
+def check_ratio(argument: str, value: object, example: str = "0.1") -> float:
+    """``value`` as a float if it is a number in ``[0, 1]``, else a config error naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise config_error(argument, value, "must be in [0, 1]", f"pass e.g. {example}")
+    return float(value)
+
+
+def check_length(argument: str, value: object) -> float:
+    """A phase length: a fraction of the run in ``[0, 1)`` or a whole step count ``>= 1``, else a config error."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise config_error(
+            argument, value, "must be a fraction in [0, 1) or a whole step count >= 1", "pass e.g. 0.05 or 500"
+        )
+    if value >= 1 and float(value) != int(value):
+        raise config_error(
+            argument, value, "is >= 1 but not a whole number of steps", f"pass {int(value)} or a fraction < 1"
+        )
+    return float(value)
+
+
+def check_instance(argument: str, value: object, types: type | tuple[type, ...], what: str, example: str) -> Any:
+    """``value`` if it is an instance of ``types`` (a ``bool`` only where ``types`` names ``bool``), else a config
+    error naming it: ``what`` says what was expected ("a str"), ``example`` a value to pass."""
+    allowed = types if isinstance(types, tuple) else (types,)
+    if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+        raise config_error(argument, value, f"must be {what}", f"pass e.g. {argument}={example}")
+    return value
+
+
+def check_path(argument: str, value: object, example: str = "'checkpoints/'") -> str | os.PathLike[str]:
+    """``value`` if it is a path (a ``str`` or an ``os.PathLike``), else a config error naming it."""
+    return cast("str | os.PathLike[str]", check_instance(argument, value, (str, os.PathLike), "a path", example))

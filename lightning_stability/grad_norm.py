@@ -34,7 +34,6 @@ from lightning_stability.norms import group_norms, local_tensor, module_groups, 
 
 _K_STEPS = "grad_norm_monitor/steps"
 _K_CLIPPED = "grad_norm_monitor/clipped"
-_UNSUPPORTED_STRATEGIES = ("FSDPStrategy", "DeepSpeedStrategy")
 
 
 def _parse_norm_type(norm_type: float | str) -> float:
@@ -44,6 +43,8 @@ def _parse_norm_type(norm_type: float | str) -> float:
         if norm_type.lower() not in ("inf", "+inf"):
             raise config_error("norm_type", norm_type, "is not a norm order", "pass 2.0, 1.0, 'inf' or any p > 0")
         return math.inf
+    if not isinstance(norm_type, (int, float)):
+        raise config_error("norm_type", norm_type, "is not a norm order", "pass 2.0, 1.0, 'inf' or any p > 0")
     value = float(norm_type)
     if math.isnan(value) or value <= 0:
         raise config_error(
@@ -177,11 +178,10 @@ class GradientNormMonitor(LedgerCallback):
         problem = fp16_without_scaler_problem(trainer)
         if problem is not None:
             raise StabilityConfigError(problem)
-        strategy = type(trainer.strategy).__name__
-        if strategy in _UNSUPPORTED_STRATEGIES or getattr(trainer.strategy, "gradients_are_local_shards", False):
+        if getattr(trainer.strategy, "gradients_are_local_shards", False):  # backend="fairscale"
             raise StabilityConfigError(
-                f"GradientNormMonitor cannot measure the global norm under strategy={strategy!r}: its gradients "
-                "are flat local shards. Fix: use an FSDP2 (DTensor) strategy such as Lightning's "
+                f"GradientNormMonitor cannot measure the global norm under {type(trainer.strategy).__name__}: its "
+                "gradients are flat local shards. Fix: use StableFSDPStrategy (FSDP2) or Lightning's "
                 "ModelParallelStrategy, or DDP."
             )
 

@@ -45,7 +45,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from lightning_stability.errors import check_int, check_number, config_error
+from lightning_stability.errors import check_bool, check_int, check_number, config_error
 
 if TYPE_CHECKING:
     from torch import nn
@@ -224,8 +224,13 @@ def plan_memory(
     check_int("micro_batch", micro_batch)
     check_int("tensor_parallel", tensor_parallel, example="tensor_parallel=8 (GPUs splitting each layer; 1: none)")
     check_int("pipeline_parallel", pipeline_parallel, example="pipeline_parallel=4 (pipeline stages; 1: none)")
-    if not isinstance(sequence_parallel, bool):
-        raise config_error("sequence_parallel", sequence_parallel, "must be a bool", "pass True or False")
+    for name, flag in (
+        ("activation_checkpointing", activation_checkpointing),
+        ("cpu_offload", cpu_offload),
+        ("flash_attention", flash_attention),
+        ("sequence_parallel", sequence_parallel),
+    ):
+        check_bool(name, flag)
     if effective_batch is not None:
         check_int("effective_batch", effective_batch)
     if headroom != 0:
@@ -455,28 +460,41 @@ def _standard_shape(shape: ModelShape) -> tuple[ModelShape, str | None]:
 
 @dataclass(frozen=True)
 class TensorParallelAdvice:
-    """Whether tensor parallelism is needed to fit, and which size: one plan per size tried.
+    """Whether sharding or tensor parallelism is needed to fit, and which: one plan per size tried.
 
     ``plans``: the plans at each tensor-parallel size tried (1, 2, 4, 8, ... up to the GPUs per node, those that
     divide the heads and the GPUs); ``smallest``: the smallest size whose plan fits (``None``: none fits).
+    ``sharded``: asked without full sharding on several GPUs and not fitting, the plan with plain full sharding
+    (FSDP, ZeRO-3) at TP 1, tried first; the larger TP sizes are planned with full sharding, as
+    ``StableFSDPStrategy(tensor_parallel=...)`` runs them.
     """
 
     plans: tuple[MemoryPlan, ...]
     smallest: int | None
     also: tuple[str, ...] = ("offload", "more GPUs")
+    sharded: MemoryPlan | None = None
 
     def text(self) -> str:
-        """One line: not needed, needed (and which size fits), or no size fits (and what else to try)."""
+        """One line: not needed, sharding fits, TP needed (and which size fits), or nothing fits (and what to try)."""
         tried = ", ".join(f"TP {p.tensor_parallel}: {p.total_bytes / GiB:.2f}" for p in self.plans)
         usable = self.plans[0].usable_bytes / GiB
         partial = " (counting what is known: see 'not counted')" if self.plans[0].missing else ""
         if self.smallest == 1:
             return f"tensor parallel: not needed: TP 1 fits{partial} ({tried} GiB of {usable:.2f} usable)"
-        if self.smallest is not None:
+        if self.sharded is not None and self.sharded.fits:
             return (
-                f"tensor parallel: needed: TP {self.smallest} is the smallest size that fits{partial} ({tried} GiB "
-                f"of {usable:.2f} usable); pass --tensor-parallel {self.smallest} (StableFSDPStrategy(tensor_parallel="
-                f"{self.smallest}), the preset field tensor_parallel={self.smallest})"
+                f"sharding: needed: plain full sharding fits{partial} ({self.sharded.total_bytes / GiB:.2f} GiB of "
+                f"{usable:.2f} usable; unsharded {self.plans[0].total_bytes / GiB:.2f}); pass --sharding full "
+                "(StableFSDPStrategy(), the preset field fsdp=True): no tensor parallelism needed"
+            )
+        if self.smallest is not None:
+            sharded = " with full sharding" if self.sharded is not None else ""
+            fsdp = " and fsdp=True" if self.sharded is not None else ""
+            return (
+                f"tensor parallel: needed: TP {self.smallest}{sharded} is the smallest size that fits{partial} "
+                f"({tried} GiB of {usable:.2f} usable); pass --tensor-parallel {self.smallest} "
+                f"(StableFSDPStrategy(tensor_parallel={self.smallest}), the preset fields "
+                f"tensor_parallel={self.smallest}{fsdp})"
             )
         largest = self.plans[-1].tensor_parallel
         also = ", ".join(self.also[:-1]) + f" or {self.also[-1]}" if len(self.also) > 1 else "".join(self.also)
@@ -484,8 +502,9 @@ class TensorParallelAdvice:
 
 
 def advise_tensor_parallel(model: ModelShape | nn.Module | float, **kwargs: Any) -> TensorParallelAdvice:
-    """:func:`plan_memory` at tensor-parallel sizes 1, 2, 4, 8, ... up to ``gpus_per_node`` (those that divide
-    the GPUs per node, the heads, and the GPUs with ``pipeline_parallel``), the other arguments as given.
+    """:func:`plan_memory` with plain full sharding first (when ``sharding`` is not ``"full"``), then at
+    tensor-parallel sizes 1, 2, 4, 8, ... up to ``gpus_per_node`` (those that divide the GPUs per node, the heads,
+    and the GPUs with ``pipeline_parallel``), the other arguments as given.
 
     Example::
 
@@ -497,6 +516,10 @@ def advise_tensor_parallel(model: ModelShape | nn.Module | float, **kwargs: Any)
     shape = first.shape if first.shape is not None else _shape(model)
     gpus, world = first.world_size // max(1, kwargs.get("nodes", 1)), first.world_size
     pp = first.pipeline_parallel
+    sharded = None
+    if kwargs.get("sharding", "full") != "full" and not first.fits and world > 1:
+        kwargs = {**kwargs, "sharding": "full"}  # sharding before tensor parallelism, which needs it here
+        sharded = plan_memory(shape, **kwargs)
     plans = [first]
     size = 2
     while size <= gpus:
@@ -511,7 +534,7 @@ def advise_tensor_parallel(model: ModelShape | nn.Module | float, **kwargs: Any)
         "offloading the optimizer state" if not kwargs.get("cpu_offload") else "",
         "more GPUs",
     ]
-    return TensorParallelAdvice(tuple(plans), smallest, tuple(filter(None, also)))
+    return TensorParallelAdvice(tuple(plans), smallest, tuple(filter(None, also)), sharded)
 
 
 def _moments(optimizer: str, moment: int) -> str:
@@ -523,7 +546,7 @@ def _shape(model: object) -> ModelShape:
     if isinstance(model, ModelShape):
         return model
     if isinstance(model, (int, float)) and not isinstance(model, bool):
-        return ModelShape(float(model))
+        return ModelShape(check_number("model", model, example="7e9 (a parameter count)"))
     if hasattr(model, "parameters") and hasattr(model, "modules"):
         return ModelShape.from_module(model)  # type: ignore[arg-type]
     raise config_error(

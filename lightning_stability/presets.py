@@ -10,10 +10,19 @@ override any field. Pure data: no Trainer is built here.
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
-from lightning_stability.errors import StabilityConfigError, check_int, config_error
+from lightning_stability.errors import (
+    check_bool,
+    check_instance,
+    check_int,
+    check_length,
+    check_number,
+    check_ratio,
+    config_error,
+)
 
 Precision = Literal["16-mixed", "bf16-mixed", "32-true"]
 Response = Literal["warn", "clip", "skip", "rollback"]
@@ -23,20 +32,31 @@ Response = Literal["warn", "clip", "skip", "rollback"]
 class Preset:
     """A recipe. ``sources`` maps a field to where its value comes from (a paper, a framework's default, a recipe).
 
-    Fields:
-        max_norm: ``GradientNormMonitor(max_norm=...)``: the global gradient-norm clip (``None``: measure only).
+    Fields (each part of a preset can be turned off, and then replaced by a callback of your own in
+    ``callbacks=[...]``):
+        max_norm: ``GradientNormMonitor(max_norm=...)``: the global gradient-norm clip (``None``: no clipping;
+            the norm is still measured and logged).
         warmup, decay, min_lr_ratio: ``WarmupConstantCosineLR`` (fractions of the run, or step counts).
+        lr_schedule: attach ``WarmupConstantCosineLR`` (``False``: none, e.g. for a module whose
+            ``configure_optimizers`` returns its own LR scheduler).
         precision: ``"16-mixed"`` (fp16 compute, fp32 master weights and update), ``"bf16-mixed"`` or ``"32-true"``.
+            ``"bf16-mixed"`` becomes ``"16-mixed"`` on a GPU without bf16, said in the fit-start line.
         init_scale, hysteresis: ``LossScaleTuner`` (fp16 only).
         accumulation: ``GradientAccumulation(steps=...)`` (1: none).
-        lr_scaling: how the LR follows the accumulation (``"linear"``: ``lr * steps``; ``"none"``).
+        lr_scaling: how the LR follows the accumulation (``"none"``: the LR as configured; ``"linear"``:
+            ``lr * steps``; ``"sqrt"``).
         effective_batch: the global batch the recipe aims at (documentation and the memory planner).
-        fsdp: shard with ``StableFSDPStrategy``; activation_checkpointing: its activation checkpointing.
+        fsdp: shard with ``StableFSDPStrategy``; activation_checkpointing: its activation checkpointing (needs
+            ``fsdp``).
         tensor_parallel: ``StableFSDPStrategy(tensor_parallel=...)``: GPUs of a node splitting each layer (1:
             none; needs ``fsdp``, and a ``configure_model`` that applies a TP plan). Adapted to the devices per
             node; ``lightning-stability plan`` says which size fits.
         num_nodes: machines the recipe was written for (adapted to the user's).
-        health: ``TrainingHealthMonitor(response=...)``.
+        health: ``TrainingHealthMonitor(response=...)`` (``None``: no health monitor).
+        checkpoint: attach ``StableCheckpoint`` and ``AtomicCheckpointIO`` (``False``: neither; Lightning's
+            ``ModelCheckpoint`` applies unless ``enable_checkpointing=False``).
+        watchdog: set the NCCL watchdog variables a long multi-process run wants, where unset, and a 10-minute
+            process-group timeout for the preset's FSDP strategy (``False``: leave both as they are).
     """
 
     name: str
@@ -45,6 +65,7 @@ class Preset:
     warmup: float = 0.05
     decay: float = 0.20
     min_lr_ratio: float = 0.0
+    lr_schedule: bool = True
     precision: Precision = "bf16-mixed"
     init_scale: float = 65536.0
     hysteresis: int = 2
@@ -55,31 +76,51 @@ class Preset:
     activation_checkpointing: bool = False
     tensor_parallel: int = 1
     num_nodes: int = 1
-    health: Response = "skip"
+    health: Response | None = "skip"
+    checkpoint: bool = True
+    watchdog: bool = True
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
+        for key in ("name", "description"):
+            check_instance(key, getattr(self, key), str, "a str", "'my-recipe'")
+        if not self.name:
+            raise config_error("name", self.name, "is empty", "pass a name, e.g. 'my-recipe'")
+        check_instance("sources", self.sources, dict, "a dict of field names to sources", "{}")
+        if self.max_norm is not None:
+            check_number("max_norm", self.max_norm, example="1.0 (or None: measure only, no clipping)")
+        for key in ("warmup", "decay"):
+            check_length(key, getattr(self, key))
+        check_ratio("min_lr_ratio", self.min_lr_ratio, "0.0 or 0.1 (10% of the base LR)")
         if self.precision not in _PRECISIONS:
             raise config_error("precision", self.precision, "is not a preset precision", f"pass one of {_PRECISIONS}")
-        if self.health not in _RESPONSES:
-            raise config_error("health", self.health, "is not a response", f"pass one of {_RESPONSES}")
+        check_number("init_scale", self.init_scale, example="65536.0 (2**16)")
+        check_int("hysteresis", self.hysteresis, 1, "hysteresis=2")
+        if self.health is not None and self.health not in _RESPONSES:
+            raise config_error(
+                "health", self.health, "is not a response", f"pass one of {_RESPONSES}, or None for no health monitor"
+            )
         if self.lr_scaling not in ("linear", "sqrt", "none"):
             raise config_error(
-                "lr_scaling", self.lr_scaling, "is not a scaling rule", "pass 'linear', 'sqrt' or 'none'"
+                "lr_scaling", self.lr_scaling, "is not a scaling rule", "pass 'none', 'linear' or 'sqrt'"
             )
         for key, example in (("accumulation", "1 or 32"), ("num_nodes", "1 or 8"), ("tensor_parallel", "1 or 8")):
             check_int(key, getattr(self, key), 1, example)
-        for key in ("fsdp", "activation_checkpointing"):
-            if not isinstance(getattr(self, key), bool):
-                raise config_error(key, getattr(self, key), "must be True or False", "pass a bool")
-        if self.tensor_parallel > 1 and not self.fsdp:
-            raise config_error(
-                "tensor_parallel",
-                self.tensor_parallel,
-                "needs fsdp=True (tensor parallelism runs in StableFSDPStrategy, which shards the rest over the "
-                "data-parallel ranks)",
-                "pass fsdp=True too, or tensor_parallel=1",
-            )
+        if self.effective_batch is not None:
+            check_int("effective_batch", self.effective_batch, 1, "effective_batch=2048 (or None)")
+        for key in ("lr_schedule", "fsdp", "activation_checkpointing", "checkpoint", "watchdog"):
+            check_bool(key, getattr(self, key))
+        for key, value in (
+            ("tensor_parallel", self.tensor_parallel > 1),
+            ("activation_checkpointing", self.activation_checkpointing),
+        ):
+            if value and not self.fsdp:
+                raise config_error(
+                    key,
+                    getattr(self, key),
+                    f"needs fsdp=True ({_NEEDS_FSDP[key]} runs in StableFSDPStrategy)",
+                    f"pass fsdp=True too, or {key}={_OFF[key]}",
+                )
 
     def derive(self, name: str, description: str, sources: dict[str, str] | None = None, **changes: Any) -> Preset:
         """A variant of this preset: ``changes`` applied, their ``sources`` added to the inherited ones."""
@@ -91,6 +132,11 @@ class Preset:
 
 
 _META = ("name", "description", "sources")
+_NEEDS_FSDP = {
+    "tensor_parallel": "tensor parallelism",
+    "activation_checkpointing": "the preset's activation checkpointing",
+}
+_OFF = {"tensor_parallel": "1", "activation_checkpointing": "False"}
 _PRECISIONS = ("16-mixed", "bf16-mixed", "32-true")
 _RESPONSES = ("warn", "clip", "skip", "rollback")
 FIELDS = tuple(f.name for f in fields(Preset) if f.name not in _META)
@@ -102,23 +148,30 @@ _BASE = Preset(
         "max_norm": "a common recipe: BERT-like models clip the gradient norm at 1.0",
         "warmup": "a common recipe: linear warmup over the first 5% of the run (5-10% is usual)",
         "decay": "a common recipe for large models: constant after warmup, cosine decay over the last 20%",
-        "precision": "bf16 where fp16's loss scaling is not asked for (PyTorch's recommendation on Ampere+)",
+        "precision": "bf16 where the accelerator has it (PyTorch's recommendation on Ampere+): no loss scaling",
         "init_scale": "torch GradScaler's default init_scale (65536 = 2**16)",
         "hysteresis": "Megatron-LM's hysteresis=2",
         "health": "OLMo-core's skip-step optimizer; benchmarks/spikes.py (skip ends closest to clean runs)",
+        "lr_schedule": "on: the recipe's schedule (lr_schedule=False keeps your configure_optimizers' scheduler)",
+        "checkpoint": "on: StableCheckpoint with atomic saves (checkpoint=False: Lightning's own checkpointing)",
+        "watchdog": "on: PyTorch's NCCL watchdog variables and a 10-minute timeout (watchdog=False: yours as set)",
         "min_lr_ratio": "0: decay to zero, as transformers' linear and cosine schedules do",
         "lr_scaling": "your LR as configured; 'linear' is Goyal et al. 2017's linear scaling rule (lr * accumulation)",
         "accumulation": "1: no accumulation; the size presets (under-1b, 1b-10b, over-10b) set it",
         "effective_batch": "none: your DataLoader's batch",
-        "fsdp": "off: one replica per device (DDP or one device); over-10b and larger shard",
-        "activation_checkpointing": "off: 1b-10b and larger pair it with their heavy accumulation",
+        "fsdp": "off: one replica per device (DDP or one device); 1b-10b and larger shard (their model states, 16 "
+        "bytes per parameter with Adam, exceed one 80 GiB GPU from 5B parameters on)",
+        "activation_checkpointing": "off: 1b-10b and larger pair it with their heavy accumulation (with FSDP)",
         "tensor_parallel": "1: no tensor parallelism (the source's recipes shard with FSDP alone); "
         "`lightning-stability plan` says when a size is needed to fit",
         "num_nodes": "1",
     },
 )
 
-_FP16 = {"precision": "Micikevicius et al. 2018 (fp16 forward and backward, fp32 master weights and update)"}
+_FP16 = {
+    "precision": "a common 175B recipe: fp16 mixed precision with a loss scale (Micikevicius et al. 2018: fp16 "
+    "forward and backward, fp32 master weights and update)"
+}
 
 
 def _table() -> dict[str, Preset]:
@@ -136,26 +189,29 @@ def _table() -> dict[str, Preset]:
     under_1b = _BASE.derive(
         "under-1b",
         "models under 1B parameters",
-        {"accumulation": size, "effective_batch": size, **_FP16},
+        {"accumulation": size, "effective_batch": size},
         accumulation=4,
         effective_batch=512,
-        precision="16-mixed",
     )
     b1_10 = under_1b.derive(
         "1b-10b",
-        "models of 1-10B parameters",
-        {"activation_checkpointing": "a common pairing: heavy accumulation with activation checkpointing"},
+        "models of 1-10B parameters, sharded",
+        {
+            "activation_checkpointing": "a common pairing: heavy accumulation with activation checkpointing",
+            "fsdp": "full sharding (FSDP; ZeRO-3, Rajbhandari et al. 2020): 10B parameters hold 160 GB of model "
+            "states with Adam (16 bytes each), more than one GPU",
+        },
         accumulation=16,
         effective_batch=2048,
         activation_checkpointing=True,
+        fsdp=True,
     )
     over_10b = b1_10.derive(
         "over-10b",
         "models over 10B parameters, sharded",
-        {"fsdp": "full sharding (FSDP; ZeRO-3, Rajbhandari et al. 2020) for models that do not fit one device"},
+        {},
         accumulation=32,
         effective_batch=4096,
-        fsdp=True,
     )
     b100 = over_10b.derive(
         "100b",
@@ -175,6 +231,7 @@ def _table() -> dict[str, Preset]:
             "warmup": "a common 175B recipe: cosine with 5% warmup",
             "decay": "a common 175B recipe: cosine over the rest of the run",
             "init_scale": "a common 175B recipe: initial loss scale 32768 (2**15)",
+            **_FP16,
             "accumulation": "a common 175B recipe: accumulation 32",
             "fsdp": "a common 175B recipe: FSDP",
             "tensor_parallel": "1: a common 175B recipe shards with FSDP alone (Megatron's GPT-3 175B runs use TP 8, "
@@ -185,6 +242,7 @@ def _table() -> dict[str, Preset]:
         warmup=0.05,
         decay=0.95,
         init_scale=32768.0,
+        precision="16-mixed",
         accumulation=32,
         num_nodes=8,
     )
@@ -194,21 +252,85 @@ def _table() -> dict[str, Preset]:
 PRESETS: dict[str, Preset] = _table()
 
 
+@dataclass(frozen=True)
+class Layout:
+    """How a preset runs on given hardware: what ``StableTrainer.from_preset`` builds and what
+    ``lightning-stability plan --preset`` plans. ``notes`` say what differs from the recipe, and how to change it.
+    """
+
+    fsdp: bool
+    activation_checkpointing: bool
+    tensor_parallel: int
+    precision: str
+    notes: tuple[str, ...] = ()
+
+    @property
+    def sharding(self) -> str:
+        """The planner's name for the sharding: ``"full"`` (FSDP, ZeRO-3) or ``"none"`` (one replica per device)."""
+        return "full" if self.fsdp else "none"
+
+
+def layout(
+    preset: Preset,
+    *,
+    world_size: int,
+    devices_per_node: int,
+    gpu: bool,
+    bf16: bool = True,
+    own_strategy: bool = False,
+    own_precision: bool = False,
+) -> Layout:
+    """The preset's sharding, activation checkpointing, tensor parallelism and precision on ``world_size``
+    devices (``devices_per_node`` per machine; ``gpu``: CUDA, ``bf16``: the GPU computes in bf16).
+
+    ``own_strategy``/``own_precision``: the user passed ``strategy=``/``precision=`` (or a precision plugin):
+    the preset's strategy (sharding, checkpointing, TP) is not built / the precision is not adapted.
+    """
+    notes: list[str] = []
+    fsdp = preset.fsdp and not own_strategy
+    if fsdp and world_size < 2:
+        fsdp = False
+        notes.append("FSDP off (one device: nothing to shard)")
+    checkpointing = preset.activation_checkpointing and fsdp
+    if preset.activation_checkpointing and not fsdp:
+        where = "your strategy= replaces the preset's" if own_strategy else "it comes with FSDP, off on one device"
+        notes.append(f"activation checkpointing off ({where})")
+    tensor_parallel = 1
+    wanted = preset.tensor_parallel
+    if wanted > 1 and not fsdp:
+        why = "your strategy= replaces the preset's" if own_strategy else "one device"
+        notes.append(f"tensor parallelism off ({why}; the recipe's tensor_parallel={wanted})")
+    elif wanted > 1:
+        tensor_parallel = math.gcd(wanted, devices_per_node)
+        if tensor_parallel != wanted:
+            state = f"-> {tensor_parallel}" if tensor_parallel > 1 else "-> 1: tensor parallelism off"
+            notes.append(f"tensor_parallel {wanted} {state} (it must divide the {devices_per_node} devices per node)")
+    precision = preset.precision
+    if precision == "bf16-mixed" and gpu and not bf16 and not own_precision:
+        precision = "16-mixed"
+        notes.append("bf16-mixed -> 16-mixed with a loss scaler (this GPU has no bf16; precision='32-true' keeps fp32)")
+    return Layout(fsdp, checkpointing, tensor_parallel, precision, tuple(notes))
+
+
 def list_presets() -> dict[str, str]:
     """Every preset's name and one-line description."""
     return {name: p.description for name, p in PRESETS.items()}
 
 
-def get_preset(name: str) -> Preset:
-    """The preset ``name``; an unknown name is an error that lists the known ones and suggests the closest."""
-    preset = PRESETS.get(str(name).lower())
+def get_preset(name: str, argument: str = "name") -> Preset:
+    """The preset ``name``; an unknown name is an error (naming ``argument``) that lists the known ones and suggests
+    the closest."""
+    check_instance(argument, name, str, "a preset name or a Preset", "'gpt'")
+    preset = PRESETS.get(name.lower())
     if preset is not None:
         return preset
-    close = difflib.get_close_matches(str(name).lower(), PRESETS, n=1)
+    close = difflib.get_close_matches(name.lower(), PRESETS, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise StabilityConfigError(
-        f"Unknown preset {name!r}.{hint} Known presets: {', '.join(PRESETS)}. "
-        "Fix: pass one of them (`lightning-stability presets` lists them)."
+    raise config_error(
+        argument,
+        name,
+        f"is not a preset.{hint} Known presets: {', '.join(PRESETS)}",
+        "pass one of them (`lightning-stability presets` lists them)",
     )
 
 

@@ -6,7 +6,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.rich_progress import RichProgressBarTheme
 
+from lightning_stability.errors import check_bool, check_instance, check_int
 from lightning_stability.ledger.step_ledger import StepLedger
 
 #: ``stability/`` metric -> its label in the bar (shown once a callback has logged it)
@@ -41,11 +43,38 @@ class _StabilityMetrics(ProgressBar):
 
 
 class StabilityProgressBar(_StabilityMetrics, TQDMProgressBar):
-    """Lightning's TQDM progress bar with the stability metrics."""
+    """Lightning's TQDM progress bar with the stability metrics; its arguments are ``TQDMProgressBar``'s."""
+
+    def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False) -> None:
+        check_int("refresh_rate", refresh_rate, 0, "1 (0: off)")
+        check_int("process_position", process_position, 0, "0")
+        check_bool("leave", leave)
+        super().__init__(refresh_rate=refresh_rate, process_position=process_position, leave=leave)
 
 
 class StabilityRichProgressBar(_StabilityMetrics, RichProgressBar):
-    """Lightning's Rich progress bar with the stability metrics (needs ``rich``)."""
+    """Lightning's Rich progress bar with the stability metrics (needs ``rich``); its arguments are
+    ``RichProgressBar``'s."""
+
+    def __init__(
+        self,
+        refresh_rate: int = 100,
+        leave: bool = False,
+        theme: RichProgressBarTheme | None = None,
+        console_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        check_int("refresh_rate", refresh_rate, 0, "100 (0: off)")
+        check_bool("leave", leave)
+        if theme is not None:
+            check_instance("theme", theme, RichProgressBarTheme, "a RichProgressBarTheme", "RichProgressBarTheme()")
+        if console_kwargs is not None:
+            check_instance("console_kwargs", console_kwargs, dict, "a dict of rich Console arguments", "{}")
+        super().__init__(
+            refresh_rate=refresh_rate,
+            leave=leave,
+            theme=theme if theme is not None else RichProgressBarTheme(),
+            console_kwargs=console_kwargs,
+        )
 
 
 def stability_progress_bar() -> ProgressBar:

@@ -9,7 +9,6 @@ line. Overrides are any preset field or any ``Trainer`` argument; anything else 
 from __future__ import annotations
 
 import inspect
-import math
 import os
 from dataclasses import replace
 from typing import Any
@@ -28,11 +27,11 @@ from lightning_stability.amp.callback import LossScaleTuner
 from lightning_stability.checkpoint.callback import StableCheckpoint
 from lightning_stability.checkpoint.io import AtomicCheckpointIO, local_path
 from lightning_stability.cluster.watchdog import WatchdogSettings, watchdog_settings
-from lightning_stability.errors import StabilityConfigError
+from lightning_stability.errors import StabilityConfigError, check_instance
 from lightning_stability.grad_norm import GradientNormMonitor
 from lightning_stability.health.callback import TrainingHealthMonitor
 from lightning_stability.ledger.callback import LedgerCallback
-from lightning_stability.presets import FIELDS, Preset, get_preset
+from lightning_stability.presets import FIELDS, Preset, get_preset, layout
 from lightning_stability.progress import stability_progress_bar
 from lightning_stability.schedules.callback import WarmupConstantCosineLR
 from lightning_stability.strategies import StableFSDPStrategy
@@ -80,6 +79,8 @@ class StableTrainer(pl.Trainer):
         **kwargs: Any,
     ) -> None:
         recipe = None
+        if preset_overrides is not None:
+            check_instance("preset_overrides", preset_overrides, dict, "a dict of preset fields", '{"max_norm": 0.3}')
         if preset is not None:
             recipe, kwargs = _preset_arguments(preset, dict(preset_overrides or {}), kwargs)
         elif preset_overrides:
@@ -115,8 +116,8 @@ class StableTrainer(pl.Trainer):
 def _preset_arguments(
     name: str | Preset, fields: dict[str, Any], args: dict[str, Any]
 ) -> tuple[Preset, dict[str, Any]]:
-    """The preset with ``fields`` applied, and the Trainer arguments that build it on this hardware."""
-    preset = name if isinstance(name, Preset) else get_preset(name)
+    """The preset with ``fields`` applied (and adapted to this hardware), and the Trainer arguments that build it."""
+    preset = name if isinstance(name, Preset) else get_preset(name, "preset")
     unknown = sorted(set(fields) - set(FIELDS))
     if unknown:
         raise StabilityConfigError(
@@ -127,16 +128,18 @@ def _preset_arguments(
         del args["precision"]
     if "precision" in args:  # a preset field too: the recipe adapts it to the hardware (e.g. fp16 on a CPU)
         fields.setdefault("precision", args.pop("precision"))
+    chosen = "precision" in fields  # the user's precision: kept as given (fp16 on a CPU gets a scaler plugin)
     if "precision" in fields:  # Lightning's short spellings
         fields["precision"] = _ALIASES.get(str(fields["precision"]), fields["precision"])
     preset = replace(preset, **fields)
     extra = args.pop("callbacks", None) or []
     extra = [extra] if isinstance(extra, Callback) else list(extra)
     notes: list[str] = []
-    args.update(_hardware(preset, args, notes))
+    preset, hardware = _hardware(preset, args, notes, chosen)
+    args.update(hardware)
     callbacks = _callbacks(preset, args)
     _check_duplicates(preset, callbacks, extra)
-    checkpoint = _stable_checkpoint(args, extra)
+    checkpoint = _stable_checkpoint(preset, args, extra)
     if checkpoint is not None:
         callbacks.append(checkpoint)
     if args.get("enable_progress_bar") is not False and not any(isinstance(cb, ProgressBar) for cb in extra):
@@ -147,41 +150,48 @@ def _preset_arguments(
     return preset, args
 
 
-def _hardware(preset: Preset, args: dict[str, Any], notes: list[str]) -> dict[str, Any]:
-    """Nodes, strategy and precision for this machine; ``notes`` say what differs from the recipe."""
+def _hardware(preset: Preset, args: dict[str, Any], notes: list[str], chosen: bool) -> tuple[Preset, dict[str, Any]]:
+    """The preset as it runs on this machine, and its nodes, strategy and precision; ``notes`` say what differs
+    from the recipe. ``chosen``: the precision is the user's (not adapted)."""
     out: dict[str, Any] = {}
+    own_plugin = any(isinstance(p, MixedPrecision) for p in _plugins(args))
     accelerator = args.get("accelerator", "auto")
     gpu = torch.cuda.is_available() and str(accelerator) in ("auto", "gpu", "cuda")
     nodes = args.get("num_nodes")
     if nodes is None:
         nodes = min(preset.num_nodes, _nodes_in_environment())
         if nodes != preset.num_nodes:
-            notes.append(f"num_nodes {preset.num_nodes} -> {nodes} (the job runs on {nodes} machine(s))")
+            notes.append(
+                f"num_nodes {preset.num_nodes} -> {nodes} (the job runs on {nodes} machine(s); num_nodes= sets it)"
+            )
         out["num_nodes"] = nodes
     per_node = _devices_per_node(args.get("devices", "auto"), gpu)
     world = nodes * per_node
-    fsdp = preset.fsdp and "strategy" not in args
-    if fsdp and world < 2:
-        fsdp = False
-        notes.append("FSDP off (one device: nothing to shard)")
-    tensor_parallel = _tensor_parallel(preset, args, fsdp, per_node, notes)
-    watchdog = _watchdog(world, fsdp, notes)
-    user_precision = "precision" in args or any(isinstance(p, MixedPrecision) for p in args.get("plugins") or [])
+    plan = layout(
+        preset,
+        world_size=world,
+        devices_per_node=per_node,
+        gpu=gpu,
+        bf16=gpu and torch.cuda.is_bf16_supported(),
+        own_strategy="strategy" in args,
+        own_precision=chosen or own_plugin,
+    )
+    notes.extend(plan.notes)
+    preset = replace(preset, precision=plan.precision)  # type: ignore[arg-type]
+    fsdp = plan.fsdp
+    watchdog = _watchdog(preset, world, fsdp, notes)
     if fsdp:
         mixed = {"16-mixed": True, "bf16-mixed": torch.bfloat16, "32-true": False}[preset.precision]
         out["strategy"] = StableFSDPStrategy(
-            mixed_precision=None if user_precision else mixed,
-            activation_checkpointing=preset.activation_checkpointing,
-            tensor_parallel=tensor_parallel,
+            mixed_precision=None if own_plugin else mixed,
+            activation_checkpointing=plan.activation_checkpointing,
+            tensor_parallel=plan.tensor_parallel,
             timeout=watchdog.timeout if watchdog is not None else default_pg_timeout,
         )
-    elif preset.activation_checkpointing:
-        where = "your strategy= replaces the preset's" if "strategy" in args else "it comes with FSDP here"
-        notes.append(f"activation checkpointing off ({where})")
-    if _wants_atomic_io(args, fsdp):
+    if preset.checkpoint and _wants_atomic_io(args, fsdp):
         out["plugins"] = [*_plugins(args), AtomicCheckpointIO()]  # saves a crash cannot half-write
-    if user_precision or fsdp:
-        return out
+    if own_plugin or fsdp:
+        return preset, out
     if preset.precision == "16-mixed" and not gpu:
         # Lightning turns precision="16-mixed" on a CPU into bf16; an explicit scaler plugin keeps fp16
         out["plugins"] = [
@@ -191,37 +201,20 @@ def _hardware(preset: Preset, args: dict[str, Any], notes: list[str]) -> dict[st
         notes.append("fp16 on the CPU through an explicit loss-scaler plugin")
     else:
         out["precision"] = preset.precision
-    return out
+    return preset, out
 
 
-def _watchdog(world: int, fsdp: bool, notes: list[str]) -> WatchdogSettings | None:
-    """For a run of several processes: the NCCL watchdog variables a long run wants, set in ``os.environ`` where
-    the user has not set them (before the process group exists, so they act), and the shorter process-group
-    timeout for the preset's own FSDP strategy. Said in the info line."""
-    if world < 2:
+def _watchdog(preset: Preset, world: int, fsdp: bool, notes: list[str]) -> WatchdogSettings | None:
+    """For a run of several processes, unless ``watchdog=False``: the NCCL watchdog variables a long run wants,
+    set in ``os.environ`` where the user has not set them (before the process group exists, so they act), and the
+    shorter process-group timeout for the preset's own FSDP strategy. Said in the info line."""
+    if world < 2 or not preset.watchdog:
         return None
     settings = watchdog_settings(os.environ)
     os.environ.update(settings.env)
-    notes.append(settings.describe(timeout_applied=fsdp))  # else the strategy is Lightning's or yours: its timeout
+    # else the strategy is Lightning's or yours: its timeout
+    notes.append(settings.describe(timeout_applied=fsdp) + "; watchdog=False leaves them as they are")
     return settings if fsdp else None
-
-
-def _tensor_parallel(preset: Preset, args: dict[str, Any], fsdp: bool, per_node: int, notes: list[str]) -> int:
-    """The recipe's ``tensor_parallel`` on this machine: off without the preset's FSDP strategy (one device, or
-    the user's ``strategy=``), else the largest size that divides both it and the devices per node (a
-    tensor-parallel group stays within a node, as ``StableFSDPStrategy`` requires)."""
-    wanted = preset.tensor_parallel
-    if wanted == 1:
-        return 1
-    if not fsdp:
-        why = "your strategy= replaces the preset's" if "strategy" in args else "one device"
-        notes.append(f"tensor parallelism off ({why}; the recipe's tensor_parallel={wanted})")
-        return 1
-    size = math.gcd(wanted, per_node)
-    if size != wanted:
-        state = f"-> {size}" if size > 1 else "-> 1: tensor parallelism off"
-        notes.append(f"tensor_parallel {wanted} {state} (it must divide the {per_node} devices per node)")
-    return size
 
 
 def _plugins(args: dict[str, Any]) -> list[Any]:
@@ -257,15 +250,17 @@ def _fp16(preset: Preset, args: dict[str, Any]) -> bool:
 
 
 def _callbacks(preset: Preset, args: dict[str, Any]) -> list[Callback]:
-    callbacks: list[Callback] = [
-        GradientNormMonitor(max_norm=preset.max_norm),
-        WarmupConstantCosineLR(warmup=preset.warmup, decay=preset.decay, min_lr_ratio=preset.min_lr_ratio),
-    ]
+    callbacks: list[Callback] = [GradientNormMonitor(max_norm=preset.max_norm)]
+    if preset.lr_schedule:
+        callbacks.append(
+            WarmupConstantCosineLR(warmup=preset.warmup, decay=preset.decay, min_lr_ratio=preset.min_lr_ratio)
+        )
     if preset.accumulation > 1:
         callbacks.append(GradientAccumulation(steps=preset.accumulation, lr_scaling=preset.lr_scaling))
     if _fp16(preset, args):
         callbacks.append(LossScaleTuner(init_scale=preset.init_scale, hysteresis=preset.hysteresis))
-    callbacks.append(TrainingHealthMonitor(response=preset.health))
+    if preset.health is not None:
+        callbacks.append(TrainingHealthMonitor(response=preset.health))
     return callbacks
 
 
@@ -282,12 +277,14 @@ def checkpoint_interval(max_steps: Any) -> int | None:
     return min(SAVE_EVERY_MAX, max(1, int(max_steps * SAVE_FRACTION)))
 
 
-def _stable_checkpoint(args: dict[str, Any], extra: list[Callback]) -> StableCheckpoint | None:
+def _stable_checkpoint(preset: Preset, args: dict[str, Any], extra: list[Callback]) -> StableCheckpoint | None:
     """The preset's ``StableCheckpoint`` in ``<default_root_dir>/checkpoints`` (the same directory in every run, so
     ``ckpt_path="last"`` finds it), every :func:`checkpoint_interval` steps and at the end; none with
-    ``enable_checkpointing=False``, a ``ModelCheckpoint`` of the user's, or a remote ``default_root_dir`` (Lightning's
-    own ``ModelCheckpoint`` then applies)."""
-    if args.get("enable_checkpointing") is False or any(isinstance(cb, ModelCheckpoint) for cb in extra):
+    ``checkpoint=False``, ``enable_checkpointing=False``, a ``ModelCheckpoint`` of the user's, or a remote
+    ``default_root_dir`` (Lightning's own ``ModelCheckpoint`` then applies)."""
+    if not preset.checkpoint or args.get("enable_checkpointing") is False:
+        return None
+    if any(isinstance(cb, ModelCheckpoint) for cb in extra):
         return None
     root = local_path(args.get("default_root_dir") or os.getcwd())
     if root is None:
@@ -296,12 +293,13 @@ def _stable_checkpoint(args: dict[str, Any], extra: list[Callback]) -> StableChe
     return StableCheckpoint(dirpath=root / "checkpoints", every_n_train_steps=every, save_at_end=every is not None)
 
 
-_FIELD_OF = {
-    GradientNormMonitor: "max_norm",
-    WarmupConstantCosineLR: "warmup, decay, min_lr_ratio",
-    GradientAccumulation: "accumulation, lr_scaling",
-    LossScaleTuner: "init_scale, hysteresis",
-    TrainingHealthMonitor: "health",
+#: the preset fields that configure each of its callbacks, and the override that turns it off (None: none does)
+_FIELD_OF: dict[type[Callback], tuple[str, str | None]] = {
+    GradientNormMonitor: ("max_norm", None),
+    WarmupConstantCosineLR: ("warmup, decay, min_lr_ratio", "lr_schedule=False"),
+    GradientAccumulation: ("accumulation, lr_scaling", "accumulation=1"),
+    LossScaleTuner: ("init_scale, hysteresis", None),
+    TrainingHealthMonitor: ("health", "health=None"),
 }
 
 
@@ -312,9 +310,10 @@ def _check_duplicates(preset: Preset, ours: list[Callback], extra: list[Callback
         clash = next((o for o in ours if isinstance(o, LedgerCallback) and isinstance(cb, o.kind())), None)
         if clash is not None:
             kind = clash.kind()
-            fields = _FIELD_OF.get(type(clash), "its preset fields")
+            fields, off = _FIELD_OF.get(type(clash), ("its preset fields", None))
+            keep = f"; or turn the preset's off with {off} and keep yours" if off else ""
             raise StabilityConfigError(
                 f"StableTrainer.from_preset({preset.name!r}) already attaches a {kind.__name__}, and callbacks= "
                 f"adds another ({type(cb).__name__}). Fix: override the preset's instead ({fields}=...), e.g. "
-                f"StableTrainer.from_preset({preset.name!r}, {fields.split(',')[0]}=...)."
+                f"StableTrainer.from_preset({preset.name!r}, {fields.split(',')[0]}=...){keep}."
             )

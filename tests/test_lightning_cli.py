@@ -86,3 +86,19 @@ def test_a_preset_from_the_command_line() -> None:
     health.report = False
     trainer.fit(cli.model)
     assert trainer.global_step == 3
+
+
+def test_a_presets_parts_turned_off_from_the_command_line() -> None:
+    overrides = "{lr_schedule: false, health: null, max_norm: null, checkpoint: false, watchdog: false}"
+    args = ["--trainer.preset=gpt", f"--trainer.preset_overrides={overrides}", "--trainer.max_steps=2"]
+    cli = LightningCLI(
+        TinyModule, trainer_class=StableTrainer, run=False, save_config_callback=None, args=[*args, *QUIET]
+    )
+    kinds = {type(cb) for cb in cli.trainer.callbacks}
+    assert WarmupConstantCosineLR not in kinds and TrainingHealthMonitor not in kinds
+    norm = next(cb for cb in cli.trainer.callbacks if isinstance(cb, GradientNormMonitor))
+    assert norm.max_norm is None
+    preset = cli.trainer.preset  # type: ignore[attr-defined]
+    assert (preset.lr_schedule, preset.health, preset.checkpoint, preset.watchdog) == (False, None, False, False)
+    cli.trainer.fit(cli.model)
+    assert cli.trainer.global_step == 2

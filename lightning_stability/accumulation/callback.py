@@ -23,7 +23,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import BatchSizeFinder, Callback, GradientAccumulationScheduler, LearningRateFinder
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -51,14 +51,17 @@ class GradientAccumulation(LedgerCallback):
     over the effective batch: the full-batch gradient of a model without BatchNorm. Under DDP the
     gradients are all-reduced once per optimizer step, on the last micro-batch only.
 
-    LR scaling (``lr_scaling``) for a factor ``k``, relative to the LR set in ``configure_optimizers``
-    (tuned for one micro-batch):
+    LR scaling (``lr_scaling``) for a factor ``k``. The default ``"none"`` keeps the LR set in
+    ``configure_optimizers``, as Lightning's ``accumulate_grad_batches`` does: replacing that argument with this
+    callback changes nothing about the LR. The other rules treat the configured LR as tuned for one micro-batch
+    and scale it; when one changes the LR, one info line at fit start says from what to what and how to turn it
+    off:
 
     - ``"linear"`` (``lr = base_lr * k``, the linear scaling rule): right for SGD with momentum when the batch is
       still well below the critical batch size (Goyal et al., 2017); too large for Adam at large ``k``.
     - ``"sqrt"`` (``lr = base_lr * sqrt(k)``): keeps the update's noise scale for Adam-type
       optimizers (Malladi et al., 2022); the usual choice for Adam/AdamW.
-    - ``"none"``: the LR was already tuned for the accumulated batch.
+    - ``"none"`` (default): the LR as configured (tuned for the accumulated batch).
     - ``"adascale"`` (needs the ``fairscale`` extra): FairScale's AdaScale gain, measured from the
       spread of the micro-batch gradients: 1 when they agree (no gain from a larger batch), up to
       ``k`` when they are pure noise (linear scaling). It is recomputed every step; FairScale's
@@ -92,7 +95,8 @@ class GradientAccumulation(LedgerCallback):
 
     Args:
         steps: micro-batches per optimizer step: an int, or ``{applied_updates: factor}``.
-        lr_scaling: ``"linear"``, ``"sqrt"``, ``"none"`` or ``"adascale"`` (see above).
+        lr_scaling: ``"none"`` (default: the LR as configured), ``"linear"``, ``"sqrt"`` or ``"adascale"`` (see
+            above).
         batchnorm: ``"warn"``, ``"ignore"``, ``"group_norm"`` or ``"sync_batchnorm"`` (see above).
         log_every_n_steps: log every this many optimizer steps; default: the Trainer's.
 
@@ -114,7 +118,7 @@ class GradientAccumulation(LedgerCallback):
     def __init__(
         self,
         steps: int | Mapping[int, int] = 1,
-        lr_scaling: str = "linear",
+        lr_scaling: str = "none",
         batchnorm: str = "warn",
         log_every_n_steps: int | None = None,
     ) -> None:
@@ -227,9 +231,28 @@ class GradientAccumulation(LedgerCallback):
         self._opened = False
         has_schedule = any(isinstance(cb, ScheduledLR) for cb in trainer.callbacks)  # type: ignore[attr-defined]
         self._lr.start(self._optimizer, active=self.lr_scaling in ("linear", "sqrt") and not has_schedule)
+        self._say_lr_change(has_schedule)
         if self.lr_scaling == "adascale":
             self._adascale.start(self._optimizer)
         self._fsdp = fsdp_to_drive(trainer.strategy, pl_module)
+
+    def _say_lr_change(self, has_schedule: bool) -> None:
+        """One info line at fit start when ``lr_scaling`` changes the configured LR, with the way to turn it off."""
+        if self.lr_scaling == "none" or self._schedule.max_factor == 1 or self._optimizer is None:
+            return
+        where = "the peak of the LR schedule" if has_schedule else "the LR"
+        if self.lr_scaling == "adascale":
+            change = "x AdaScale's gain (1 to k, measured every step)"
+        else:
+            scales = list(dict.fromkeys(lr_scale(k, self.lr_scaling) for k in self._schedule.factors))
+            change = " then ".join(f"x{s:g}" for s in scales)
+            if not has_schedule and self._lr.base_lrs:
+                base = self._lr.base_lrs[0]
+                change = " then ".join(f"{base:g} -> {base * s:g}" for s in scales) + f" ({change})"
+        rank_zero_info(
+            f"GradientAccumulation(steps={self.steps!r}, lr_scaling={self.lr_scaling!r}) scales {where} with the "
+            f"micro-batches per step: {change}. To keep the LR as configured, pass lr_scaling='none'."
+        )
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning steps on the last batch of every epoch, so an epoch always starts a new window.

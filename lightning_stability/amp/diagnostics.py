@@ -31,7 +31,7 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_stability import _compat
-from lightning_stability.errors import StabilityConfigError, config_error
+from lightning_stability.errors import StabilityConfigError, check_bool, check_instance, config_error
 from lightning_stability.ledger.skips import loss_scaler
 from lightning_stability.norms import combine_norms, per_tensor_norms
 
@@ -293,6 +293,8 @@ def check_training_status(model: nn.Module, verbose: bool = True) -> TrainingSta
         # Grad norms: mean=0.031 max=0.12 (net.0.weight), total 0.19, non-finite 0/6
         # Param norms: mean=0.81 max=2.3 (net.0.weight)
     """
+    check_instance("model", model, nn.Module, "an nn.Module", "pl_module")
+    check_bool("verbose", verbose)
     named = [(n, p) for n, p in model.named_parameters()]
     if not named:
         raise config_error("model", type(model).__name__, "has no parameters", "pass the module being trained")

@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from lightning_stability import _compat
 from lightning_stability.amp.rule import HostScaleState, ScaleRule
 from lightning_stability.amp.state import OverflowCounts, RuleState, ScaleProbe, overflow_read_on_host
-from lightning_stability.errors import check_int, config_error
+from lightning_stability.errors import check_bool, check_instance, check_int, config_error
 from lightning_stability.ledger.skips import has_votes_in_flags, restore_overflow_flags
 
 if TYPE_CHECKING:
@@ -94,6 +94,10 @@ class TunedGradScaler(torch.amp.GradScaler):
         process_group: ProcessGroup | None = None,
         enabled: bool = True,
     ) -> None:
+        check_instance("device", device, (str, torch.device), "a device", "'cuda' or 'cpu'")
+        if process_group is not None:
+            check_instance("process_group", process_group, dist.ProcessGroup, "a ProcessGroup or None", "None")
+        check_bool("enabled", enabled)
         check_scaler_arguments(
             init_scale,
             growth_factor,

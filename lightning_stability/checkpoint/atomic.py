@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from lightning_stability import _compat
+from lightning_stability.errors import check_instance, check_path
 
 PARTIAL_PREFIX = ".lsckpt-partial-"
 OLD_PREFIX = ".lsckpt-old-"
@@ -310,6 +311,9 @@ def verify_checkpoint(path: str | os.PathLike[str], *, meta_file: str | None = "
 
         verify_checkpoint("checkpoints/last.ckpt")   # before handing the path to another job
     """
+    check_path("path", path, "'checkpoints/last.ckpt'")
+    if meta_file is not None:
+        check_instance("meta_file", meta_file, str, "a file name or None", "'meta.pt'")
     found = resolve(Path(path))
     if found.is_dir():
         verify_sharded(found, meta_file)

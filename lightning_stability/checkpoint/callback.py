@@ -20,6 +20,7 @@ from torch import Tensor
 
 from lightning_stability import _compat
 from lightning_stability.checkpoint import atomic
+from lightning_stability.checkpoint.arguments import check_model_checkpoint_arguments
 from lightning_stability.checkpoint.atomic import CheckpointError
 from lightning_stability.checkpoint.io import local_path
 from lightning_stability.checkpoint.preemption import PreemptionSignals, check_signals, default_signals
@@ -113,6 +114,22 @@ class StableCheckpoint(ModelCheckpoint):
         save_on_train_epoch_end: bool | None = None,
         enable_version_counter: bool = True,
     ) -> None:
+        check_model_checkpoint_arguments(
+            dirpath=dirpath,
+            filename=filename,
+            monitor=monitor,
+            verbose=verbose,
+            save_last=save_last,
+            save_top_k=save_top_k,
+            signals=signals,
+            mode=mode,
+            auto_insert_metric_name=auto_insert_metric_name,
+            every_n_train_steps=every_n_train_steps,
+            train_time_interval=train_time_interval,
+            every_n_epochs=every_n_epochs,
+            save_on_train_epoch_end=save_on_train_epoch_end,
+            enable_version_counter=enable_version_counter,
+        )
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise config_error("keep", keep, "must be an int >= 1", "pass e.g. keep=3 (the newest healthy checkpoints)")
         if save_weights_only:

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from lightning_stability.errors import config_error
+from lightning_stability.errors import check_instance, config_error
 
 #: The process-group timeout for a long run: Megatron-LM's default (``--distributed-timeout-minutes 10``). torch's
 #: default is 30 minutes (``torch.distributed.constants.default_pg_timeout``, which Lightning's strategies pass
@@ -127,6 +127,7 @@ def watchdog_settings(
         trainer = L.Trainer(strategy=DDPStrategy(timeout=settings.timeout))
         print(settings.describe())
     """
+    check_instance("existing_env", existing_env, Mapping, "a mapping of variable names to values", "os.environ")
     if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
         raise config_error("timeout", timeout, "is not a positive timedelta", "pass e.g. timedelta(minutes=10)")
     if dump_prefix is not None and (not isinstance(dump_prefix, str) or not dump_prefix):
@@ -149,4 +150,5 @@ def watchdog_settings(
 
 def watchdog_environment(existing_env: Mapping[str, str], dump_prefix: str | None = None) -> dict[str, str]:
     """The variables :func:`watchdog_settings` would set: ``{name: value}`` for those the user has not set."""
+    check_instance("existing_env", existing_env, Mapping, "a mapping of variable names to values", "os.environ")
     return watchdog_settings(existing_env, dump_prefix=dump_prefix).env

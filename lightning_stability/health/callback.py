@@ -18,9 +18,17 @@ from torch.optim import Optimizer
 
 from lightning_stability.checkpoint.atomic import CheckpointError, verify_checkpoint
 from lightning_stability.checkpoint.callback import StableCheckpoint
-from lightning_stability.errors import StabilityConfigError, check_int, config_error
+from lightning_stability.errors import (
+    StabilityConfigError,
+    check_bool,
+    check_int,
+    check_number,
+    check_path,
+    config_error,
+)
 from lightning_stability.grad_norm import GradientNormMonitor
 from lightning_stability.health.history import HealthHistory, HealthReporter
+from lightning_stability.health.report_loggers import send_report
 from lightning_stability.health.rollback import HostFlag, Rollback, newest_clean_step, restore_checkpoint
 from lightning_stability.health.signals import UpdateSize, capacity, mean_over_ranks, peak_memory_over_ranks
 from lightning_stability.health.spike_stats import NEW_LEVEL_AFTER, IntervalMean, SpikeStats, zclip_threshold
@@ -65,8 +73,9 @@ class TrainingHealthMonitor(LedgerCallback):
 
     On logging steps it also measures the update-to-weight ratio ``‖Δθ‖/‖θ‖`` (total and per module, one
     transient copy of the local shard) and the peak memory (max over ranks), and warns when the peak nears
-    the device's capacity. At the end of ``fit`` it writes the stability report (JSON, and a PNG with
-    matplotlib) into the logger's directory or ``report_dir``.
+    the device's capacity. At the end of ``fit``, and when it ends in an exception, it writes the stability report
+    (JSON, and a PNG with matplotlib) into the logger's directory or ``report_dir``, and sends it to the loggers
+    that take images or files (TensorBoard, W&B, MLflow).
 
     Args:
         response: ``"warn"``, ``"clip"``, ``"skip"`` or ``"rollback"``.
@@ -87,7 +96,8 @@ class TrainingHealthMonitor(LedgerCallback):
             :class:`TrainingDivergedError`.
         memory_warn_fraction: warn when the peak memory passes this share of the capacity.
         top_modules: per-module update ratios logged on logging steps (the largest ones).
-        report: write the stability report at the end of ``fit``.
+        report: write the stability report at the end of ``fit``, also when it ends in an exception, and send it
+            to the loggers that take images or files (TensorBoard, W&B, MLflow).
         report_dir: where; default: the logger's ``log_dir``, else the Trainer's ``default_root_dir``.
         log_every_n_steps: default: the Trainer's.
 
@@ -130,6 +140,9 @@ class TrainingHealthMonitor(LedgerCallback):
             top_modules,
             max_disk_rollbacks,
         )
+        check_bool("report", report)
+        if report_dir is not None:
+            check_path("report_dir", report_dir, "'reports/'")
         self.response, self.spike_z, self.clip_z = response, float(spike_z), float(clip_z)
         self.rollback = Rollback(snapshot_every, skip_batches, max_rollbacks, max_disk_rollbacks)
         self.report, self.report_dir = report, report_dir
@@ -405,19 +418,40 @@ class TrainingHealthMonitor(LedgerCallback):
         if self.report and trainer.is_global_zero:
             self.write_report(trainer)
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """A fit that ends in an exception (a ``TrainingDivergedError``, a crash in the step, Ctrl-C) still leaves
+        its report, with ``meta.ended`` naming the exception; a failure to write it is a warning, and the
+        exception goes on as it was."""
+        if not (self.report and trainer.is_global_zero and self._trainer is trainer):
+            return
+        try:
+            # HOST SYNC (once): the rows recorded since the last logging step
+            self._log.take_rows(self.history.pending_on_host(), {})
+        except Exception as err:  # the device may be what failed: keep what reached the host
+            rank_zero_warn(f"stability report: the last steps' rows were lost ({type(err).__name__}: {err})")
+        try:
+            self.write_report(trainer, ended=f"{type(exception).__name__}: {exception}")
+        except Exception as err:
+            rank_zero_warn(f"stability report not written after the {type(exception).__name__}: {err}")
+
     def write_report(
-        self, trainer: pl.Trainer | None = None, out_dir: str | Path | None = None
+        self, trainer: pl.Trainer | None = None, out_dir: str | Path | None = None, ended: str = "normally"
     ) -> tuple[Path, Path | None]:
-        """Write ``stability_report.json`` (and ``.png`` with matplotlib); returns their paths."""
+        """Write ``stability_report.json`` (and ``.png`` with matplotlib), and send them to the Trainer's loggers
+        that take images or files (TensorBoard, W&B, MLflow: see ``health/report_loggers.py``); returns the paths.
+        ``ended``: how the fit ended, kept as ``meta.ended``."""
         trainer = trainer or self._trainer
         directory = out_dir or self.report_dir
         if directory is None and trainer is not None:
             directory = (
                 trainer.logger.log_dir if trainer.logger is not None and trainer.logger.log_dir else None
             ) or trainer.default_root_dir
-        meta = {"response": self.response, "spike_z": self.spike_z, "clip_z": self.clip_z}
+        meta = {"response": self.response, "spike_z": self.spike_z, "clip_z": self.clip_z, "ended": ended}
         counts = {"rollbacks": self.rollback.rollbacks, "disk_rollbacks": self.rollback.disk_rollbacks}
-        return self._log.write_report(directory or ".", {**meta, **counts})
+        json_path, png_path = self._log.write_report(directory or ".", {**meta, **counts})
+        if trainer is not None:
+            send_report(trainer.loggers, json_path, png_path, trainer.global_step)
+        return json_path, png_path
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -489,7 +523,8 @@ def check_health_arguments(
     for name, value in (("max_rollbacks", max_rollbacks), ("top_modules", top_modules)):
         check_int(name, value, 0, "3 or 5")
     check_int("max_disk_rollbacks", max_disk_rollbacks, 0, "1, or 0 to stop instead of loading a checkpoint")
-    if not 0 < memory_warn_fraction <= 1:
+    check_number("memory_warn_fraction", memory_warn_fraction, 0.0, example="0.9")
+    if memory_warn_fraction > 1:
         raise config_error("memory_warn_fraction", memory_warn_fraction, "must be in (0, 1]", "pass e.g. 0.9")
 
 

@@ -167,6 +167,7 @@ class LedgerCallback(Callback):
         if stage != "fit":
             return
         _compat.check_supported(trainer)
+        refuse_foreign_sharding(trainer.strategy, type(self).__name__)
         kind = self.kind()
         same = [cb for cb in trainer.callbacks if isinstance(cb, kind)]  # type: ignore[attr-defined]
         if len(same) > 1:
@@ -231,3 +232,30 @@ class LedgerCallback(Callback):
     def transient_state(self) -> dict[str, Any]:
         """Attributes reset when the callback is pickled (references to the run: tensors, optimizers)."""
         return {}
+
+
+def refuse_foreign_sharding(strategy: Any, callback: str) -> None:
+    """At setup: refuse Lightning's ``FSDPStrategy`` (FSDP1) and ``DeepSpeedStrategy``, naming the one-word switch.
+
+    Under both, each rank's gradients are flat local shards that the Lightning hooks see only in part, and the
+    optimizer step belongs to the wrapper: no callback can measure the global norm, clip by it, or skip a step
+    exactly there (Lightning's own ``gradient_clip_val`` raises under ``FSDPStrategy``, Lightning issue #19235).
+    """
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    if isinstance(strategy, FSDPStrategy):
+        raise StabilityConfigError(
+            f"{callback} cannot run under Lightning's FSDPStrategy (strategy='fsdp'): FSDP1 keeps each rank's "
+            "gradients as flat local shards, so the global norm, clipping by it and skipping a step are not exact "
+            "there. Fix: change one word, FSDPStrategy(...) -> StableFSDPStrategy(...) with the same arguments "
+            "(strategy='fsdp' -> strategy='stable_fsdp'; `from lightning_stability import StableFSDPStrategy`), "
+            "or use Lightning's ModelParallelStrategy (FSDP2)."
+        )
+    if isinstance(strategy, DeepSpeedStrategy):
+        raise StabilityConfigError(
+            f"{callback} cannot run under DeepSpeedStrategy: DeepSpeed's engine owns the step (its own clipping, "
+            "loss scaling and accumulation over flat partitioned gradients), so no callback can measure, clip or "
+            "skip it exactly. Fix: shard with StableFSDPStrategy (strategy='stable_fsdp'; full sharding is ZeRO-3, "
+            "sharding_strategy='SHARD_GRAD_OP' is ZeRO-2's communication) or Lightning's ModelParallelStrategy "
+            "(FSDP2)."
+        )

@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stability import _compat
+from lightning_stability.errors import check_instance
 from lightning_stability.ledger.gradients import ClipScale, StepGradients
 from lightning_stability.ledger.metrics import FlushHook, MetricQueue
 from lightning_stability.ledger.skips import Flag, SkipDecision, loss_scaler
@@ -60,6 +61,10 @@ class StepLedger:
     _last: ClassVar[weakref.ref[StepLedger] | None] = None  # the ledger `of` found last: every hook asks again
 
     def __init__(self, trainer: pl.Trainer | None = None) -> None:
+        if trainer is not None:
+            from lightning.pytorch import Trainer
+
+            check_instance("trainer", trainer, Trainer, "a lightning Trainer or None", "trainer (or StepLedger.of)")
         self._trainer_ref = weakref.ref(trainer) if trainer is not None else None
         self.values: dict[str, Tensor] = {}
         self.outcome: Outcome | Tensor = Outcome.APPLIED

@@ -156,7 +156,8 @@ class ScheduledLR(LedgerCallback):
             raise StabilityConfigError(
                 f"`configure_optimizers` returns LR scheduler(s) {names} and {type(self).__name__} also sets "
                 "the learning rate: both would write it. Fix: return only the optimizer from "
-                f"`configure_optimizers`, or remove {type(self).__name__} from the Trainer's callbacks."
+                f"`configure_optimizers`, or remove {type(self).__name__} from the Trainer's callbacks "
+                "(from a preset: StableTrainer.from_preset(..., lr_schedule=False) keeps your scheduler)."
             )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

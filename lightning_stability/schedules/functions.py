@@ -40,21 +40,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from lightning_stability.errors import config_error
+from lightning_stability.errors import check_length, check_ratio, config_error
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _check_length(length: float, name: str) -> None:
-    if isinstance(length, bool) or not isinstance(length, (int, float)) or not math.isfinite(length) or length < 0:
-        raise config_error(
-            name, length, "must be a fraction in [0, 1) or a whole step count >= 1", "pass e.g. 0.05 or 500"
-        )
-    if length >= 1 and float(length) != int(length):
-        raise config_error(
-            name, length, "is >= 1 but not a whole number of steps", f"pass {int(length)} or a fraction < 1"
-        )
-
-
 def resolve_steps(length: float, total_steps: int | None, name: str = "length") -> int:
     """A phase length as a step count: a fraction of the run when ``< 1``, a count when ``>= 1``.
 
@@ -71,7 +60,7 @@ def resolve_steps(length: float, total_steps: int | None, name: str = "length") 
         >>> resolve_steps(0.05, 1000), resolve_steps(50, None)
         (50, 50)
     """
-    _check_length(length, name)
+    check_length(name, length)
     if length >= 1 or length == 0:
         return int(length)
     if total_steps is None:
@@ -90,11 +79,8 @@ def _require_total(total_steps: int | None) -> int:
     return total_steps
 
 
-def _check_floor(min_lr_ratio: float) -> None:
-    if isinstance(min_lr_ratio, bool) or not isinstance(min_lr_ratio, (int, float)) or not 0 <= min_lr_ratio <= 1:
-        raise config_error(
-            "min_lr_ratio", min_lr_ratio, "must be in [0, 1]", "pass e.g. 0.0 or 0.1 (10% of the base LR)"
-        )
+def check_floor(min_lr_ratio: float) -> None:
+    check_ratio("min_lr_ratio", min_lr_ratio, "0.0 or 0.1 (10% of the base LR)")
 
 
 def _warmup(step: int, warmup_steps: int) -> float:
@@ -148,7 +134,7 @@ def warmup_constant_cosine(
     Raises:
         StabilityConfigError: bad lengths, or warmup and decay that would overlap.
     """
-    _check_floor(min_lr_ratio)
+    check_floor(min_lr_ratio)
     w, c, d = _phases(total_steps, warmup, decay)
     if step < w:  # 1) linear warmup
         return _warmup(step, w)
@@ -176,15 +162,19 @@ def linear(step: int, total_steps: int, warmup: float = 0.0, min_lr_ratio: float
 
 
 def _warmup_then_decay(step: int, total_steps: int, warmup: float, min_lr_ratio: float, shape: str) -> float:
-    _check_floor(min_lr_ratio)
+    check_floor(min_lr_ratio)
     w, _, d = _phases(total_steps, warmup, None)
     return _warmup(step, w) if step < w else _decay(step, w, d, shape, min_lr_ratio)
 
 
 def _check_step_args(gamma: float, every: float | None, milestones: Sequence[float], min_lr_ratio: float) -> None:
-    _check_floor(min_lr_ratio)
+    check_floor(min_lr_ratio)
     if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 < gamma <= 1:
         raise config_error("gamma", gamma, "must be in (0, 1]", "pass e.g. 0.1 (divide the LR by 10 at each drop)")
+    if not isinstance(milestones, (list, tuple)):
+        raise config_error(
+            "milestones", milestones, "must be a list of update counts or fractions", "pass e.g. [1000, 2000]"
+        )
     if (every is None) == (not milestones):
         raise config_error(
             "every/milestones",
@@ -193,6 +183,8 @@ def _check_step_args(gamma: float, every: float | None, milestones: Sequence[flo
             "pass every=1000 or milestones=[...]",
         )
     _check_lengths({"every": every, **{f"milestones[{i}]": m for i, m in enumerate(milestones)}})
+    if every is not None and every == 0:
+        raise config_error("every", every, "must be > 0", "pass e.g. every=1000 (updates) or 0.3 (of the run)")
 
 
 def step_decay(
@@ -256,7 +248,7 @@ def inverse_sqrt(step: int, warmup: float = 0.0, min_lr_ratio: float = 0.0, tota
         min_lr_ratio: the floor, as a fraction of the base LR.
         total_steps: the run length; needed only when ``warmup`` is a fraction.
     """
-    _check_floor(min_lr_ratio)
+    check_floor(min_lr_ratio)
     w = resolve_steps(warmup, total_steps, "warmup")
     if step < w:
         return _warmup(step, w)
@@ -267,4 +259,4 @@ def inverse_sqrt(step: int, warmup: float = 0.0, min_lr_ratio: float = 0.0, tota
 def _check_lengths(values: dict[str, float | None]) -> None:
     for name, value in values.items():
         if value is not None:
-            _check_length(value, name)
+            check_length(name, value)

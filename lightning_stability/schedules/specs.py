@@ -9,12 +9,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_stability.errors import config_error
+from lightning_stability.errors import check_instance, check_length, config_error
 from lightning_stability.schedules.functions import (
-    _check_floor,
     _check_lengths,
     _check_step_args,
     _require_total,
+    check_floor,
     cosine,
     inverse_sqrt,
     linear,
@@ -56,8 +56,9 @@ class WarmupConstantCosineSchedule(Schedule):
     min_lr_ratio: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_lengths({"warmup": self.warmup, "decay": self.decay})
-        _check_floor(self.min_lr_ratio)
+        check_length("warmup", self.warmup)
+        _check_lengths({"decay": self.decay})
+        check_floor(self.min_lr_ratio)
         if self.warmup < 1 and self.decay < 1 and self.warmup + self.decay > 1 + 1e-9:
             raise config_error(
                 "warmup + decay",
@@ -83,8 +84,8 @@ class _WarmupDecaySchedule(Schedule):
     min_lr_ratio: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_lengths({"warmup": self.warmup})
-        _check_floor(self.min_lr_ratio)
+        check_length("warmup", self.warmup)
+        check_floor(self.min_lr_ratio)
 
     @staticmethod
     def shape(step: int, total_steps: int, warmup: float, min_lr_ratio: float) -> float:
@@ -127,8 +128,9 @@ class StepSchedule(Schedule):
     min_lr_ratio: float = 0.0
 
     def __post_init__(self) -> None:
+        check_instance("milestones", self.milestones, (list, tuple), "a list of update counts or fractions", "[1000]")
         object.__setattr__(self, "milestones", tuple(self.milestones))
-        _check_lengths({"warmup": self.warmup})
+        check_length("warmup", self.warmup)
         _check_step_args(self.gamma, self.every, self.milestones, self.min_lr_ratio)
 
     @property
@@ -153,8 +155,8 @@ class InverseSqrtSchedule(Schedule):
     min_lr_ratio: float = 0.0
 
     def __post_init__(self) -> None:
-        _check_lengths({"warmup": self.warmup})
-        _check_floor(self.min_lr_ratio)
+        check_length("warmup", self.warmup)
+        check_floor(self.min_lr_ratio)
 
     @property
     def needs_total_steps(self) -> bool:  # type: ignore[override]

@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -23,9 +24,10 @@ from torch.optim import Optimizer
 from lightning_stability import _compat
 from lightning_stability.checkpoint import atomic
 from lightning_stability.checkpoint.atomic import CheckpointError
-from lightning_stability.errors import StabilityConfigError
+from lightning_stability.errors import StabilityConfigError, check_instance, config_error
 from lightning_stability.strategies import fsdp_checkpoint as ckpt
 from lightning_stability.strategies import fsdp_fairscale as fs
+from lightning_stability.strategies import fsdp_lightning as lightning
 from lightning_stability.strategies import fsdp_wrap as wrap
 from lightning_stability.strategies.fsdp_config import (
     adopt_precision,
@@ -132,13 +134,13 @@ class StableFSDPStrategy(ParallelStrategy):
     def __init__(
         self,
         *,
-        auto_wrap_policy: wrap.WrapPolicy = None,
+        auto_wrap_policy: wrap.WrapPolicy | Any = None,
         mixed_precision: bool | str | torch.dtype | Any | None = None,
         reduce_dtype: torch.dtype | None = torch.float32,
         flatten_parameters: bool | None = None,
-        cpu_offload: bool = False,
+        cpu_offload: bool | Any = False,
         reshard_after_forward: bool | int = True,
-        activation_checkpointing: bool | Collection[type[nn.Module]] = False,
+        activation_checkpointing: bool | type[nn.Module] | Collection[type[nn.Module]] | None = False,
         sharding: Literal["full", "hybrid"] = "full",
         device_mesh: tuple[int, int] | None = None,
         state_dict_type: Literal["sharded", "full"] | None = None,
@@ -146,16 +148,49 @@ class StableFSDPStrategy(ParallelStrategy):
         tensor_parallel: int = 1,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        sharding_strategy: Any = None,
+        activation_checkpointing_policy: Any = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        precision_plugin: Precision | None = None,
         **fairscale_kwargs: Any,
     ) -> None:
+        notes: list[str] = []
+        if backend == "native":  # Lightning FSDPStrategy's keywords (see strategies/fsdp_lightning.py)
+            notes = lightning.check_lightning_keywords(fairscale_kwargs)
+            if sharding_strategy is not None:
+                if sharding != "full" or reshard_after_forward is not True:
+                    raise config_error(
+                        "sharding_strategy",
+                        sharding_strategy,
+                        f"is given together with sharding={sharding!r}/reshard_after_forward={reshard_after_forward!r}",
+                        "pass one of them: FSDPStrategy's sharding_strategy, or this strategy's sharding and "
+                        "reshard_after_forward",
+                    )
+                sharding, reshard_after_forward = lightning.sharding_of(sharding_strategy)  # type: ignore[assignment]
+            auto_wrap_policy = lightning.wrap_policy(auto_wrap_policy)
+            if activation_checkpointing_policy is not None:
+                activation_checkpointing = lightning.checkpointing_of(
+                    activation_checkpointing, activation_checkpointing_policy
+                )
+            cpu_offload = lightning.cpu_offload_of(cpu_offload)
+            mixed_precision = lightning.mixed_precision_of(mixed_precision)
+        else:
+            for key, value in (
+                ("sharding_strategy", sharding_strategy),
+                ("activation_checkpointing_policy", activation_checkpointing_policy),
+            ):
+                if value is not None:
+                    raise config_error(key, value, "is an FSDPStrategy keyword, for backend='native'", "drop it")
         self._cfg = parse_arguments(
             auto_wrap_policy=auto_wrap_policy,
             mixed_precision=mixed_precision,
             reduce_dtype=reduce_dtype,
             flatten_parameters=flatten_parameters,
-            cpu_offload=cpu_offload,
+            cpu_offload=bool(cpu_offload) if cpu_offload is None else cpu_offload,
             reshard_after_forward=reshard_after_forward,
-            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing=False if activation_checkpointing is None else activation_checkpointing,
             sharding=sharding,
             device_mesh=device_mesh,
             state_dict_type=state_dict_type,
@@ -163,6 +198,10 @@ class StableFSDPStrategy(ParallelStrategy):
             extra=fairscale_kwargs,
             tensor_parallel=tensor_parallel,
         )
+        if process_group_backend is not None:
+            check_instance("process_group_backend", process_group_backend, str, "a backend name or None", "'nccl'")
+        if timeout is not None:
+            check_instance("timeout", timeout, timedelta, "a timedelta or None", "timedelta(minutes=10)")
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._device_mesh: DeviceMesh | None = None
@@ -170,8 +209,14 @@ class StableFSDPStrategy(ParallelStrategy):
         self._wrapped: nn.Module | None = None
         self._cleaned_dirs: set[Path] = set()  # rank 0: directories cleared of what a crashed save left
         self.num_nodes = 1
-        super().__init__()
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment
+        )
+        if precision_plugin is not None:
+            self.precision_plugin = precision_plugin
         explain_flatten_parameters(self._cfg)
+        if notes:
+            rank_zero_info("StableFSDPStrategy: " + "; ".join(notes) + ".")
 
     # ------------------------------------------------------------------ precision
     @property

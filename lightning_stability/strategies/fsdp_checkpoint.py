@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 
 from lightning_stability import _compat
 from lightning_stability.checkpoint import atomic
+from lightning_stability.errors import check_bool, check_path
 
 META_FILE = "meta.pt"
 _MODEL_KEY = "state_dict"
@@ -185,6 +186,9 @@ def consolidate_checkpoint(sharded_dir: str | Path, out_file: str | Path, *, wei
     """
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+    check_path("sharded_dir", sharded_dir, "'checkpoints/epoch=0-step=100.ckpt'")
+    check_path("out_file", out_file, "'model.pt'")
+    check_bool("weights_only", weights_only)
     src, out = atomic.resolve(Path(sharded_dir)), Path(out_file)
     if not src.is_dir():
         raise FileNotFoundError(f"{sharded_dir} is not a sharded checkpoint directory (it is a file).")

@@ -144,6 +144,15 @@ def parse_arguments(
     else:
         if not isinstance(activation_checkpointing, Collection):
             activation_checkpointing = [activation_checkpointing]
+        if not activation_checkpointing or not all(
+            isinstance(c, type) and issubclass(c, nn.Module) for c in activation_checkpointing
+        ):
+            raise config_error(
+                "activation_checkpointing",
+                activation_checkpointing,
+                "must be a bool or module classes",
+                "pass True (the wrapped blocks) or e.g. {TransformerBlock}",
+            )
         classes = wrap.validate_policy(set(activation_checkpointing))
         ac = tuple(classes) if isinstance(classes, set) else ()
     if sharding not in ("full", "hybrid"):

@@ -16,6 +16,8 @@ from typing import Any
 
 from torch import nn
 
+from lightning_stability.errors import check_instance
+
 
 def gpt_block_plan() -> dict[str, Any]:
     """The plan of ``torch.nn.TransformerEncoderLayer`` / ``TransformerDecoderLayer`` (the demo's ``CharGPT`` block):
@@ -39,8 +41,13 @@ def gpt_block_plan() -> dict[str, Any]:
 def parallelize_blocks(blocks: nn.Module, mesh: Any, plan: dict[str, Any] | None = None) -> nn.Module:
     """Apply ``plan`` (default :func:`gpt_block_plan`) to every block of ``blocks`` (an ``nn.TransformerEncoder``
     or ``nn.TransformerDecoder``'s ``layers``, an ``nn.ModuleList``, or a single block) over ``mesh``."""
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import parallelize_module
 
+    check_instance("blocks", blocks, nn.Module, "an nn.Module", "self.model.layers")
+    if plan is not None:
+        check_instance("plan", plan, dict, "a dict of module names to ParallelStyles", "gpt_block_plan()")
+    check_instance("mesh", mesh, DeviceMesh, "a DeviceMesh", 'self.device_mesh["tensor_parallel"]')
     layers = getattr(blocks, "layers", blocks)
     for block in layers if isinstance(layers, (nn.ModuleList, nn.Sequential)) else [layers]:
         parallelize_module(block, mesh, plan if plan is not None else gpt_block_plan())

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import csv
+import logging
 import math
 import pickle
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -189,6 +191,31 @@ def test_lr_follows_the_factor(scaling: str, scale: Any) -> None:
     assert rec.lrs == pytest.approx([0.01 * scale(k) for k in factors])
 
 
+def test_default_keeps_the_configured_lr_and_says_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    # AdamW(lr=1e-2) with steps=4: the default steps at 1e-2, as accumulate_grad_batches=4 does
+    with caplog.at_level(logging.INFO):
+        _, rec = fit(TinyModule(n=64, batch_size=4, lr=1e-2, optimizer="adamw"), [GradientAccumulation(4)], max_steps=3)
+    assert rec.sizes == [4, 4, 4] and rec.lrs == [1e-2] * 3
+    assert not [r for r in caplog.records if "lr_scaling" in r.getMessage()]
+
+
+@pytest.mark.parametrize(
+    ("scaling", "line"),
+    [
+        ("linear", r"scales the LR .*: 0\.01 -> 0\.04 \(x4\)\. To keep the LR as configured, pass lr_scaling='none'"),
+        ("sqrt", r"scales the LR .*: 0\.01 -> 0\.02 \(x2\)\. To keep the LR as configured, pass lr_scaling='none'"),
+    ],
+)
+def test_a_scaling_rule_says_what_lr_became_what(scaling: str, line: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO):
+        _, rec = fit(
+            TinyModule(n=64, batch_size=4, lr=1e-2), [GradientAccumulation(4, lr_scaling=scaling)], max_steps=2
+        )
+    assert rec.lrs == pytest.approx([0.04 if scaling == "linear" else 0.02] * 2)
+    said = [r.getMessage() for r in caplog.records if "lr_scaling=" in r.getMessage()]
+    assert len(said) == 1 and re.search(line, said[0]), said
+
+
 def test_lr_scaling_composes_with_the_schedule() -> None:
     acc = GradientAccumulation(steps={0: 1, 3: 4}, lr_scaling="sqrt")
     trainer, rec = fit(TinyModule(n=160, batch_size=4, lr=0.01), [WarmupConstantCosineLR(), acc], max_epochs=1)
@@ -265,7 +292,8 @@ class WithLambdaLR(TinyModule):
 def test_lr_scaling_beside_the_modules_own_scheduler_is_an_error() -> None:
     # Both would write the LR: the scheduler recomputes it from its own base and drops the scaling.
     with pytest.raises(StabilityConfigError, match=r"`lr_scaling='linear'` writes the LR.*\['LambdaLR'\].*Fix: let"):
-        quiet_trainer(max_steps=2, callbacks=[GradientAccumulation({0: 1, 1: 2})]).fit(WithLambdaLR())
+        acc = GradientAccumulation({0: 1, 1: 2}, lr_scaling="linear")
+        quiet_trainer(max_steps=2, callbacks=[acc]).fit(WithLambdaLR())
     # with lr_scaling="none" the module's scheduler alone writes the LR: allowed
     _, rec = fit(WithLambdaLR(lr=0.1, n=64), [GradientAccumulation({0: 1, 1: 2}, lr_scaling="none")], max_steps=3)
     assert rec.lrs == pytest.approx([0.1, 0.05, 0.1 / 3])
@@ -487,7 +515,9 @@ def test_learning_rate_finder_callback_searches_as_configured_then_trains_at_fou
     module, rec = FactorSpy(n=256, batch_size=4), StepRecorder()
     finder = LearningRateFinder(num_training_steps=SEARCH_STEPS, **LR_FIND)
     trainer = quiet_trainer(
-        max_steps=3, default_root_dir=tmp_path, callbacks=[GradientAccumulation(steps=k), rec, finder]
+        max_steps=3,
+        default_root_dir=tmp_path,
+        callbacks=[GradientAccumulation(steps=k, lr_scaling="linear"), rec, finder],
     )
     trainer.fit(module)  # searches at fit start, then trains
     assert finder.optimal_lr is not None

@@ -53,7 +53,10 @@ def clean_env() -> Iterator[None]:
         ({"auto_wrap_policy": 0}, r"`auto_wrap_policy=0` must be a parameter count >= 1"),
         ({"auto_wrap_policy": [Block, "Linear"]}, r"must hold nn.Module subclasses only"),
         ({"auto_wrap_policy": True}, r"`auto_wrap_policy=True` is not a policy"),
-        ({"activation_checkpointing": ["Block"]}, r"must hold nn.Module subclasses only"),
+        (
+            {"activation_checkpointing": ["Block"]},
+            r"`activation_checkpointing=\[.Block.\]` must be a bool or module classes",
+        ),
         ({"sharding": "zero3"}, r"`sharding='zero3'` is not a sharding mode"),
         ({"device_mesh": (2, 2)}, r"`device_mesh=\(2, 2\)` must be a \(replicas, shard_size\) pair.*sharding='hybrid'"),
         ({"sharding": "hybrid", "device_mesh": (2, 0)}, r"`device_mesh=\(2, 0\)` must be"),

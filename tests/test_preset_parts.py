@@ -1,0 +1,383 @@
+"""Every part of a preset reaches what it configures, can be turned off and replaced, and the planner plans what
+``StableTrainer.from_preset`` builds."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.callbacks import Callback
+
+from lightning_stability import (
+    AtomicCheckpointIO,
+    GradientAccumulation,
+    GradientNormMonitor,
+    LossScaleTuner,
+    ScheduledLR,
+    StabilityConfigError,
+    StableCheckpoint,
+    StableFSDPStrategy,
+    StableTrainer,
+    TrainingHealthMonitor,
+    WarmupConstantCosineSchedule,
+)
+from lightning_stability.cli import main
+from lightning_stability.planner import plan_memory
+from lightning_stability.presets import FIELDS, PRESETS, get_preset, layout
+from tests.helpers import TinyModule
+
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+warnings.filterwarnings("ignore", ".*LitLogger.*")
+
+QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+def one(trainer: pl.Trainer, kind: type) -> Any:
+    found = [cb for cb in trainer.callbacks if isinstance(cb, kind)]  # type: ignore[attr-defined]
+    assert len(found) <= 1
+    return found[0] if found else None
+
+
+def plugins_of(trainer: pl.Trainer) -> list[Any]:
+    return [trainer.strategy.checkpoint_io, trainer.precision_plugin]
+
+
+# ------------------------------------------------------------------ a module with its own scheduler
+class OwnSchedule(TinyModule):
+    """AdamW with its own linear warmup then cosine decay (LambdaLR, per optimizer step)."""
+
+    WARMUP, TOTAL = 2, 6
+
+    @staticmethod
+    def factor(step: int) -> float:
+        if step < OwnSchedule.WARMUP:
+            return (step + 1) / OwnSchedule.WARMUP
+        progress = (step - OwnSchedule.WARMUP) / (OwnSchedule.TOTAL - OwnSchedule.WARMUP)
+        return 0.5 * (1 + math.cos(math.pi * progress))
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, self.factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class AppliedLR(Callback):
+    """The LR each ``optimizer.step()`` applies."""
+
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.optimizers[0].register_step_pre_hook(lambda opt, *_: self.lrs.append(float(opt.param_groups[0]["lr"])))
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_a_module_with_its_own_scheduler_trains_under_every_preset(name: str, tmp_path: Any) -> None:
+    steps, lr = 4, 0.01
+    accumulation = get_preset(name).accumulation
+    module = OwnSchedule(lr=lr, batch_size=2, n=2 * accumulation * steps)
+    with pytest.raises(StabilityConfigError, match=r"from_preset\(\.\.\., lr_schedule=False\) keeps your scheduler"):
+        StableTrainer.from_preset(
+            name, accelerator="cpu", devices=1, max_steps=1, default_root_dir=tmp_path, **QUIET
+        ).fit(OwnSchedule())
+    applied = AppliedLR()
+    trainer = StableTrainer.from_preset(
+        name,
+        lr_schedule=False,
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        default_root_dir=tmp_path,
+        callbacks=[applied],
+        **QUIET,
+    )
+    assert one(trainer, ScheduledLR) is None
+    trainer.fit(module)
+    assert trainer.global_step == steps
+    # the module's schedule, on the preset's applied steps (fp16's scaler may skip a step: then it repeats)
+    expected = [lr * OwnSchedule.factor(i) for i in range(steps)]
+    assert applied.lrs == pytest.approx(expected), (name, applied.lrs)
+
+
+# ------------------------------------------------------------------ each part off, and replaced by yours
+def test_each_part_can_be_turned_off(tmp_path: Any) -> None:
+    trainer = StableTrainer.from_preset(
+        "175b",
+        accelerator="cpu",
+        devices=2,
+        lr_schedule=False,
+        health=None,
+        max_norm=None,
+        checkpoint=False,
+        watchdog=False,
+        default_root_dir=tmp_path,
+        **QUIET,
+    )
+    assert one(trainer, ScheduledLR) is None and one(trainer, TrainingHealthMonitor) is None
+    assert one(trainer, GradientNormMonitor).max_norm is None  # measured, not clipped
+    assert one(trainer, StableCheckpoint) is None
+    assert isinstance(trainer.strategy, StableFSDPStrategy) and trainer.strategy._timeout == default_pg_timeout
+    single = StableTrainer.from_preset("gpt", accelerator="cpu", checkpoint=False, default_root_dir=tmp_path, **QUIET)
+    assert one(single, StableCheckpoint) is None
+    assert not any(isinstance(p, AtomicCheckpointIO) for p in plugins_of(single))
+
+
+def test_watchdog_false_leaves_the_environment_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith(("TORCH_NCCL", "TORCH_FR", "NCCL_")):
+            monkeypatch.delenv(name)
+    before = dict(os.environ)
+    StableTrainer.from_preset("175b", accelerator="cpu", devices=2, watchdog=False, **QUIET)
+    assert dict(os.environ) == before
+    trainer = StableTrainer.from_preset("175b", accelerator="cpu", devices=2, **QUIET)
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and trainer.strategy._timeout == timedelta(minutes=10)
+
+
+def test_a_part_turned_off_is_replaced_by_your_own(tmp_path: Any) -> None:
+    from lightning_stability import WarmupConstantCosineLR
+
+    mine = [
+        TrainingHealthMonitor(response="warn"),
+        WarmupConstantCosineLR(warmup=3),
+        StableCheckpoint(dirpath=tmp_path / "mine"),
+        GradientAccumulation(2, lr_scaling="sqrt"),
+    ]
+    trainer = StableTrainer.from_preset(
+        "under-1b",
+        accelerator="cpu",
+        health=None,
+        lr_schedule=False,
+        checkpoint=False,
+        accumulation=1,
+        callbacks=mine,
+        default_root_dir=tmp_path,
+        **QUIET,
+    )
+    for cb in mine:
+        assert one(trainer, type(cb)) is cb
+
+
+@pytest.mark.parametrize(
+    ("callback", "switch"),
+    [
+        (lambda: TrainingHealthMonitor(response="warn"), r"turn the preset's off with health=None"),
+        (lambda: ScheduledLR(WarmupConstantCosineSchedule()), r"turn the preset's off with lr_schedule=False"),
+        (lambda: GradientAccumulation(2), r"turn the preset's off with accumulation=1"),
+    ],
+)
+def test_a_second_callback_of_a_kind_names_the_field_that_turns_the_presets_off(
+    callback: Callable[[], Callback], switch: str
+) -> None:
+    with pytest.raises(StabilityConfigError, match=rf"already attaches a .*Fix: override the preset's.*{switch}"):
+        StableTrainer.from_preset("under-1b", accelerator="cpu", callbacks=[callback()], **QUIET)
+
+
+def test_the_switches_work_through_the_constructor_as_lightning_cli_passes_them(tmp_path: Any) -> None:
+    trainer = StableTrainer(
+        preset="gpt",
+        preset_overrides={"lr_schedule": False, "health": None, "max_norm": None, "checkpoint": False},
+        accelerator="cpu",
+        default_root_dir=tmp_path,
+        **QUIET,  # type: ignore[arg-type]
+    )
+    assert one(trainer, ScheduledLR) is None and one(trainer, TrainingHealthMonitor) is None
+    assert one(trainer, GradientNormMonitor).max_norm is None and one(trainer, StableCheckpoint) is None
+
+
+# ------------------------------------------------------------------ every field reaches what it configures
+def _schedule(trainer: pl.Trainer) -> Any:
+    return one(trainer, ScheduledLR).schedule
+
+
+def attr(kind: type, name: str) -> Callable[[pl.Trainer], Any]:
+    """The attribute ``name`` of the Trainer's callback of ``kind`` (None: no such callback)."""
+    return lambda trainer: getattr(one(trainer, kind), name, None)
+
+
+#: field -> (preset, value, trainer arguments, what the built Trainer runs for it). Each value differs from the
+#: preset's, so a field that never reaches its callback or strategy fails here.
+REACHES: dict[str, tuple[str, Any, dict[str, Any], Callable[[pl.Trainer], Any]]] = {
+    "max_norm": ("gpt", 0.3, {}, attr(GradientNormMonitor, "max_norm")),
+    "warmup": ("gpt", 0.1, {}, lambda t: _schedule(t).warmup),
+    "decay": ("gpt", 0.5, {}, lambda t: _schedule(t).decay),
+    "min_lr_ratio": ("gpt", 0.1, {}, lambda t: _schedule(t).min_lr_ratio),
+    "lr_schedule": ("gpt", False, {}, lambda t: one(t, ScheduledLR) is not None),
+    "precision": ("gpt", "32-true", {}, lambda t: t.precision),
+    "init_scale": ("175b", 1024.0, {}, lambda t: one(t, LossScaleTuner).scaler_kwargs["init_scale"]),
+    "hysteresis": ("175b", 3, {}, lambda t: one(t, LossScaleTuner).scaler_kwargs["hysteresis"]),
+    "accumulation": ("gpt", 3, {}, attr(GradientAccumulation, "steps")),
+    "lr_scaling": ("under-1b", "sqrt", {}, attr(GradientAccumulation, "lr_scaling")),
+    "effective_batch": ("gpt", 64, {}, lambda t: t.preset.effective_batch),  # the planner's input only
+    "fsdp": ("gpt", True, {"devices": 2}, lambda t: isinstance(t.strategy, StableFSDPStrategy)),
+    "activation_checkpointing": (
+        "over-10b",
+        False,
+        {"devices": 2},
+        lambda t: t.strategy._cfg.activation_checkpointing,
+    ),
+    "tensor_parallel": ("over-10b", 2, {"devices": 2}, lambda t: t.strategy._cfg.tensor_parallel),
+    "num_nodes": ("gpt", 2, {"env": {"SLURM_NNODES": "2"}}, lambda t: t.num_nodes),
+    "health": ("gpt", "rollback", {}, attr(TrainingHealthMonitor, "response")),
+    "checkpoint": ("gpt", False, {}, lambda t: one(t, StableCheckpoint) is not None),
+    "watchdog": ("175b", False, {"devices": 2}, lambda t: t.strategy._timeout != default_pg_timeout),
+}
+
+
+def test_the_table_covers_every_field() -> None:
+    assert set(REACHES) == set(FIELDS)
+
+
+@pytest.mark.parametrize("field", list(REACHES))
+def test_every_field_overridden_reaches_what_it_configures(
+    field: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    name, value, extra, probe = REACHES[field]
+    extra = dict(extra)
+    for key, setting in extra.pop("env", {}).items():
+        monkeypatch.setenv(key, setting)
+    assert getattr(get_preset(name), field) != value
+    args = dict(accelerator="cpu", default_root_dir=tmp_path, **QUIET, **extra)
+    assert probe(StableTrainer.from_preset(name, **args)) != value  # the probe tells the two apart
+    trainer = StableTrainer.from_preset(name, **{field: value}, **args)
+    assert probe(trainer) == value
+    assert getattr(trainer.preset, field) == value
+
+
+# ------------------------------------------------------------------ bad fields get the package's error
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("warmup", None),
+        ("decay", -0.1),
+        ("min_lr_ratio", 2.0),
+        ("max_norm", "1"),
+        ("init_scale", 0),
+        ("hysteresis", 0),
+        ("effective_batch", 0),
+        ("lr_schedule", "no"),
+        ("checkpoint", None),
+        ("watchdog", 1),
+        ("health", "panic"),
+    ],
+)
+def test_a_bad_field_is_an_error_naming_it(field: str, value: Any) -> None:
+    with pytest.raises(StabilityConfigError, match=rf"`{field}={re.escape(repr(value))}`.*Fix: "):
+        StableTrainer.from_preset("gpt", **{field: value})
+
+
+def test_activation_checkpointing_needs_fsdp() -> None:
+    with pytest.raises(StabilityConfigError, match=r"`activation_checkpointing=True` needs fsdp=True.*Fix: pass fsdp"):
+        StableTrainer.from_preset("gpt", activation_checkpointing=True)
+
+
+# ------------------------------------------------------------------ precision and sharding by size
+def test_size_presets_use_bf16_and_175b_keeps_the_recipes_fp16() -> None:
+    for name in ("under-1b", "1b-10b", "over-10b", "100b"):
+        assert get_preset(name).precision == "bf16-mixed", name
+    b175 = get_preset("175b")
+    assert (b175.precision, b175.init_scale) == ("16-mixed", 32768.0)
+
+
+def test_bf16_becomes_fp16_on_a_gpu_without_bf16_and_says_so() -> None:
+    # the decision is a pure function of the hardware: tested without such a GPU
+    old = layout(get_preset("1b-10b"), world_size=8, devices_per_node=8, gpu=True, bf16=False)
+    assert old.precision == "16-mixed" and "this GPU has no bf16" in old.notes[0]
+    mine = layout(get_preset("1b-10b"), world_size=8, devices_per_node=8, gpu=True, bf16=False, own_precision=True)
+    assert mine.precision == "bf16-mixed" and not mine.notes
+    assert layout(get_preset("1b-10b"), world_size=8, devices_per_node=8, gpu=True).precision == "bf16-mixed"
+
+
+#: the largest model each size preset is for
+LARGEST = {"under-1b": 1e9, "1b-10b": 10e9, "over-10b": 100e9, "100b": 175e9, "175b": 175e9}
+
+
+@pytest.mark.parametrize("name", list(LARGEST))
+def test_a_size_preset_shards_where_its_model_states_do_not_fit_one_gpu(name: str) -> None:
+    preset = get_preset(name)
+    states = plan_memory(LARGEST[name], precision=preset.precision, sharding="none", overhead=0, seq_len=1)
+    need = states.params_bytes + states.grads_bytes + states.optimizer_bytes
+    assert preset.fsdp == (need > states.usable_bytes), (name, need / 2**30)
+
+
+# ------------------------------------------------------------------ the planner plans what the Trainer runs
+def planned(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, str]:
+    main(argv)
+    out = capsys.readouterr().out
+    line = re.search(
+        r"^preset \S+: precision (\S+), sharding (\S+), activation checkpointing (\S+), .*"
+        r"tensor parallel (\d+)",
+        out,
+        re.M,
+    )
+    title = re.search(r"on 1 x (\d+) = \d+ GPUs, (?:TP \d+ x PP 1 x DP \d+, )?(\S+), adamw, sharding=(\S+) ", out)
+    assert line and title, out
+    assert (title.group(2), title.group(3)) == (line.group(1), line.group(2))  # the plan is of those settings
+    return {"precision": line.group(1), "sharding": line.group(2), "ac": line.group(3), "tp": line.group(4)}
+
+
+def runs(trainer: pl.Trainer) -> dict[str, str]:
+    strategy = trainer.strategy
+    fsdp = isinstance(strategy, StableFSDPStrategy)
+    return {
+        "precision": str(trainer.precision_plugin.precision) if not fsdp else strategy.precision_plugin.precision,
+        "sharding": "full" if fsdp else "none",
+        "ac": str(bool(fsdp and strategy._cfg.activation_checkpointing)),
+        "tp": str(strategy._cfg.tensor_parallel if fsdp else 1),
+    }
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_the_planners_plan_for_a_preset_is_what_from_preset_builds(
+    name: str, devices: int, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["plan", "--preset", name, "--params", "1.3e9", "--nodes", "1", "--gpus-per-node", str(devices)]
+    trainer = StableTrainer.from_preset(name, accelerator="cpu", devices=devices, num_nodes=1, **QUIET)
+    assert planned(capsys, argv) == runs(trainer)
+    if get_preset(name).fsdp and devices == 2:  # and with tensor parallelism
+        tp = StableTrainer.from_preset(name, tensor_parallel=2, accelerator="cpu", devices=2, num_nodes=1, **QUIET)
+        plan = planned(capsys, [*argv, "--tensor-parallel", "2"])
+        assert plan == runs(tp) and plan["tp"] == "2"
+
+
+def test_the_planner_suggests_plain_sharding_before_tensor_parallelism(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", "--params", "7e9", "--sharding", "none", "--gpus-per-node", "8"])
+    out = capsys.readouterr().out
+    assert code == 1 and "DOES NOT FIT" in out
+    assert re.search(r"^sharding: needed: plain full sharding fits \(\d+\.\d\d GiB of 72\.00 usable", out, re.M), out
+    assert "tensor parallel: needed" not in out
+    # the size preset for 7B shards, and fits on 8 GPUs
+    assert main(["plan", "--preset", "1b-10b", "--params", "7e9", "--gpus-per-node", "8"]) == 0
+    assert "sharding full, activation checkpointing True" in capsys.readouterr().out
+
+
+def test_dropped_parts_are_said_with_the_way_to_change_them(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO):
+        StableTrainer.from_preset("1b-10b", accelerator="cpu", devices=1, **QUIET)
+    lines = [r.getMessage() for r in caplog.records if "StableTrainer preset" in r.getMessage()]
+    assert len(lines) == 1
+    assert "FSDP off (one device: nothing to shard)" in lines[0]
+    assert "activation checkpointing off (it comes with FSDP, off on one device)" in lines[0]
+
+
+def test_tensor_parallelism_is_advised_only_where_plain_sharding_does_not_fit() -> None:
+    from lightning_stability import ModelShape, advise_tensor_parallel
+
+    gpt3 = ModelShape(175e9, 96, 12288, 96, 51200)
+    kwargs: dict[str, Any] = dict(nodes=8, gpus_per_node=8, sequence_parallel=True, flash_attention=True)
+    advice = advise_tensor_parallel(gpt3, sharding="none", **kwargs)
+    assert advice.sharded is not None and not advice.sharded.fits  # full sharding alone: too large
+    assert advice.smallest == advise_tensor_parallel(gpt3, sharding="full", **kwargs).smallest == 4
+    assert all(p.title.count("sharding=full") for p in advice.plans[1:])  # TP runs with full sharding here
+    assert advice.text().startswith("tensor parallel: needed: TP 4 with full sharding is the smallest size")
+    assert "tensor_parallel=4 and fsdp=True" in advice.text()
