@@ -52,8 +52,13 @@ if __name__ == "__main__":
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=1)
     args = parser.parse_args()
-    # before: strategy=FSDPStrategy(auto_wrap_policy={Block}, state_dict_type="sharded")
-    strategy = StableFSDPStrategy(auto_wrap_policy={Block}, state_dict_type="sharded")
+    # before: strategy=FSDPStrategy(...) with the same keywords (Lightning's meaning: see the mapping table)
+    strategy = StableFSDPStrategy(
+        sharding_strategy="SHARD_GRAD_OP",
+        auto_wrap_policy={Block},
+        activation_checkpointing_policy={Block},
+        state_dict_type="sharded",
+    )
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=args.devices,

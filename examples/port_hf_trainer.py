@@ -71,7 +71,7 @@ if __name__ == "__main__":
         callbacks=[
             GradientNormMonitor(max_norm=hf["max_grad_norm"]),
             ScheduledLR(CosineSchedule(warmup=hf["warmup_ratio"])),  # lr_scheduler_type="cosine" + warmup_ratio
-            GradientAccumulation(steps=hf["gradient_accumulation_steps"], lr_scaling="none"),
+            GradientAccumulation(steps=hf["gradient_accumulation_steps"]),  # the LR as set, as in transformers
         ],
     )
     trainer.fit(GPT2Module())

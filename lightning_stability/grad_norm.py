@@ -59,38 +59,15 @@ def _parse_norm_type(norm_type: float | str) -> float:
 class GradientNormMonitor(LedgerCallback):
     """Measure, and optionally clip, the gradient norm of the whole model once per optimizer step.
 
-    The norm is taken in ``on_before_optimizer_step``: after the backward passes of all accumulated
-    micro-batches, after fp16 gradients were unscaled, and before the update. It
-    is the norm of the model's whole gradient: identical on every rank under DDP, and reduced across
-    shards for sharded (``DTensor``) parameters, never the norm of one shard. All of it happens on the
-    device; steps that do not log add no host synchronisation.
+    The norm is taken in ``on_before_optimizer_step``, after every accumulated micro-batch and fp16 unscaling,
+    before the update. It is the whole model's norm: identical on every rank under DDP, reduced across shards for
+    sharded (``DTensor``) parameters. Clipping multiplies every gradient by ``min(1, max_norm / (norm + 1e-6))``,
+    ``torch.nn.utils.clip_grad_norm_``'s coefficient. A step whose norm is NaN or inf is skipped on every rank
+    (weights and optimizer state left exactly as they were), and a warning names the first module with a
+    non-finite gradient. All of it stays on the device: a step that does not log adds no host sync. With several
+    optimizers each is measured, clipped, skipped and logged on its own (keys end in ``/<optimizer>``).
 
-    Clipping multiplies every gradient by ``min(1, max_norm / (norm + 1e-6))``, the coefficient of
-    ``torch.nn.utils.clip_grad_norm_``, kept as a tensor.
-
-    A step whose gradient norm is NaN or inf is skipped when ``skip_nonfinite`` is set: weights and
-    optimizer state (moments, step counts, weight decay) are left exactly as they were. Every rank
-    decides alike: the flag is max-reduced across ranks (one 0-dim all-reduce per step), so a gradient
-    that went bad on one rank after the data-parallel all-reduce still skips the step everywhere. Under
-    fp16 the vote joins the loss scaler's own overflow decision. A warning on the next logging step names
-    the first layer with a non-finite gradient and the layers with the largest gradient norms, so the
-    start of an explosion can be found.
-
-    ``check_replicas=True`` compares the gradient norms of the data-parallel replicas on logging steps (one
-    small all-gather) and warns naming the rank that disagrees: a cheap detector of a faulty device. Each rank
-    sends the norm of its own local gradients (its shards), compared only among the ranks that must hold the
-    same ones (:func:`~lightning_stability.cluster.weight_hash.replica_layout`: every rank under DDP; the ranks
-    along a ``Replicate`` mesh dim, e.g. hybrid sharding's replicas of one tensor-parallel rank): the ranks of a
-    tensor-parallel group legitimately hold different shards, and a global norm would carry one rank's fault
-    to every rank it is reduced with. Where no two ranks must hold the same gradients (full sharding) the
-    global norms are compared instead, which every rank must agree on.
-
-    With several optimizers (a GAN, manual optimization) each optimizer is measured, clipped, skipped and
-    logged on its own; its keys end in ``/<optimizer>`` (``LearningRateMonitor``'s names: ``Adam``,
-    ``Adam-1``, ...).
-
-    Logged keys (to every Lightning logger on logging steps; scalars also in ``trainer.callback_metrics``
-    after every step that computes them):
+    Logged keys (to every logger on logging steps; scalars also in ``trainer.callback_metrics`` every step):
 
     ==================================  ===========================================================
     Key                                 Meaning
@@ -109,14 +86,16 @@ class GradientNormMonitor(LedgerCallback):
         log_every_n_steps: log every this many optimizer steps; default: the Trainer's.
         per_layer: ``False`` (off), ``True`` (every module that owns parameters) or an int ``k`` (the
             ``k`` modules with the largest norm at that step).
-        skip_nonfinite: skip the update when the gradient norm is NaN/inf.
+        skip_nonfinite: skip the update when the gradient norm is NaN/inf (the decision is max-reduced across
+            ranks: one 0-dim all-reduce per step).
         warn_top_k: how many of the largest layers the non-finite warning names.
-        check_replicas: compare the replicas' gradient norms on logging steps; warn naming a rank that
-            disagrees.
+        check_replicas: on logging steps, compare the norms of the ranks that must hold the same gradients (the
+            data-parallel replicas) and warn naming a rank that disagrees: a cheap detector of a faulty device.
 
     Raises:
         StabilityConfigError: for a bad argument, or at ``setup`` when the Trainer also clips with
-            ``gradient_clip_val`` or runs a strategy whose gradients this callback cannot see whole.
+            ``gradient_clip_val`` or runs a strategy whose gradients this callback cannot see whole (Lightning's
+            ``FSDPStrategy``, ``DeepSpeedStrategy``).
 
     Example::
 

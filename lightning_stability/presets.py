@@ -30,33 +30,52 @@ Response = Literal["warn", "clip", "skip", "rollback"]
 
 @dataclass(frozen=True)
 class Preset:
-    """A recipe. ``sources`` maps a field to where its value comes from (a paper, a framework's default, a recipe).
+    """A recipe: the configuration of the callbacks and strategy ``StableTrainer.from_preset`` builds.
 
-    Fields (each part of a preset can be turned off, and then replaced by a callback of your own in
-    ``callbacks=[...]``):
-        max_norm: ``GradientNormMonitor(max_norm=...)``: the global gradient-norm clip (``None``: no clipping;
-            the norm is still measured and logged).
-        warmup, decay, min_lr_ratio: ``WarmupConstantCosineLR`` (fractions of the run, or step counts).
-        lr_schedule: attach ``WarmupConstantCosineLR`` (``False``: none, e.g. for a module whose
-            ``configure_optimizers`` returns its own LR scheduler).
-        precision: ``"16-mixed"`` (fp16 compute, fp32 master weights and update), ``"bf16-mixed"`` or ``"32-true"``.
-            ``"bf16-mixed"`` becomes ``"16-mixed"`` on a GPU without bf16, said in the fit-start line.
-        init_scale, hysteresis: ``LossScaleTuner`` (fp16 only).
-        accumulation: ``GradientAccumulation(steps=...)`` (1: none).
-        lr_scaling: how the LR follows the accumulation (``"none"``: the LR as configured; ``"linear"``:
-            ``lr * steps``; ``"sqrt"``).
-        effective_batch: the global batch the recipe aims at (documentation and the memory planner).
-        fsdp: shard with ``StableFSDPStrategy``; activation_checkpointing: its activation checkpointing (needs
-            ``fsdp``).
-        tensor_parallel: ``StableFSDPStrategy(tensor_parallel=...)``: GPUs of a node splitting each layer (1:
-            none; needs ``fsdp``, and a ``configure_model`` that applies a TP plan). Adapted to the devices per
-            node; ``lightning-stability plan`` says which size fits.
-        num_nodes: machines the recipe was written for (adapted to the user's).
-        health: ``TrainingHealthMonitor(response=...)`` (``None``: no health monitor).
-        checkpoint: attach ``StableCheckpoint`` and ``AtomicCheckpointIO`` (``False``: neither; Lightning's
+    Pass one to ``StableTrainer.from_preset`` or derive a variant with :meth:`derive`; every field is checked on
+    construction. A part turned off can be replaced by a callback of your own in ``callbacks=[...]``.
+
+    Attributes:
+        name: the preset's name.
+        description: one line on what it is for.
+        max_norm: ``GradientNormMonitor(max_norm=...)``, the global gradient-norm clip; ``None``: no clipping
+            (the norm is still measured).
+        warmup: ``WarmupConstantCosineLR(warmup=...)``, a fraction of the run or a step count.
+        decay: ``WarmupConstantCosineLR(decay=...)``, the cosine's length at the end of the run.
+        min_lr_ratio: ``WarmupConstantCosineLR(min_lr_ratio=...)``, the floor of the decay as a fraction of the
+            base LR.
+        lr_schedule: attach ``WarmupConstantCosineLR``; ``False``: none (e.g. to keep the scheduler
+            ``configure_optimizers`` returns).
+        precision: ``"16-mixed"``, ``"bf16-mixed"`` or ``"32-true"``; ``"bf16-mixed"`` becomes ``"16-mixed"`` with
+            a loss scaler on a GPU without bf16.
+        init_scale: ``LossScaleTuner(init_scale=...)`` (fp16 only).
+        hysteresis: ``LossScaleTuner(hysteresis=...)`` (fp16 only).
+        accumulation: ``GradientAccumulation(steps=...)``; 1: none.
+        lr_scaling: ``GradientAccumulation(lr_scaling=...)``: ``"none"`` (the LR as configured), ``"linear"`` or
+            ``"sqrt"``.
+        effective_batch: the global batch the recipe aims at (for the memory planner).
+        fsdp: shard with ``StableFSDPStrategy`` (full sharding).
+        activation_checkpointing: the strategy's activation checkpointing (needs ``fsdp``).
+        tensor_parallel: ``StableFSDPStrategy(tensor_parallel=...)``; 1: none (needs ``fsdp``, and a
+            ``configure_model`` that applies a TP plan).
+        num_nodes: the machines the recipe was written for (adapted to the job's).
+        health: ``TrainingHealthMonitor(response=...)``; ``None``: no health monitor.
+        checkpoint: attach ``StableCheckpoint`` and ``AtomicCheckpointIO``; ``False``: neither (Lightning's
             ``ModelCheckpoint`` applies unless ``enable_checkpointing=False``).
-        watchdog: set the NCCL watchdog variables a long multi-process run wants, where unset, and a 10-minute
-            process-group timeout for the preset's FSDP strategy (``False``: leave both as they are).
+        watchdog: with several processes, set the NCCL watchdog variables you have not set and a 10-minute
+            process-group timeout for the preset's strategy; ``False``: leave both as they are.
+        sources: where each field's value comes from (a paper, a framework's default, a recipe).
+
+    Raises:
+        StabilityConfigError: for a bad value, or ``activation_checkpointing``/``tensor_parallel`` without
+            ``fsdp``.
+
+    Example::
+
+        from lightning_stability.presets import get_preset
+
+        mine = get_preset("gpt").derive("my-gpt", "GPT with a longer warmup", {"warmup": "my runs"}, warmup=0.1)
+        trainer = StableTrainer.from_preset(mine, max_steps=1000)
     """
 
     name: str

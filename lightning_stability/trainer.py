@@ -92,15 +92,30 @@ class StableTrainer(pl.Trainer):
 
     @classmethod
     def from_preset(cls, name: str | Preset, **overrides: Any) -> StableTrainer:
-        """The Trainer of preset ``name`` with ``overrides`` (preset fields or Trainer arguments) applied.
+        """The Trainer of preset ``name`` with ``overrides`` (preset fields or Trainer arguments) applied, adapted
+        to this machine (what it changes is said in one info line).
 
-        ``callbacks=[...]`` are appended after the preset's; one of the same kind as a preset callback is an
-        error that says which field to override instead.
+        Args:
+            name: a preset name (``lightning-stability presets`` lists them) or a
+                :class:`~lightning_stability.presets.Preset`.
+            **overrides: any preset field (``max_norm=0.3``, ``accumulation=8``, ...) or ``lightning.Trainer``
+                argument. These turn a part off, to be replaced by a callback of your own if you want:
+                ``lr_schedule=False`` (no ``WarmupConstantCosineLR``), ``max_norm=None`` (no clipping; the norm is
+                still measured), ``health=None`` (no ``TrainingHealthMonitor``), ``accumulation=1`` (no
+                ``GradientAccumulation``), ``checkpoint=False`` (no ``StableCheckpoint`` nor
+                ``AtomicCheckpointIO``: Lightning's checkpointing applies), ``watchdog=False`` (the NCCL watchdog
+                variables and the process-group timeout left as they are). ``callbacks=[...]`` come after the
+                preset's.
+
+        Raises:
+            StabilityConfigError: for an unknown preset, override or bad value; for a callback in ``callbacks``
+                of a kind the preset already attaches (the error names the field to change, or the override that
+                turns the preset's off).
 
         Example::
 
             trainer = StableTrainer.from_preset("175b", accelerator="cpu", devices=2, max_steps=10)
-            trainer = StableTrainer.from_preset("gpt", max_norm=0.3, callbacks=[LearningRateMonitor()])
+            trainer = StableTrainer.from_preset("gpt", health=None, callbacks=[TrainingHealthMonitor(spike_z=4.0)])
         """
         preset_name = name.name if isinstance(name, Preset) else str(name)
         unknown = sorted(set(overrides) - set(FIELDS) - _TRAINER_ARGS)

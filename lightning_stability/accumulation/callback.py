@@ -41,50 +41,13 @@ __all__ = ["GradientAccumulation"]
 class GradientAccumulation(LedgerCallback):
     """Accumulate gradients over several micro-batches per optimizer step; the factor may change by step.
 
-    ``steps`` is a constant or a schedule keyed by the number of applied optimizer updates, e.g.
-    ``{0: 2, 1000: 4}``: two micro-batches per update for the first 1000 updates, four after that
-    (the same clock as :class:`~lightning_stability.schedules.callback.ScheduledLR`; a skipped step
-    does not move it). Before the first key the factor is 1. Lightning's own
-    ``GradientAccumulationScheduler`` switches only at epoch boundaries; this one switches between any
-    two optimizer steps. Each micro-batch's loss is divided by the number of micro-batches of its
-    optimizer step (also for the shorter last step of an epoch), so the gradient is always the mean
-    over the effective batch: the full-batch gradient of a model without BatchNorm. Under DDP the
-    gradients are all-reduced once per optimizer step, on the last micro-batch only.
+    Each micro-batch's loss is divided by the number of micro-batches of its optimizer step (also in the shorter
+    last step of an epoch), so the gradient is the mean over the accumulated batch. Under DDP gradients are
+    all-reduced once per optimizer step; under FSDP2 they are reduce-scattered on the last micro-batch only.
+    Unlike Lightning's ``GradientAccumulationScheduler``, which switches at epoch boundaries, a schedule here
+    switches between any two optimizer steps.
 
-    LR scaling (``lr_scaling``) for a factor ``k``. The default ``"none"`` keeps the LR set in
-    ``configure_optimizers``, as Lightning's ``accumulate_grad_batches`` does: replacing that argument with this
-    callback changes nothing about the LR. The other rules treat the configured LR as tuned for one micro-batch
-    and scale it; when one changes the LR, one info line at fit start says from what to what and how to turn it
-    off:
-
-    - ``"linear"`` (``lr = base_lr * k``, the linear scaling rule): right for SGD with momentum when the batch is
-      still well below the critical batch size (Goyal et al., 2017); too large for Adam at large ``k``.
-    - ``"sqrt"`` (``lr = base_lr * sqrt(k)``): keeps the update's noise scale for Adam-type
-      optimizers (Malladi et al., 2022); the usual choice for Adam/AdamW.
-    - ``"none"`` (default): the LR as configured (tuned for the accumulated batch).
-    - ``"adascale"`` (needs the ``fairscale`` extra): FairScale's AdaScale gain, measured from the
-      spread of the micro-batch gradients: 1 when they agree (no gain from a larger batch), up to
-      ``k`` when they are pure noise (linear scaling). It is recomputed every step; FairScale's
-      estimator moves its statistics to the host once per parameter per step, so it costs syncs.
-
-    With an LR schedule callback attached, the schedule computes ``base * schedule * scale`` in one
-    place; without one, this callback writes ``base * scale`` whenever the factor changes.
-
-    BatchNorm: its statistics see one micro-batch, not the accumulated batch, so under
-    accumulation they are noisier than the effective batch suggests. ``batchnorm="warn"`` (default)
-    says so at ``setup``; ``"group_norm"`` replaces each BatchNorm by a GroupNorm with the same
-    channels and affine weights before the optimizer is built (batch-independent, no running
-    statistics, but a different normalisation: retrain, do not load BatchNorm statistics);
-    ``"sync_batchnorm"`` converts to ``SyncBatchNorm`` under DDP on GPUs (statistics over the micro-batch of
-    every rank: ``world_size`` times more samples, one all-reduce per BatchNorm layer per forward);
-    ``"ignore"`` does nothing.
-
-    Lightning's tuner (``Tuner.lr_find``, ``Tuner.scale_batch_size``, the ``LearningRateFinder`` and
-    ``BatchSizeFinder`` callbacks) searches on the Trainer as the user configured it: one micro-batch per
-    optimizer step, no LR scaling. The LR it finds is the base LR for one micro-batch, and the fit that
-    follows applies ``lr_scaling`` to it once (``found * k`` for ``"linear"``).
-
-    Logged keys (on logging steps, through the ledger):
+    Logged keys:
 
     ==================================  =====================================================
     Key                                 Meaning
@@ -94,19 +57,28 @@ class GradientAccumulation(LedgerCallback):
     ==================================  =====================================================
 
     Args:
-        steps: micro-batches per optimizer step: an int, or ``{applied_updates: factor}``.
-        lr_scaling: ``"none"`` (default: the LR as configured), ``"linear"``, ``"sqrt"`` or ``"adascale"`` (see
-            above).
-        batchnorm: ``"warn"``, ``"ignore"``, ``"group_norm"`` or ``"sync_batchnorm"`` (see above).
+        steps: micro-batches per optimizer step: an int, or a schedule ``{applied_updates: factor}`` keyed by the
+            number of applied optimizer updates (``{0: 2, 1000: 4}``: 2 for the first 1000 updates, then 4; the
+            clock of :class:`~lightning_stability.schedules.callback.ScheduledLR`, which skipped steps do not
+            move). Before the first key the factor is 1.
+        lr_scaling: the LR of a step of ``k`` micro-batches. ``"none"`` (default): as set in
+            ``configure_optimizers``, as with Lightning's ``accumulate_grad_batches``. ``"linear"``: ``lr * k``
+            (Goyal et al. 2017; SGD). ``"sqrt"``: ``lr * sqrt(k)`` (Malladi et al. 2022; Adam with an LR tuned for
+            one micro-batch). ``"adascale"``: ``lr * gain``, FairScale's AdaScale gain between 1 and ``k``,
+            measured every step with host syncs (the ``fairscale`` extra). A rule that changes the LR says so in
+            one info line at fit start. With an LR schedule callback the LR is ``base * schedule * scale``.
+        batchnorm: BatchNorm sees one micro-batch's statistics. ``"warn"`` (default): say so at ``setup``;
+            ``"group_norm"``: replace each BatchNorm by a GroupNorm with the same channels and affine weights
+            before the optimizer is built (retrain: no running statistics); ``"sync_batchnorm"``: convert to
+            ``SyncBatchNorm`` (GPUs under DDP); ``"ignore"``.
         log_every_n_steps: log every this many optimizer steps; default: the Trainer's.
 
     Raises:
-        StabilityConfigError: for a bad argument or a missing ``fairscale``; at ``setup`` when the
-            Trainer also accumulates (``accumulate_grad_batches``, ``GradientAccumulationScheduler``),
-            for manual optimization, for a strategy that accumulates by itself (DeepSpeed), or for
-            ``batchnorm="sync_batchnorm"`` without DDP on GPUs; at ``on_fit_start`` when ``lr_scaling``
-            ``"linear"``/``"sqrt"`` meets an LR scheduler returned by ``configure_optimizers`` (both would
-            write the LR; use :class:`~lightning_stability.schedules.callback.ScheduledLR` instead).
+        StabilityConfigError: for a bad argument or a missing ``fairscale``; at ``setup`` when the Trainer also
+            accumulates (``accumulate_grad_batches``, ``GradientAccumulationScheduler``), under manual
+            optimization, or for ``batchnorm="sync_batchnorm"`` without DDP on GPUs; at fit start when
+            ``"linear"``/``"sqrt"`` meets an LR scheduler from ``configure_optimizers`` (both would write the LR:
+            use :class:`~lightning_stability.schedules.callback.ScheduledLR`).
 
     Example::
 

@@ -46,86 +46,70 @@ if TYPE_CHECKING:
 
 
 class StableFSDPStrategy(ParallelStrategy):
-    """Fully sharded data parallel training on PyTorch FSDP2 (``fully_shard``), CPU (gloo) or GPU (NCCL).
+    """Fully sharded data parallel training on PyTorch FSDP2 (``fully_shard``), on GPUs (NCCL) or CPUs (gloo).
 
-    The strategy wraps an unchanged ``LightningModule``: the blocks its ``auto_wrap_policy`` selects
-    (by default the repeated blocks, e.g. transformer layers) each become an FSDP unit that
-    all-gathers its parameters before use and reduce-scatters its gradients in backward; the
-    module's top-level submodules and a root cover the rest. A module that shards itself in
-    ``configure_model`` (``fully_shard`` on ``self.device_mesh``) is left as it is.
-
-    What it does that Lightning's ``FSDPStrategy`` does not:
-
-    * clips by the true global norm across shards, through ``GradientNormMonitor(max_norm=...)`` and
-      through ``Trainer(gradient_clip_val=..., gradient_clip_algorithm="norm")``;
-    * mixed precision computes in bf16/fp16 but reduces gradients and keeps master weights in fp32;
-    * fp16 uses a rank-consistent loss scaler (``trainer.precision_plugin.scaler``): an inf in one
-      rank's shard skips the step on every rank;
-    * gradient accumulation does not reduce-scatter on non-final micro-batches;
-    * checkpoints are sharded directories (each rank writes its shard) that load at any world size,
-      written aside and published by one rename (a crash leaves the previous checkpoint or the new one,
-      whole), and checked for completeness before they load;
-      ``state_dict_type="full"`` writes one file; :func:`~lightning_stability.strategies.consolidate_checkpoint`
-      merges a sharded directory into one file for export;
-    * runs on CPU with gloo, so it is tested for real in CI;
-    * ``tensor_parallel=N`` adds a tensor-parallel dim with Lightning ``ModelParallelStrategy``'s contract:
-      ``configure_model`` applies the module's TP plan with
-      ``parallelize_module(..., self.device_mesh["tensor_parallel"], plan)`` and the strategy shards the result
-      with FSDP2 over ``self.device_mesh["data_parallel"]`` (hybrid: replicate x shard). A module written for
-      ``ModelParallelStrategy`` runs unchanged once its ``fully_shard`` calls are dropped (or kept: a module
-      ``configure_model`` already sharded is left as it is); the norms, clipping, fp16 loss scaling and
-      checkpoints above hold on that mesh.
-
-    FairScale's FSDP keywords are accepted as written. ``mixed_precision=True`` means what it means
-    in FairScale: fp16 compute with fp32 master weights (here also fp32 reduction and a loss scaler).
-    ``cpu_offload=True`` keeps sharded parameters, gradients and optimizer state in CPU memory
-    (``CPUOffloadPolicy``). ``flatten_parameters`` has no FSDP2 equivalent: FSDP2 shards every
-    parameter on its own dim 0 as a DTensor (keeping names, dtypes and ``requires_grad`` per
-    parameter) while still gathering each unit with one collective, which is what flattening bought;
-    the keyword is accepted and ignored, with a one-time info message. Communication overlaps compute
-    through FSDP2's implicit forward/backward prefetch of the next unit; this replaces FairScale's
-    ``bucket_cap_mb`` bucketing (each unit is one bucket).
+    The ``LightningModule`` stays unchanged: the blocks ``auto_wrap_policy`` selects become FSDP units, a root
+    covers the rest, and a module that calls ``fully_shard`` itself in ``configure_model`` is left as it is.
+    Gradients are clipped by the true global norm across shards (``GradientNormMonitor(max_norm=...)`` or
+    ``Trainer(gradient_clip_val=...)``), reduced and kept in fp32 under mixed precision, and not reduce-scattered
+    on non-final micro-batches; checkpoints are written atomically. It takes Lightning ``FSDPStrategy``'s
+    keywords with their meaning, so ``FSDPStrategy(...)`` -> ``StableFSDPStrategy(...)`` keeps the arguments,
+    and FairScale's FSDP keywords.
 
     Args:
-        auto_wrap_policy: which modules become units: ``None`` (the repeated blocks, e.g. the transformer
-            layers: one unit per block, also after a tensor-parallel plan, as torchtitan wraps), a set of module
-            classes, a callable ``fn(module) -> bool``, or a minimum parameter count (of the elements a rank holds
-            after ``configure_model``: a tensor-parallel layer counts its slice).
-        mixed_precision: ``None`` (follow ``Trainer(precision=...)``), ``True`` (fp16 mixed, as in
-            FairScale), ``False``, a Lightning precision name (``"bf16-mixed"``, ``"16-mixed"``,
-            ``"32-true"``, ``"bf16-true"``, ``"16-true"``), ``torch.bfloat16``/``torch.float16``, or a
-            ``MixedPrecisionPolicy``.
+        auto_wrap_policy: which modules become units: ``None`` (the repeated blocks, e.g. transformer layers),
+            a set of module classes, a callable ``fn(module) -> bool``, or a minimum parameter count (of the
+            elements a rank holds after ``configure_model``). Lightning's ``ModuleWrapPolicy``,
+            ``transformer_auto_wrap_policy`` and ``size_based_auto_wrap_policy`` partials and FSDP1 callables
+            ``fn(module, recurse, nonwrapped_numel)`` are taken with the same meaning.
+        mixed_precision: ``None`` (follow ``Trainer(precision=...)``), ``True`` (fp16 mixed, as in FairScale),
+            ``False``, a Lightning precision name (``"bf16-mixed"``, ``"16-mixed"``, ``"32-true"``,
+            ``"bf16-true"``, ``"16-true"``), ``torch.bfloat16``/``torch.float16``, a ``MixedPrecisionPolicy``, or
+            FSDP1's ``MixedPrecision`` (its ``param_dtype``, ``reduce_dtype`` and input casting; not
+            ``buffer_dtype``; ``keep_low_precision_grads=True`` is refused).
         reduce_dtype: dtype of gradient reduction; ``None`` reduces in the compute dtype.
-        flatten_parameters: accepted for FairScale compatibility (see above).
-        cpu_offload: offload sharded parameters, gradients and optimizer state to CPU memory (GPU runs).
-        reshard_after_forward: free gathered parameters after forward (``True``), keep them
-            (``False``), or reshard to a smaller group of this size (an ``int``).
-        activation_checkpointing: recompute the activations of the wrapped blocks (``True``) or of
-            the modules of these classes in backward.
-        sharding: ``"full"`` (shard over every rank) or ``"hybrid"`` (shard within a node, replicate
-            across nodes: a 2-D mesh ``(num_nodes, devices)``; with ``tensor_parallel=N`` a 3-D mesh
-            ``("replicate", "shard", "tensor_parallel")`` of shape ``(num_nodes, devices // N, N)``, whose first
-            two dims together are ``self.device_mesh["data_parallel"]``).
-        device_mesh: for ``sharding="hybrid"``, the shape ``(replicas, shard_size)`` of the data-parallel ranks
-            (all ranks, or all ranks / ``tensor_parallel``).
-        state_dict_type: ``"sharded"`` (default) or ``"full"`` checkpoints.
-        backend: ``"native"`` (FSDP2) or ``"fairscale"`` (FairScale's FSDP, CUDA only, needs the extra).
-        tensor_parallel: devices that split each layer (tensor parallelism, applied by ``configure_model``);
-            1: none. Must divide the devices per node.
+        flatten_parameters: FairScale's; accepted and ignored (FSDP2 shards each parameter as a DTensor), said
+            once.
+        cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory (GPU runs); also
+            FSDP1's ``CPUOffload(offload_params=...)``.
+        reshard_after_forward: free gathered parameters after forward (``True``), keep them until backward
+            (``False``: ZeRO-2's communication), or reshard to a smaller group of this size (an ``int``).
+        activation_checkpointing: recompute in backward the activations of the wrapped blocks (``True``) or of
+            the modules of these classes.
+        sharding: ``"full"`` (shard over every data-parallel rank) or ``"hybrid"`` (shard within a node,
+            replicate across nodes; with ``tensor_parallel=N`` a 3-D mesh ``("replicate", "shard",
+            "tensor_parallel")``).
+        device_mesh: for ``sharding="hybrid"``, the shape ``(replicas, shard_size)`` of the data-parallel ranks.
+        state_dict_type: ``"sharded"`` (default: a directory, each rank writes its shard, loads at any world
+            size) or ``"full"`` (one file). Lightning ``FSDPStrategy``'s default is ``"full"``.
+        backend: ``"native"`` (FSDP2) or ``"fairscale"`` (FairScale's FSDP, CUDA only, the ``fairscale`` extra).
+        tensor_parallel: devices that split each layer, applied by ``configure_model`` on
+            ``self.device_mesh["tensor_parallel"]`` (Lightning ``ModelParallelStrategy``'s contract); 1: none.
+            Must divide the devices per node.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default: the device's.
         timeout: process group timeout.
-        **fairscale_kwargs: further FairScale FSDP keywords, only with ``backend="fairscale"``.
+        sharding_strategy: Lightning's: ``"FULL_SHARD"``, ``"SHARD_GRAD_OP"``, ``"HYBRID_SHARD"``,
+            ``"_HYBRID_SHARD_ZERO2"`` or torch's ``ShardingStrategy``, as ``sharding`` and
+            ``reshard_after_forward``; ``"NO_SHARD"`` is refused (that is DDP).
+        activation_checkpointing_policy: Lightning's: a set of classes or a ``ModuleWrapPolicy``, as
+            ``activation_checkpointing``.
+        **fairscale_kwargs: with ``backend="fairscale"``, further FairScale FSDP keywords. With the native
+            backend, Lightning's ``use_orig_params``, ``limit_all_gathers``, ``forward_prefetch``,
+            ``backward_prefetch`` (no effect, said once) and ``sync_module_states=False``.
 
     Raises:
-        StabilityConfigError: for an unknown keyword, a bad value, ``cpu_offload`` on a CPU run, a
-            policy that wraps nothing, ``backend="fairscale"`` without CUDA, a mesh that does not
-            match the world size.
+        StabilityConfigError: for an unknown keyword or a bad value; for a Lightning keyword with no FSDP2
+            meaning (``process_group``, ``device_id``, ``ignored_modules``, ``param_init_fn``, ``checkpoint_io``,
+            ``sync_module_states=True``, a callable checkpointing policy), naming its replacement;
+            ``cpu_offload`` on a CPU run; a policy that wraps nothing; ``backend="fairscale"`` without CUDA; a
+            mesh that does not match the world size.
 
     Example::
 
         trainer = L.Trainer(
-            accelerator="gpu", devices=8, num_nodes=2, precision="bf16-mixed", gradient_clip_val=1.0,
+            accelerator="gpu", devices=8, num_nodes=2, precision="bf16-mixed",
             strategy=StableFSDPStrategy(sharding="hybrid", activation_checkpointing=True),
+            callbacks=[GradientNormMonitor(max_norm=1.0)],
         )
     """
 
