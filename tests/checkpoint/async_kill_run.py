@@ -10,7 +10,9 @@ resumes at.
 
 With ``LS_TEST_HOLD_WRITE_AT=N`` in the environment, the background write of the save at global step ``N`` writes
 its hidden sibling, then touches ``OUT_DIR/held.<rank>`` and sleeps instead of publishing: the test kills the
-processes there. This is a test-only subclass of ``AsyncSaves``; the package's write path has no such hook.
+processes there. With ``LS_TEST_FAIL_WRITE_AT=N``, rank 0's background write of that save raises ``OSError``
+instead; each rank then writes the ``CheckpointError`` it raised to ``OUT_DIR/error.<rank>.json``. Both are a
+test-only subclass of ``AsyncSaves``; the package's write path has no such hook.
 
 Writes ``OUT_DIR/pid.<rank>``, ``OUT_DIR/<LAYOUT>.start.json`` (rank 0: the step it resumed at) and, at the end,
 ``OUT_DIR/<LAYOUT>.<RUN>.<rank>.pt``: this rank's weights and AdamW state (local shards under FSDP).
@@ -30,7 +32,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_stability import AtomicCheckpointIO, StableCheckpoint
+from lightning_stability import AtomicCheckpointIO, CheckpointError, StableCheckpoint
 from lightning_stability.checkpoint.async_save import AsyncSaves
 from lightning_stability.strategies import StableFSDPStrategy
 from tests.distributed.fsdp_common import TinyLM
@@ -46,6 +48,7 @@ class HeldSaves(AsyncSaves):
         super().__init__()
         self.out = out
         self.hold_at = int(os.environ.get("LS_TEST_HOLD_WRITE_AT", "-1"))
+        self.fail_at = int(os.environ.get("LS_TEST_FAIL_WRITE_AT", "-1"))
         self._step = -1
 
     def start(self, trainer: pl.Trainer, path: Path, kind: str) -> None:
@@ -55,13 +58,18 @@ class HeldSaves(AsyncSaves):
     def submit(self, write: Callable[[], None], publish: Callable[[], None], partial: Path | None) -> Any:
         step = self._step
 
+        def failing_write() -> None:
+            if step == self.fail_at and os.environ.get("RANK", "0") == "0":
+                raise OSError(28, "No space left on device (test)")
+            write()
+
         def held_publish() -> None:
             if step == self.hold_at:
                 (self.out / f"held.{os.environ.get('RANK', '0')}").touch()
                 time.sleep(600)
             publish()
 
-        return super().submit(write, held_publish, partial)
+        return super().submit(failing_write, held_publish, partial)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -103,7 +111,12 @@ def run(out: Path, layout: str, max_steps: int, kind: str) -> None:
         callbacks=callbacks,
         **kwargs,
     )
-    trainer.fit(module, ckpt_path="last" if kind == "soak" else None)
+    try:
+        trainer.fit(module, ckpt_path="last" if kind == "soak" else None)
+    except CheckpointError as err:
+        error = {"message": str(err), "global_step": trainer.global_step}
+        (out / f"error.{os.environ.get('RANK', '0')}.json").write_text(json.dumps(error))
+        return
     optimizer = trainer.optimizers[0]
     state = {
         "params": {name: local(p) for name, p in module.named_parameters()},

@@ -30,14 +30,17 @@ from tests.helpers import REPO
 pytestmark = pytest.mark.distributed
 
 SCRIPT = Path(__file__).with_name("async_kill_run.py")
-HOLD, STEPS = 4, 8
+HOLD, STEPS, EVERY = 4, 8, 2
 
 
-def launch(out: Path, layout: str, nproc: int, kind: str, hold: bool) -> subprocess.Popen[bytes]:
+def launch(out: Path, layout: str, nproc: int, kind: str, hold: bool, fail: bool = False) -> subprocess.Popen[bytes]:
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
     env.pop("LS_TEST_HOLD_WRITE_AT", None)
+    env.pop("LS_TEST_FAIL_WRITE_AT", None)
     if hold:
         env["LS_TEST_HOLD_WRITE_AT"] = str(HOLD)
+    if fail:
+        env["LS_TEST_FAIL_WRITE_AT"] = str(HOLD)
     cmd = [sys.executable, str(SCRIPT), str(out), layout, str(STEPS), kind]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *cmd[1:]]
@@ -99,3 +102,18 @@ def test_kill_during_background_write(tmp_path: Path, layout: str, nproc: int) -
             assert resumed[group].keys() == reference[group].keys()
             for name, value in reference[group].items():
                 assert torch.equal(resumed[group][name], value), f"rank {rank} {group} {name}"
+
+
+@pytest.mark.parametrize("layout", ["ddp", "sharded"])
+def test_a_failed_background_write_raises_on_every_rank(tmp_path: Path, layout: str) -> None:
+    """Rank 0's background write of the step-4 save fails: every rank raises the same CheckpointError naming the
+    path, at the same step, and nothing of step 4 is published or listed."""
+    finish(launch(tmp_path, layout, 2, "soak", hold=False, fail=True), tmp_path, 2, "the failing run")
+    errors = [json.loads((tmp_path / f"error.{rank}.json").read_text()) for rank in range(2)]
+    for error in errors:
+        assert f"step={HOLD}.ckpt" in error["message"] and "failed on rank(s) [0]" in error["message"], error
+    assert errors[0]["global_step"] == errors[1]["global_step"] <= HOLD + EVERY
+    assert "No space left on device (test)" in errors[0]["message"]  # the cause, on the rank that had it
+    directory = tmp_path / layout
+    assert [e.step for e in HealthyCheckpoints(directory).load().entries] == [2]
+    assert not list(directory.glob(f"*step={HOLD}.ckpt"))
