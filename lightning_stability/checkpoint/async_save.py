@@ -35,6 +35,7 @@ rule) and ``torch.distributed.checkpoint.async_save``.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -82,6 +83,7 @@ class AsyncSaves:
         self._exchange_group: Any = None  # gloo group on which ranks agree that a save finished
         self._round: tuple[Any, torch.Tensor] | None = None  # the exchange launched at the last boundary
         self._stager: DefaultStager | None = None
+        self._copy = HostCopy()
         self._executor: ThreadPoolExecutor | None = None
 
     def __getstate__(self) -> dict[str, Any]:  # threads, groups and buffers stay with the process
@@ -125,10 +127,12 @@ class AsyncSaves:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        self._copy = HostCopy()
 
     # ------------------------------------------------------------------ the step's part
     def stager(self) -> DefaultStager:
-        """The copier of the state, kept across saves so its host buffers (pinned on CUDA) are reused."""
+        """``torch.distributed.checkpoint``'s copier, for the shards ``dcp.async_save`` writes (DTensors), kept
+        across saves so its host buffers (pinned on CUDA) are reused."""
         if self._stager is None:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -144,9 +148,7 @@ class AsyncSaves:
         """A copy of ``state`` (nested containers and tensors) in host memory; the device work is finished when it
         returns. Reuses the previous save's buffers: call it only when no save is in flight."""
         assert self.pending is None, "a save is still in flight"
-        staged = self.stager().stage(state)
-        assert not isinstance(staged, Future)
-        return staged
+        return self._copy.copy(state)
 
     def start(self, trainer: pl.Trainer, path: Path, kind: str) -> None:
         """Every rank, where a synchronous save would write: build the checkpoint, copy it, hand the write to the
@@ -159,17 +161,17 @@ class AsyncSaves:
         if isinstance(strategy, StableFSDPStrategy):
             futures = strategy.save_checkpoint_async(checkpoint, path, self)
         else:
-            staged = self.stage(checkpoint)
             futures = []
-            if trainer.is_global_zero:
+            if trainer.is_global_zero:  # the only rank that writes
+                staged = self.stage(checkpoint)
                 io = strategy.checkpoint_io
                 assert isinstance(io, AtomicCheckpointIO)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 io.prepare_directory(path.parent)
-                partial = atomic.partial_path(path, atomic.new_token())
+                partial = atomic.partial_path(path, f"{atomic.new_token()}.pt")  # torch's writer wants a suffix
                 futures.append(
                     self.submit(
-                        lambda: atomic.write_durably(partial, lambda f: torch.save(staged, f)),
+                        lambda: atomic.torch_save_durably(partial, staged),
                         lambda: atomic.publish(partial, path),
                         partial,
                     )
@@ -264,6 +266,52 @@ class AsyncSaves:
                 "or save synchronously (async_save=False) to see the error at the save itself."
             ) from (errors[0] if errors else None)
         return pending
+
+
+class HostCopy:
+    """Copies nested state (dicts, lists, tuples) with every plain tensor in a host buffer kept from one copy to
+    the next at the same place in the structure (pinned on CUDA, filled with non-blocking copies and one device
+    synchronize). Other tensor types (sparse, subclasses) get a fresh copy; other objects a ``copy.deepcopy``.
+    Tensors that shared storage are copied separately (a file then holds both)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def copy(self, state: Any) -> Any:
+        used: dict[tuple[Any, ...], torch.Tensor] = {}
+        devices: set[torch.device] = set()
+
+        def walk(obj: Any, path: tuple[Any, ...]) -> Any:
+            if isinstance(obj, torch.Tensor):
+                if type(obj) is not torch.Tensor or obj.layout != torch.strided:
+                    return obj.detach().to("cpu", copy=True)
+                buffer = self._buffers.get(path)
+                if buffer is None or buffer.shape != obj.shape or buffer.dtype != obj.dtype:
+                    buffer = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=obj.is_cuda)
+                buffer.copy_(obj.detach(), non_blocking=obj.is_cuda)
+                if obj.is_cuda:
+                    devices.add(obj.device)
+                used[path] = buffer
+                return buffer
+            if isinstance(obj, dict):
+                out = copy.copy(obj)  # the same mapping type and attributes (a state dict's ``_metadata``)
+                for key, value in obj.items():
+                    out[key] = walk(value, (*path, key))
+                return out
+            if isinstance(obj, list):
+                return [walk(value, (*path, i)) for i, value in enumerate(obj)]
+            if isinstance(obj, tuple):
+                items = [walk(value, (*path, i)) for i, value in enumerate(obj)]
+                return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+            if obj is None or isinstance(obj, bool | int | float | complex | str | bytes):
+                return obj
+            return copy.deepcopy(obj)
+
+        staged = walk(state, ())
+        for device in devices:
+            torch.cuda.synchronize(device)  # the non-blocking copies are done: the weights may change now
+        self._buffers = used
+        return staged
 
 
 def _world() -> int:

@@ -443,12 +443,13 @@ class StableFSDPStrategy(ParallelStrategy):
             raise self._save_failed({0: error}, f"preparing {partial}", path, partial)
         zero = self.is_global_zero
         if self._full or self._cfg.backend == "fairscale":
-            staged = saves.stage(checkpoint)
             if not zero:
-                return []
+                return []  # rank 0 writes the one file
+            staged = saves.stage(checkpoint)
+            partial = partial.with_name(f"{partial.name}.pt")  # torch's writer wants a suffix
             return [
                 saves.submit(
-                    lambda: atomic.write_durably(partial, lambda f: torch.save(staged, f)),
+                    lambda: atomic.torch_save_durably(partial, staged),
                     lambda: atomic.publish(partial, path),
                     partial,
                 )
