@@ -54,7 +54,7 @@ from lightning_stability.checkpoint.io import AtomicCheckpointIO
 from lightning_stability.errors import config_error
 
 if TYPE_CHECKING:
-    from torch.distributed.checkpoint.staging import DefaultStager
+    from torch.distributed.checkpoint.staging import AsyncStager
 
 _PENDING, _DONE, _FAILED = 0, 1, 2
 
@@ -82,7 +82,6 @@ class AsyncSaves:
         self.dcp_group: Any = None  # gloo group for StableFSDPStrategy's background DCP writes
         self._exchange_group: Any = None  # gloo group on which ranks agree that a save finished
         self._round: tuple[Any, torch.Tensor] | None = None  # the exchange launched at the last boundary
-        self._stager: DefaultStager | None = None
         self._copy = HostCopy()
         self._executor: ThreadPoolExecutor | None = None
 
@@ -124,31 +123,36 @@ class AsyncSaves:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
         self._copy = HostCopy()
 
     # ------------------------------------------------------------------ the step's part
-    def stager(self) -> DefaultStager:
-        """``torch.distributed.checkpoint``'s copier, for the shards ``dcp.async_save`` writes (DTensors), kept
-        across saves so its host buffers (pinned on CUDA) are reused."""
-        if self._stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    def stager(self) -> AsyncStager:
+        """The stager to give ``dcp.async_save``: :class:`HostCopy` (the same buffers from save to save)."""
+        from torch.distributed.checkpoint.staging import AsyncStager
 
-            cuda = torch.cuda.is_available()
-            self._stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
-                )
-            )
-        return self._stager
+        copier = self._copy
 
-    def stage(self, state: Any) -> Any:
+        class HostStager(AsyncStager):
+            _synchronize_after_execute = False  # the copy is complete when stage returns
+
+            def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+                staged: dict[str, Any] = copier.copy(state_dict, "dcp")
+                return staged
+
+            def synchronize_staging(self) -> None:
+                return None
+
+            def close(self) -> None:
+                return None
+
+        return HostStager()
+
+    def stage(self, state: Any, name: str = "torch.save") -> Any:
         """A copy of ``state`` (nested containers and tensors) in host memory; the device work is finished when it
-        returns. Reuses the previous save's buffers: call it only when no save is in flight."""
+        returns. Reuses the buffers of the previous save's copy under the same ``name``: call it only when no save
+        is in flight."""
         assert self.pending is None, "a save is still in flight"
-        return self._copy.copy(state)
+        return self._copy.copy(state, name)
 
     def start(self, trainer: pl.Trainer, path: Path, kind: str) -> None:
         """Every rank, where a synchronous save would write: build the checkpoint, copy it, hand the write to the
@@ -271,21 +275,32 @@ class AsyncSaves:
 class HostCopy:
     """Copies nested state (dicts, lists, tuples) with every plain tensor in a host buffer kept from one copy to
     the next at the same place in the structure (pinned on CUDA, filled with non-blocking copies and one device
-    synchronize). Other tensor types (sparse, subclasses) get a fresh copy; other objects a ``copy.deepcopy``.
-    Tensors that shared storage are copied separately (a file then holds both)."""
+    synchronize). A ``DTensor`` keeps its mesh and placements around a copy of its local shard; other tensor types
+    (sparse, other subclasses) get a fresh copy; other objects a ``copy.deepcopy``. Tensors that shared storage
+    are copied separately (a file then holds both)."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._buffers: dict[str, dict[tuple[Any, ...], torch.Tensor]] = {}
 
-    def copy(self, state: Any) -> Any:
+    def copy(self, state: Any, name: str = "") -> Any:
+        """A copy of ``state``; ``name`` keeps the buffers of different states apart (each reused at its next
+        copy under the same name, which must come after the previous copy's data was written)."""
+        from torch.distributed.tensor import DTensor
+
+        buffers = self._buffers.get(name, {})
         used: dict[tuple[Any, ...], torch.Tensor] = {}
         devices: set[torch.device] = set()
 
         def walk(obj: Any, path: tuple[Any, ...]) -> Any:
+            if isinstance(obj, DTensor):
+                local = walk(obj.to_local(), path)
+                return DTensor.from_local(
+                    local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape, stride=obj.stride()
+                )
             if isinstance(obj, torch.Tensor):
                 if type(obj) is not torch.Tensor or obj.layout != torch.strided:
                     return obj.detach().to("cpu", copy=True)
-                buffer = self._buffers.get(path)
+                buffer = buffers.get(path)
                 if buffer is None or buffer.shape != obj.shape or buffer.dtype != obj.dtype:
                     buffer = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=obj.is_cuda)
                 buffer.copy_(obj.detach(), non_blocking=obj.is_cuda)
@@ -310,7 +325,7 @@ class HostCopy:
         staged = walk(state, ())
         for device in devices:
             torch.cuda.synchronize(device)  # the non-blocking copies are done: the weights may change now
-        self._buffers = used
+        self._buffers[name] = used
         return staged
 
 

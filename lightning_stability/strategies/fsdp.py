@@ -455,7 +455,7 @@ class StableFSDPStrategy(ParallelStrategy):
                 )
             ]
         tensors, rest = ckpt.split_sharded(checkpoint)
-        meta = saves.stage(rest) if zero else None
+        meta = saves.stage(rest, "meta") if zero else None
         shards = dcp.async_save(
             tensors, checkpoint_id=partial, process_group=saves.dcp_group, async_stager=saves.stager()
         )
