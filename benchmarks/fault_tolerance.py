@@ -1,4 +1,4 @@
-"""Benchmark: killed N times, nothing lost; and what an atomic save costs (issue 22, items 3 and 5).
+"""Benchmark: killed N times, nothing lost; what an atomic save costs; how long an async one blocks the step.
 
 **The soak** (``tests/checkpoint/soak.py``, the long form of ``tests/checkpoint/test_soak.py``): two processes
 train with ``StableCheckpoint(every_n_train_steps=1)`` under DDP (fp32, ``AtomicCheckpointIO``) and under
@@ -19,7 +19,20 @@ ways alternating, median of ``--repeats``:
   earlier in-place save) against ``StableFSDPStrategy.save_checkpoint`` (hidden sibling, every rank's shards,
   ``meta.pt`` fsync-ed, the errors gathered, the directory exchanged, the old one deleted).
 
-Run: ``python -m benchmarks.fault_tolerance [--kills 10] [--repeats 7]`` (about 4 minutes on 2 cores).
+**The step blocked by a save** (issue 31, item 3): a real Trainer trains the same model (``--width``, ``--blocks``)
+for ``--blocked-steps`` steps with ``StableCheckpoint(every_n_train_steps=5)``, once with ``async_save=False`` and
+once with ``async_save=True``, ``--rounds`` times each in alternating order, in one process (``AtomicCheckpointIO``)
+and in two FSDP processes (sharded). Per save, the host time of ``StableCheckpoint._save_checkpoint`` (synchronous:
+the whole write; asynchronous: waiting for the previous write, building the checkpoint, copying it to host memory);
+the first save of each run (which allocates the copy's buffers) is left out; the median over runs of each run's
+median, the slower rank's. Also printed: the mean time of ``StableCheckpoint.on_train_batch_end`` on the other steps
+(an asynchronous save is polled there, and a background write competes with training for the CPU) and each fit's
+wall time.
+
+The soak saves with ``async_save=True`` (``soak_run.py``).
+
+Run: ``python -m benchmarks.fault_tolerance [--kills 10] [--repeats 7] [--rounds 2]`` (about 4 minutes on 2
+cores).
 """
 
 from __future__ import annotations
