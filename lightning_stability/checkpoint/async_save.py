@@ -2,22 +2,24 @@
 
 ``StableCheckpoint(async_save=True)`` saves in two parts:
 
-1. **In the step** (every rank): Lightning's checkpoint dict is built as for a synchronous save, and every tensor
-   in it is copied (:meth:`AsyncSaves.stage`): into pinned host memory with one device synchronize on CUDA, a plain
-   copy on CPU. The copies live in buffers reused from save to save (``torch.distributed.checkpoint``'s
-   ``DefaultStager``, which also keeps tensors that share storage shared). From here on the training step may
-   change the weights: the file is written from the copy, so a NaN that appears after the save cannot reach it.
-   This is what Lightning's ``AsyncCheckpointIO`` lacks: it writes the live tensors while training goes on, so
-   a file can mix steps (Lightning issue #20953).
-2. **In a background thread**: the write into the hidden sibling ``.lsckpt-partial-<token>`` and its ``fsync``,
-   then the publish by the same rename as a synchronous save (:mod:`~lightning_stability.checkpoint.atomic`).
+1. **In the step**: Lightning's checkpoint dict is built as for a synchronous save (every rank), and every tensor
+   that rank writes is copied (:class:`HostCopy`): into pinned host memory with one device synchronize on CUDA, a
+   plain copy on CPU, into buffers reused from save to save. Single device, DDP and ``state_dict_type="full"``:
+   rank 0 only (it alone writes); sharded: every rank its shards. From here on the training step may change the
+   weights: the file is written from the copy, so a NaN that appears after the save cannot reach it. This is what
+   Lightning's ``AsyncCheckpointIO`` lacks: it writes the live tensors while training goes on, so a file can mix
+   steps (Lightning issue #20953).
+2. **In a background thread**: the write into the hidden sibling ``.lsckpt-partial-<token>`` (``torch.save`` by
+   path: torch's C++ writer, which leaves the interpreter to the training thread) and its ``fsync``, then the
+   publish by the same rename as a synchronous save (:mod:`~lightning_stability.checkpoint.atomic`).
    Single device and DDP: rank 0 writes the file. ``StableFSDPStrategy``: every rank writes its shards with
    ``torch.distributed.checkpoint.async_save`` on a gloo process group of its own (the training's collectives
    never wait for it), rank 0 adds ``meta.pt`` and publishes once every rank's shards are written.
 
 At most one save is in flight: a save due while the previous one is still being written first waits for it (the
 step then waits for the rest of that write; with ``every_n_train_steps`` longer than a write it never does).
-Every save asked for is written; none is dropped.
+Every save asked for is written; none is dropped. (With ``save_last=True`` a due save writes two checkpoints, and
+the second waits for the first's write: leave ``save_last`` off, ``ckpt_path="last"`` reads the healthy list.)
 
 A checkpoint enters the healthy list (``stable_checkpoints.json``) only once it is published and every rank
 agrees its part succeeded. Ranks agree at step boundaries without blocking the step, as the preemption signals
@@ -28,9 +30,9 @@ boundary, at the next save, or at the end of ``fit``, whichever comes first; the
 kill during the background write leaves the hidden sibling (deleted at the next start) and the previous
 checkpoint as the newest listed: ``ckpt_path="last"`` resumes from it.
 
-Design sources: torchtitan's ``CheckpointManager`` (``async_mode="async"``: a gloo group for the background DCP
-save, the next save waits for the previous), OLMo-core's ``Checkpointer`` (async saves, the same one-in-flight
-rule) and ``torch.distributed.checkpoint.async_save``.
+Design sources: torchtitan's ``CheckpointManager`` (``async_mode="async"``: a gloo group of its own for the
+background DCP save, which the next save waits for), OLMo-core's trainer (asynchronous checkpoints by default) and
+``torch.distributed.checkpoint.async_save``.
 """
 
 from __future__ import annotations
