@@ -153,8 +153,9 @@ class TrainingHealthMonitor(LedgerCallback):
 
     @property
     def history(self) -> HealthHistory:
-        """Every step's loss, gradient norm, clip threshold, spike flags, LR, loss scale and outcome (host
-        series up to the last logging step)."""
+        """Each step's loss, gradient norm, clip threshold, spike flags, LR, loss scale and outcome (host series up
+        to the last logging step): the newest 2,000 steps in ``series``, older ones downsampled in ``buckets``,
+        exact whole-run counts in ``totals`` (see :class:`~lightning_stability.health.history.HealthHistory`)."""
         return self._log.history
 
     @property

@@ -3,9 +3,11 @@
 Every optimizer step writes one row of device values (loss, gradient norm, clip threshold, spike flags, LR,
 loss scale, outcome) into a small device buffer (:class:`HealthHistory`), indexed by a host counter: no sync. On
 a logging step the filled rows and the logging-step metrics (update size, memory) ride the ledger's one batched
-transfer to the host. There :class:`HealthReporter` appends them to the host series (which checkpoints keep), names
-the spikes in a warning, warns once when the peak memory nears the device's capacity, and at the end of ``fit``
-writes the stability report (JSON + PNG).
+transfer to the host. There :class:`HealthReporter` appends them to the host series (which checkpoints keep),
+names the spikes in a warning, warns once when the peak memory nears the device's capacity, and at the end of
+``fit`` writes the stability report (JSON + PNG). The host series stay bounded whatever the run's length: the
+newest steps at full resolution, older ones as min/mean/max buckets, exact whole-run counts, spikes and rollbacks
+as events (the newest :data:`MAX_EVENTS`).
 """
 
 from __future__ import annotations

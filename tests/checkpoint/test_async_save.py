@@ -195,3 +195,25 @@ def test_pickles_without_its_thread(tmp_path: Path) -> None:
     _, _, callback = fit(tmp_path, async_save=True, max_steps=3)
     copy = pickle.loads(pickle.dumps(callback))
     assert copy.async_save and copy._async.pending is None
+
+
+def test_host_copy_is_isolated_reuses_its_buffers_and_keeps_the_structure() -> None:
+    from collections import OrderedDict, namedtuple
+
+    from lightning_stability.checkpoint.async_save import HostCopy
+
+    Pair = namedtuple("Pair", "a b")
+    weights = OrderedDict(w=torch.arange(6.0).reshape(2, 3), t=torch.arange(6.0).reshape(2, 3).t())
+    weights._metadata = {"": {"version": 1}}  # type: ignore[attr-defined]
+    state = {"state_dict": weights, "pair": Pair(torch.ones(2), 3), "lists": [1.5, "x", None], "step": 7}
+    copier = HostCopy()
+    first = copier.copy(state)
+    assert type(first["state_dict"]) is OrderedDict and first["state_dict"]._metadata == {"": {"version": 1}}
+    assert isinstance(first["pair"], Pair) and first["pair"].b == 3
+    assert first["lists"] == [1.5, "x", None] and first["step"] == 7
+    assert torch.equal(first["state_dict"]["t"], weights["t"])  # a transposed view copied as its values
+    weights["w"].fill_(float("nan"))  # the live tensor changes after the copy
+    assert torch.equal(first["state_dict"]["w"], torch.arange(6.0).reshape(2, 3))
+    buffer = first["state_dict"]["w"].data_ptr()
+    second = copier.copy(state)  # the next save: the same buffers, refilled
+    assert second["state_dict"]["w"].data_ptr() == buffer and second["state_dict"]["w"].isnan().all()
