@@ -217,3 +217,25 @@ def test_host_copy_is_isolated_reuses_its_buffers_and_keeps_the_structure() -> N
     buffer = first["state_dict"]["w"].data_ptr()
     second = copier.copy(state)  # the next save: the same buffers, refilled
     assert second["state_dict"]["w"].data_ptr() == buffer and second["state_dict"]["w"].isnan().all()
+
+
+def test_no_host_sync_on_the_steps_between_saves(tmp_path: Path) -> None:
+    """Polling the save in flight reads host flags only: the steps that do not save sync as often as without any
+    checkpointing."""
+    from tests.helpers import count_syncs_per_step
+
+    pl.seed_everything(0, verbose=False)
+    bare = count_syncs_per_step(quiet_trainer(max_steps=12, log_every_n_steps=50), TinyModule())
+    pl.seed_everything(0, verbose=False)
+    callback = StableCheckpoint(dirpath=tmp_path, every_n_train_steps=4, async_save=True)
+    trainer = quiet_trainer(
+        max_steps=12,
+        log_every_n_steps=50,
+        plugins=[AtomicCheckpointIO()],
+        callbacks=[callback],
+        enable_checkpointing=True,
+    )
+    ours = count_syncs_per_step(trainer, TinyModule())
+    saving = {3, 7, 11}  # the batches whose end saves (steps 4, 8, 12): the health check reads the host there
+    assert [n for i, n in enumerate(ours) if i not in saving] == [n for i, n in enumerate(bare) if i not in saving]
+    assert listed(tmp_path) == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt", "epoch=1-step=12.ckpt"]
