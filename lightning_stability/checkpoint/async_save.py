@@ -86,6 +86,7 @@ class AsyncSaves:
         self._round: tuple[Any, torch.Tensor] | None = None  # the exchange launched at the last boundary
         self._copy = HostCopy()
         self._executor: ThreadPoolExecutor | None = None
+        self._abandoned = False
 
     def __getstate__(self) -> dict[str, Any]:  # threads, groups and buffers stay with the process
         return {}
@@ -117,15 +118,18 @@ class AsyncSaves:
             self._exchange_group = dist.new_group(backend="gloo")
 
     def close(self) -> None:
-        """Release the groups, the thread and the staging buffers (after :meth:`wait`)."""
-        for group in (self.dcp_group, self._exchange_group):
-            if group is not None and self.pending is None and self._round is None:
-                dist.destroy_process_group(group)
-        self.dcp_group = self._exchange_group = None
+        """Release the thread, the groups and the buffers (after :meth:`wait` or :meth:`abandon`)."""
         if self._executor is not None:
-            self._executor.shutdown(wait=True)
+            # a write still running finishes (and publishes) first; after an exception, without waiting here
+            self._executor.shutdown(wait=not self._abandoned)
             self._executor = None
+        if not self._abandoned and self.pending is None:
+            for group in (self.dcp_group, self._exchange_group):
+                if group is not None:
+                    dist.destroy_process_group(group)
+        self.dcp_group = self._exchange_group = None
         self._copy = HostCopy()
+        self._abandoned = False
 
     # ------------------------------------------------------------------ the step's part
     def stager(self) -> AsyncStager:
@@ -242,6 +246,7 @@ class AsyncSaves:
         """After an exception in training: stop exchanging (other ranks may be gone); a write still running
         finishes in its thread and publishes, but is not listed (the next start finds it, or removes it)."""
         self.pending, self._round = None, None
+        self._abandoned = True  # an exchange may still be in flight: its group is left to the process's end
 
     def _local_status(self) -> int:
         assert self.pending is not None
