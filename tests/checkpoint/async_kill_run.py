@@ -10,8 +10,8 @@ resumes at.
 
 With ``LS_TEST_HOLD_WRITE_AT=N`` in the environment, the background write of the save at global step ``N`` writes
 its hidden sibling, then touches ``OUT_DIR/held.<rank>`` and sleeps instead of publishing: the test kills the
-processes there. With ``LS_TEST_FAIL_WRITE_AT=N``, rank 0's background write of that save raises ``OSError``
-instead; each rank then writes the ``CheckpointError`` it raised to ``OUT_DIR/error.<rank>.json``. Both are a
+processes there. With ``LS_TEST_FAIL_WRITE_AT=N``, rank 0's background write of that save raises ``OSError`` at
+its end (before the publish); each rank then writes the ``CheckpointError`` it raised to ``OUT_DIR/error.<rank>.json``. Both are a
 test-only subclass of ``AsyncSaves``; the package's write path has no such hook.
 
 Writes ``OUT_DIR/pid.<rank>``, ``OUT_DIR/<LAYOUT>.start.json`` (rank 0: the step it resumed at) and, at the end,
@@ -59,9 +59,9 @@ class HeldSaves(AsyncSaves):
         step = self._step
 
         def failing_write() -> None:
-            if step == self.fail_at and os.environ.get("RANK", "0") == "0":
-                raise OSError(28, "No space left on device (test)")
             write()
+            if step == self.fail_at and os.environ.get("RANK", "0") == "0":  # e.g. the last file's fsync
+                raise OSError(28, "No space left on device (test)")
 
         def held_publish() -> None:
             if step == self.hold_at:
