@@ -11,8 +11,9 @@ resumes at.
 With ``LS_TEST_HOLD_WRITE_AT=N`` in the environment, the background write of the save at global step ``N`` writes
 its hidden sibling, then touches ``OUT_DIR/held.<rank>`` and sleeps instead of publishing: the test kills the
 processes there. With ``LS_TEST_FAIL_WRITE_AT=N``, rank 0's background write of that save raises ``OSError`` at
-its end (before the publish); each rank then writes the ``CheckpointError`` it raised to ``OUT_DIR/error.<rank>.json``. Both are a
-test-only subclass of ``AsyncSaves``; the package's write path has no such hook.
+its end (before the publish); each rank then writes the ``CheckpointError`` it raised to
+``OUT_DIR/error.<rank>.json``. Both are a test-only subclass of ``AsyncSaves``; the package's write path has no such
+hook.
 
 Writes ``OUT_DIR/pid.<rank>``, ``OUT_DIR/<LAYOUT>.start.json`` (rank 0: the step it resumed at) and, at the end,
 ``OUT_DIR/<LAYOUT>.<RUN>.<rank>.pt``: this rank's weights and AdamW state (local shards under FSDP).
