@@ -1,4 +1,4 @@
-"""Benchmark: killed N times, nothing lost; and what an atomic save costs (issue 22, items 3 and 5).
+"""Benchmark: killed N times, nothing lost; what an atomic save costs; how long an async one blocks the step.
 
 **The soak** (``tests/checkpoint/soak.py``, the long form of ``tests/checkpoint/test_soak.py``): two processes
 train with ``StableCheckpoint(every_n_train_steps=1)`` under DDP (fp32, ``AtomicCheckpointIO``) and under
@@ -19,7 +19,20 @@ ways alternating, median of ``--repeats``:
   earlier in-place save) against ``StableFSDPStrategy.save_checkpoint`` (hidden sibling, every rank's shards,
   ``meta.pt`` fsync-ed, the errors gathered, the directory exchanged, the old one deleted).
 
-Run: ``python -m benchmarks.fault_tolerance [--kills 10] [--repeats 7]`` (about 4 minutes on 2 cores).
+**The step blocked by a save** (issue 31, item 3): a real Trainer trains the same model (``--width``, ``--blocks``)
+for ``--blocked-steps`` steps with ``StableCheckpoint(every_n_train_steps=5)``, once with ``async_save=False`` and
+once with ``async_save=True``, ``--rounds`` times each in alternating order, in one process (``AtomicCheckpointIO``)
+and in two FSDP processes (sharded). Per save, the host time of ``StableCheckpoint._save_checkpoint`` (synchronous:
+the whole write; asynchronous: waiting for the previous write, building the checkpoint, copying it to host memory);
+the first save of each run (which allocates the copy's buffers) is left out; the median over runs of each run's
+median, the slower rank's. Also printed: the mean time of ``StableCheckpoint.on_train_batch_end`` on the other steps
+(an asynchronous save is polled there, and a background write competes with training for the CPU) and each fit's
+wall time.
+
+The soak saves with ``async_save=True`` (``soak_run.py``).
+
+Run: ``python -m benchmarks.fault_tolerance [--kills 10] [--repeats 7] [--rounds 2]`` (about 4 minutes on 2
+cores).
 """
 
 from __future__ import annotations
@@ -168,6 +181,101 @@ def fsdp_save_worker(out: Path, d: int, layers: int, repeats: int) -> None:
     exit_worker()
 
 
+class _TimedCheckpoint:
+    """Mixed into ``StableCheckpoint``: the host time of each save (``_save_checkpoint``: the whole write when
+    synchronous; waiting for the previous write, building the checkpoint and copying it when asynchronous) and of
+    the other steps' ``on_train_batch_end`` (where an asynchronous save is polled)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        self.save_times: list[float] = []
+        self.other_steps: list[float] = []
+
+    def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
+        start = time.perf_counter()
+        super()._save_checkpoint(trainer, filepath)  # type: ignore[misc]
+        self.save_times.append(time.perf_counter() - start)
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        saves = len(self.save_times)
+        start = time.perf_counter()
+        super().on_train_batch_end(trainer, *args)  # type: ignore[misc]
+        if len(self.save_times) == saves:
+            self.other_steps.append(time.perf_counter() - start)
+
+
+def blocked_worker(out: Path, layout: str, d: int, layers: int, steps: int, every: int, rounds: int) -> None:
+    """One process (``plain``) or a torchrun worker (``sharded``): the same run saving synchronously and
+    asynchronously, ``rounds`` times each, alternating; writes the blocked times (rank 0, the slower rank's)."""
+    import lightning.pytorch as pl
+    import torch.distributed as dist
+
+    from lightning_stability import AtomicCheckpointIO, StableCheckpoint
+    from lightning_stability.strategies import StableFSDPStrategy
+    from tests.distributed.fsdp_common import TinyGPT, TinyLM
+
+    timed = type("TimedStableCheckpoint", (_TimedCheckpoint, StableCheckpoint), {})
+    results: dict[str, dict[str, list[float]]] = {"sync": {"save": [], "other": [], "fit": []}}
+    results["async"] = {"save": [], "other": [], "fit": []}
+    size = 0.0
+    for i in range(2 * rounds):
+        mode = ("sync", "async")[(i + i // 2) % 2]  # sync, async, async, sync, ...: neither always first
+        pl.seed_everything(0, verbose=False)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        module = TinyLM(batch_size=8 // world, n=8 * steps)
+        module.model = TinyGPT(d, layers, heads=4)
+        directory = out / f"{mode}{i}"
+        callback = timed(dirpath=directory, every_n_train_steps=every, keep=1, async_save=mode == "async")
+        kwargs: dict[str, Any] = {"plugins": [AtomicCheckpointIO()]}
+        if layout == "sharded":
+            kwargs = {"strategy": StableFSDPStrategy(), "devices": world}
+        trainer = pl.Trainer(
+            accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+            use_distributed_sampler=False, callbacks=[callback], **kwargs,
+        )  # fmt: skip
+        start = time.perf_counter()
+        trainer.fit(module)
+        fit_s = time.perf_counter() - start
+        # the first save of a run allocates the copy's buffers: left out like any warm-up
+        times = torch.tensor(
+            [statistics.median(callback.save_times[1:]), statistics.mean(callback.other_steps), fit_s],
+            dtype=torch.float64,
+        )
+        if dist.is_initialized():
+            dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        for key, value in zip(("save", "other", "fit"), times.tolist(), strict=True):
+            results[mode][key].append(value)
+        newest = sorted(directory.glob("*.ckpt"))[-1]
+        size = (sum(p.stat().st_size for p in newest.iterdir()) if newest.is_dir() else newest.stat().st_size) / 2**20
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        (out / f"blocked_{layout}.json").write_text(json.dumps({"results": results, "mb": size}))
+
+
+def blocked_time(layout: str, d: int, layers: int, steps: int, every: int, rounds: int) -> str:
+    """How long the step is blocked per save, async against sync, the same model in the same run."""
+    with tempfile.TemporaryDirectory(dir=REPO) as tmp:
+        args = [layout, tmp, str(d), str(layers), str(steps), str(every), str(rounds)]
+        env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+        cmd = [sys.executable, __file__, "--blocked-worker", *args]
+        if layout == "sharded":
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *cmd[1:]]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the blocked-time worker failed:\n{proc.stderr[-4000:]}")
+        data = json.loads((Path(tmp) / f"blocked_{layout}.json").read_text())
+    r, mb = data["results"], data["mb"]
+    sync, asyn = statistics.median(r["sync"]["save"]), statistics.median(r["async"]["save"])
+    where = "one process, AtomicCheckpointIO" if layout == "plain" else "two FSDP processes, sharded"
+    return (
+        f"{where}, {mb:.1f} MB checkpoint, a save every {every} steps: the step blocked per save {sync * 1e3:.1f} ms "
+        f"synchronous, {asyn * 1e3:.1f} ms with async_save, ratio {asyn / sync:.3f}; StableCheckpoint's "
+        "on_train_batch_end on the other steps "
+        f"{statistics.median(r['sync']['other']) * 1e3:.2f} / {statistics.median(r['async']['other']) * 1e3:.2f} ms; "
+        f"fit of {steps} steps {statistics.median(r['sync']['fit']):.2f} s / "
+        f"{statistics.median(r['async']['fit']):.2f} s"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--kills", type=int, default=10)
@@ -176,8 +284,21 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--skip-soak", action="store_true")
+    parser.add_argument("--blocked-steps", type=int, default=31, help="steps of each blocked-time run")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each way in the blocked-time measurement")
+    parser.add_argument("--skip-cost", action="store_true", help="only the soak and the blocked time")
     parser.add_argument("--fsdp-save-worker", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--blocked-worker", nargs=7, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.blocked_worker is not None:
+        layout, out, *numbers = args.blocked_worker
+        blocked_worker(Path(out), layout, *(int(n) for n in numbers))
+        if torch.distributed.is_initialized():
+            from tests.helpers import exit_worker
+
+            torch.distributed.barrier()
+            exit_worker()
+        return
     if args.fsdp_save_worker is not None:
         fsdp_save_worker(args.fsdp_save_worker, args.width, args.blocks, args.repeats)
         return
@@ -186,11 +307,15 @@ def main() -> None:
     if not args.skip_soak:
         print(f"soak (seed {seed}):", flush=True)
         soak_all(args.kills, seed)
-    print(f"cost of a save (TinyGPT with AdamW's state; median of {args.repeats}):")
-    for model in ((128, 2), (args.width, args.blocks)):
-        print(f"  d={model[0]}, {model[1]} blocks:")
-        print("    " + single_process_cost(*model, args.repeats), flush=True)
-        print("    " + fsdp_cost(*model, args.repeats), flush=True)
+    if not args.skip_cost:
+        print(f"cost of a save (TinyGPT with AdamW's state; median of {args.repeats}):")
+        for model in ((128, 2), (args.width, args.blocks)):
+            print(f"  d={model[0]}, {model[1]} blocks:")
+            print("    " + single_process_cost(*model, args.repeats), flush=True)
+            print("    " + fsdp_cost(*model, args.repeats), flush=True)
+    print(f"the step blocked by a save, async_save=True against False (TinyGPT d={args.width}, {args.blocks} blocks):")
+    for layout in ("plain", "sharded"):
+        print("  " + blocked_time(layout, args.width, args.blocks, args.blocked_steps, 5, args.rounds), flush=True)
     print(f"wall time {time.monotonic() - started:.0f} s")
 
 

@@ -445,6 +445,24 @@ def model_checkpoint_saved_at(callback: Any) -> int:
     return int(callback._last_global_step_saved)
 
 
+def record_model_checkpoint_save(callback: Any, trainer: pl.Trainer, filepath: str) -> None:
+    """What ``ModelCheckpoint._save_checkpoint`` records after writing ``filepath`` (the step and path of the last
+    save; the loggers' ``after_save_checkpoint``), for a save written another way."""
+    from weakref import proxy
+
+    callback._last_global_step_saved = trainer.global_step
+    callback._last_checkpoint_saved = filepath
+    if trainer.is_global_zero:
+        for logger in trainer.loggers:
+            logger.after_save_checkpoint(proxy(callback))  # type: ignore[arg-type]  # as Lightning does
+
+
+def dump_checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
+    """The checkpoint dict ``Trainer.save_checkpoint`` would write (every rank calls it: it may gather)."""
+    checkpoint: dict[str, Any] = trainer._checkpoint_connector.dump_checkpoint(False)
+    return checkpoint
+
+
 def split_lightning_signal_handler(handler: Any) -> tuple[list[Callable[..., Any]], list[Callable[..., Any]]] | None:
     """Lightning's composed signal handler (``Trainer`` installs it at fit) as ``(requeue, others)``; else ``None``.
 

@@ -6,6 +6,8 @@
 * ``io.py``: :class:`AtomicCheckpointIO`, the ``CheckpointIO`` for single-device and DDP runs.
 * ``callback.py``: :class:`StableCheckpoint`, a ``ModelCheckpoint`` that saves only healthy states, keeps the
   newest ``keep``, resolves ``ckpt_path="last"`` to the newest that verifies, and saves and stops on a signal.
+* ``async_save.py``: ``StableCheckpoint(async_save=True)``: the state copied to host memory in the step, the write,
+  ``fsync`` and publish in a background thread, one save in flight, listed once every rank agrees it succeeded.
 * ``ring.py``: ``stable_checkpoints.json``, the list of a directory's healthy checkpoints.
 * ``preemption.py``: the signal handlers, and how every rank agrees on a signal at a step boundary.
 

@@ -91,6 +91,23 @@ def write_durably(path: Path, write: Callable[[BinaryIO], object]) -> None:
         os.fsync(f.fileno())
 
 
+def torch_save_durably(path: Path, obj: object) -> None:
+    """``torch.save(obj)`` into ``path`` (which must not exist and must have a suffix, e.g. ``.pt``: torch names
+    the archive after the file's stem), then ``fsync``. Given a path, torch's own C++ writer writes the file
+    without calling back into Python for every chunk, so a background save leaves the interpreter to the training
+    thread."""
+    import torch
+
+    if os.path.lexists(path):
+        raise FileExistsError(errno.EEXIST, "a checkpoint's hidden sibling already exists", str(path))
+    torch.save(obj, str(path))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_file(target: Path, write: Callable[[BinaryIO], object]) -> None:
     """Write one file atomically: ``write(file)`` into a hidden sibling, ``fsync``, then publish at ``target``.
 

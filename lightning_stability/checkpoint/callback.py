@@ -21,6 +21,7 @@ from torch import Tensor
 from lightning_stability import _compat
 from lightning_stability.checkpoint import atomic
 from lightning_stability.checkpoint.arguments import check_model_checkpoint_arguments
+from lightning_stability.checkpoint.async_save import AsyncSaves, PendingSave
 from lightning_stability.checkpoint.atomic import CheckpointError
 from lightning_stability.checkpoint.io import local_path
 from lightning_stability.checkpoint.preemption import PreemptionSignals, check_signals, default_signals
@@ -65,6 +66,14 @@ class StableCheckpoint(ModelCheckpoint):
       at the same boundary (it also writes its ``hpc_ckpt``; resume with ``ckpt_path="last"`` to start from the
       healthy ring). If the state stays unhealthy for ``SIGNAL_DEFER_STEPS`` boundaries, it stops without
       saving; ``ckpt_path="last"`` then resumes from the newest healthy checkpoint.
+    * **Asynchronous saves** (``async_save=True``). The step waits only while the state is copied to host memory
+      (pinned on CUDA); the write, its ``fsync`` and the publishing rename go on in a background thread, one save
+      at a time (a save due while the previous one is still being written waits for it). The file holds the
+      state of the step it was saved at, whatever training does meanwhile; it enters the healthy list only once
+      published and every rank agrees it succeeded (at a later step boundary, without blocking the step); a
+      kill during the write leaves the previous checkpoint as the newest. A failed write raises
+      ``CheckpointError`` naming the path on every rank at the next step boundary, save or the end of fit. A
+      save on a preemption signal is waited for before the Trainer stops. See ``checkpoint/async_save.py``.
 
     Checkpoints are written by the Trainer's strategy: atomically with ``AtomicCheckpointIO`` (single device,
     DDP) or ``StableFSDPStrategy``; ``StableTrainer.from_preset`` sets both up and attaches this callback with
@@ -77,13 +86,16 @@ class StableCheckpoint(ModelCheckpoint):
         signals: the signals that save and stop (``()``: none).
         save_at_end: also save the state training ends in (when healthy and not saved at that step already), e.g.
             the last steps of a ``max_steps`` run that ``every_n_train_steps`` does not divide.
+        async_save: write checkpoints in the background (above). Needs ``AtomicCheckpointIO`` (single device,
+            DDP) or ``StableFSDPStrategy``; host memory for one copy of this rank's state.
         filename, monitor, verbose, save_last, save_top_k, mode, auto_insert_metric_name, every_n_train_steps,
             train_time_interval, every_n_epochs, save_on_train_epoch_end, enable_version_counter: as for
             ``ModelCheckpoint``.
 
     Raises:
         StabilityConfigError: ``keep`` is not an int >= 1, a signal cannot be caught, ``save_weights_only=True``
-            (a ring is for resuming), or ``dirpath`` is remote (``s3://...``).
+            (a ring is for resuming), or ``dirpath`` is remote (``s3://...``); at setup, ``async_save=True`` with a
+            strategy or ``CheckpointIO`` that does not publish whole checkpoints.
 
     Example::
 
@@ -105,6 +117,7 @@ class StableCheckpoint(ModelCheckpoint):
         keep: int = 3,
         signals: Sequence[int] | None = None,
         save_at_end: bool = False,
+        async_save: bool = False,
         save_weights_only: bool = False,
         mode: str = "min",
         auto_insert_metric_name: bool = True,
@@ -161,7 +174,10 @@ class StableCheckpoint(ModelCheckpoint):
             enable_version_counter=enable_version_counter,
         )
         check_bool("save_at_end", save_at_end)
+        check_bool("async_save", async_save)
         self.keep = keep
+        self.async_save = async_save
+        self._async = AsyncSaves() if async_save else None
         self.save_at_end = save_at_end
         self.signals = check_signals(default_signals() if signals is None else signals)
         self._preemption = PreemptionSignals(self.signals)
@@ -179,6 +195,7 @@ class StableCheckpoint(ModelCheckpoint):
         self._handlers_installed = False
         self._saved_names: set[str] = set()  # the checkpoints this fit wrote
         self._resumed_step = -1  # the listed checkpoint this fit resumed from, if any: it and older ones are its own
+        self._removals: list[str] = []  # removals asked for while an asynchronous save was in flight
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_batch_loss": None}
@@ -194,6 +211,8 @@ class StableCheckpoint(ModelCheckpoint):
         if stage == "fit":
             self._reset_run_state()
             self._preemption.open()
+            if self._async is not None:
+                self._async.setup(trainer)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
@@ -235,6 +254,7 @@ class StableCheckpoint(ModelCheckpoint):
             self._save_ring(trainer, candidates, force=True)
             self._save_last_checkpoint(trainer, candidates)
         super().on_train_end(trainer, pl_module)
+        self._wait_for_save(trainer)
         self._preemption.finish()
         self._preemption.restore()
         if self._deferred_from is not None:
@@ -247,11 +267,15 @@ class StableCheckpoint(ModelCheckpoint):
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._preemption.restore()
+        if self._async is not None:
+            self._async.abandon()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._preemption.restore()
         if stage == "fit":
             self._preemption.close()
+            if self._async is not None:
+                self._async.close()
 
     # ------------------------------------------------------------------ each optimizer step
     def on_train_batch_end(
@@ -264,6 +288,8 @@ class StableCheckpoint(ModelCheckpoint):
         if step == self._boundary:
             return  # a micro-batch that did not step the optimizer
         self._boundary = step
+        if self._async is not None:
+            self._saved(trainer, self._async.poll())  # an asynchronous save every rank finished: listed now
         if not self._stop:
             agreed = self._preemption.poll()  # host only: a flag, or the previous boundary's exchange
             if agreed:
@@ -296,6 +322,7 @@ class StableCheckpoint(ModelCheckpoint):
                 saved = True
             elif step - self._stop_step < SIGNAL_DEFER_STEPS:
                 return  # the next boundary tries again
+        self._wait_for_save(trainer)  # published before the Trainer stops
         self._preemption.finish()
         self._preemption.run_requeue(self._stop)  # Lightning's SLURM auto-requeue, after our save
         trainer.should_stop = True
@@ -362,18 +389,46 @@ class StableCheckpoint(ModelCheckpoint):
             self._save_checkpoint(trainer, filepath)
         finally:
             self._kind = BEST
-        if self.monitor is None and self.save_top_k == -1:
-            return  # keep every one
-        ring = self._healthy_list.ring()
-        for name in ring[: max(len(ring) - self.keep, 0)]:
-            self._remove_checkpoint(trainer, str(self._healthy_list.directory / name))
 
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
-        super()._save_checkpoint(trainer, filepath)  # every rank; the strategy publishes it whole
-        self._healthy_list.add(Path(filepath).name, trainer.global_step, self._kind, write=trainer.is_global_zero)
-        self._saved_names.add(Path(filepath).name)
+        if self._async is None:
+            super()._save_checkpoint(trainer, filepath)  # every rank; the strategy publishes it whole
+            self._list(trainer, Path(filepath).name, trainer.global_step, self._kind)
+            return
+        self._wait_for_save(trainer)  # at most one save in flight
+        self._async.start(trainer, Path(filepath), self._kind)
+        _compat.record_model_checkpoint_save(self, trainer, filepath)
+
+    def _list(self, trainer: pl.Trainer, name: str, step: int, kind: str) -> None:
+        """A published checkpoint onto the healthy list; a ring one then pushes out the oldest beyond ``keep``."""
+        self._healthy_list.add(name, step, kind, write=trainer.is_global_zero)
+        self._saved_names.add(name)
+        if kind != RING or (self.monitor is None and self.save_top_k == -1):
+            return  # save_top_k=-1 without monitor: keep every one
+        ring = self._healthy_list.ring()
+        for old in ring[: max(len(ring) - self.keep, 0)]:
+            self._remove_checkpoint(trainer, str(self._healthy_list.directory / old))
+
+    def _wait_for_save(self, trainer: pl.Trainer) -> None:
+        """Every rank: wait for the asynchronous save in flight, if any, and list it."""
+        if self._async is not None:
+            self._saved(trainer, self._async.wait())
+
+    def _saved(self, trainer: pl.Trainer, done: PendingSave | None) -> None:
+        """An asynchronous save every rank finished: listed (unless discarded meanwhile), then the removals that
+        waited for it."""
+        if done is None:
+            return
+        if not done.discard:
+            self._list(trainer, done.path.name, done.step, done.kind)
+        removals, self._removals = self._removals, []
+        for filepath in removals:
+            self._remove_checkpoint(trainer, filepath)
 
     def _remove_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        if self._async is not None and self._async.pending is not None:
+            self._removals.append(filepath)  # after the save in flight is published: never fewer checkpoints
+            return
         self._healthy_list.drop(Path(filepath).name, write=trainer.is_global_zero)  # off the list, then deleted
         super()._remove_checkpoint(trainer, filepath)
 
@@ -398,6 +453,8 @@ class StableCheckpoint(ModelCheckpoint):
         damaged, or this fit starts before them): ``ckpt_path="last"`` and later rollbacks skip them; the files
         stay. Every rank calls it, rank 0 writes the list. Returns their paths."""
         gone = self._healthy_list.forget_after(step, write=trainer.is_global_zero)
+        if self._async is not None and self._async.pending is not None and self._async.pending.step > step:
+            self._async.pending.discard = True
         self._saved_names.difference_update(e.name for e in gone)
         return [self._healthy_list.directory / e.name for e in gone]
 

@@ -67,7 +67,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if target is None:
             super().save_checkpoint(checkpoint, path)
             return
-        self._clean_once(target.parent)
+        self.prepare_directory(target.parent)
         atomic.save_file(target, lambda f: torch.save(checkpoint, f))
 
     def load_checkpoint(
@@ -89,7 +89,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         else:
             atomic.remove(target)
 
-    def _clean_once(self, directory: Path) -> None:
+    def prepare_directory(self, directory: Path) -> None:
         """Before the first save into ``directory``: clear what a crashed save left there (see ``atomic``)."""
         key = Path(os.path.abspath(directory))
         if key not in self._cleaned:

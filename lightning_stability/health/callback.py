@@ -166,8 +166,9 @@ class TrainingHealthMonitor(LedgerCallback):
 
     @property
     def history(self) -> HealthHistory:
-        """Every step's loss, gradient norm, clip threshold, spike flags, LR, loss scale and outcome (host
-        series up to the last logging step)."""
+        """Each step's loss, gradient norm, clip threshold, spike flags, LR, loss scale and outcome (host series up
+        to the last logging step): the newest 2,000 steps in ``series``, older ones downsampled in ``buckets``,
+        exact whole-run counts in ``totals`` (see :class:`~lightning_stability.health.history.HealthHistory`)."""
         return self._log.history
 
     @property
@@ -344,7 +345,7 @@ class TrainingHealthMonitor(LedgerCallback):
         else:
             raise r.diverged(step, why_not)
         self._spiked = False  # the next step is scored on the restored weights
-        self._log.events.append(event)
+        self._log.add_events([event])
         ledger.note(event)
         rank_zero_warn(f"TrainingHealthMonitor: {said}: {event['detail']}.")
         # the checkpoints saved after the newest clean state hold the damage: off the healthy list
@@ -458,6 +459,7 @@ class TrainingHealthMonitor(LedgerCallback):
             "stats": self.stats.state_dict(),
             "history": self.history.state_dict(),
             "events": list(self.events),
+            "events_dropped": self._log.events_dropped,
             "rollback": self.rollback.state_dict(),
             # syncs, checkpoints only: a rollback decided and not yet done, and the last step's spike flag
             "pending_rollback": self._damaged.peek(),
@@ -468,7 +470,7 @@ class TrainingHealthMonitor(LedgerCallback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.stats.load_state_dict(state_dict.get("stats", {}))
         self.history.load_state_dict(state_dict.get("history", {}))
-        self._log.events = list(state_dict.get("events", []))
+        self._log.load_events(state_dict.get("events", []), state_dict.get("events_dropped", 0))
         self.rollback.load_state_dict(state_dict.get("rollback", {}))
         # a checkpoint of version 0.1 saved True for any spike not yet answered: it rolls back at the next step
         self._damaged.load(bool(state_dict.get("pending_rollback", False)))

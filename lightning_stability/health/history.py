@@ -3,9 +3,11 @@
 Every optimizer step writes one row of device values (loss, gradient norm, clip threshold, spike flags, LR,
 loss scale, outcome) into a small device buffer (:class:`HealthHistory`), indexed by a host counter: no sync. On
 a logging step the filled rows and the logging-step metrics (update size, memory) ride the ledger's one batched
-transfer to the host. There :class:`HealthReporter` appends them to the host series (which checkpoints keep), names
-the spikes in a warning, warns once when the peak memory nears the device's capacity, and at the end of ``fit``
-writes the stability report (JSON + PNG).
+transfer to the host. There :class:`HealthReporter` appends them to the host series (which checkpoints keep),
+names the spikes in a warning, warns once when the peak memory nears the device's capacity, and at the end of
+``fit`` writes the stability report (JSON + PNG). The host series stay bounded whatever the run's length: the
+newest steps at full resolution, older ones as min/mean/max buckets, exact whole-run counts, spikes and rollbacks
+as events (the newest :data:`MAX_EVENTS`).
 """
 
 from __future__ import annotations
@@ -29,11 +31,37 @@ COLUMNS = ("loss", "grad_norm", "clip_threshold", "loss_spike", "grad_spike", "l
 SPARSE = ("update_ratio", "memory_gb")
 
 
-class HealthHistory:
-    """Rows of the steps since the last logging step on the device; every earlier step as host series."""
+#: series whose downsampled value is the bucket's largest (a flag or a skip code: any spike or skip stays visible)
+PEAK = ("loss_spike", "grad_spike", "outcome")
+#: full-resolution rows kept (the newest steps); older ones are downsampled into at most MAX_BUCKETS buckets
+WINDOW = 2000
+MAX_BUCKETS = 500
+#: events (spikes, new levels, rollbacks) kept; beyond it the oldest go and are counted
+MAX_EVENTS = 1000
 
-    def __init__(self) -> None:
+
+class HealthHistory:
+    """Rows of the steps since the last logging step on the device; earlier steps as host series, bounded.
+
+    The newest ``window`` steps are kept at full resolution in :attr:`series`. Older steps are folded into at
+    most ``max_buckets`` buckets of consecutive steps holding, per column, the mean, min and max of the finite
+    values (for :data:`PEAK` columns the max is what the report draws, so a spike or skip in a bucket shows);
+    when the buckets fill, neighbours merge pairwise and the bucket width doubles. :attr:`totals` keeps the exact
+    counts over the whole run (steps, skips per outcome, loss spikes, extremes). So memory and checkpoints stay
+    the same size whatever the run's length; spikes and rollbacks are kept exactly as events (see
+    :class:`HealthReporter`).
+
+    Args:
+        window: the newest steps kept at full resolution.
+        max_buckets: the most buckets the older steps are downsampled into.
+    """
+
+    def __init__(self, window: int = WINDOW, max_buckets: int = MAX_BUCKETS) -> None:
+        self.window, self.max_buckets = window, max_buckets
         self.series: dict[str, list[float]] = {"step": [], **{k: [] for k in COLUMNS + SPARSE}}
+        self.buckets: dict[str, list[float]] = _empty_buckets()
+        self.bucket_width = 1  # steps per bucket (the last one may hold fewer)
+        self.totals: dict[str, float] = {}
         self._buf: Tensor | None = None
         self._labels: list[int] = []
         self._host: list[dict[str, float]] = []  # per pending row: values known on the host (a float LR)
@@ -85,11 +113,61 @@ class HealthHistory:
             row["step"] = float(label)
             for key in SPARSE:
                 row[key] = (sparse or {}).get(key, math.nan) if i == len(self._labels) - 1 else math.nan
-            for key in self.series:
-                self.series[key].append(row.get(key, math.nan))
             rows.append(row)
         self._labels, self._host = [], []
+        self.extend(rows)
         return rows
+
+    def extend(self, rows: list[dict[str, float]]) -> None:
+        """Append host rows (``step`` and any columns; a missing one is NaN), counting them in :attr:`totals` and
+        downsampling what falls out of the window."""
+        columns = {key: [row.get(key, math.nan) for row in rows] for key in self.series}
+        for key, values in columns.items():
+            self.series[key].extend(values)
+        _count(self.totals, columns)
+        self._fold()
+
+    def _fold(self) -> None:
+        """Move the rows beyond the window into the buckets (in chunks, so each row is moved once)."""
+        excess = len(self.series["step"]) - self.window
+        if excess <= 0 or (excess < max(self.window // 8, 1) and len(self.series["step"]) < 2 * self.window):
+            return
+        columns = [k for k in self.series if k != "step"]
+        done = 0
+        while done < excess:
+            last = len(self.buckets["count"]) - 1
+            if last < 0 or self.buckets["count"][last] >= self.bucket_width:
+                _open_bucket(self.buckets, columns)
+                last += 1
+            take = min(int(self.bucket_width - self.buckets["count"][last]), excess - done)
+            chunk = {k: v[done : done + take] for k, v in self.series.items()}
+            _fold_rows(self.buckets, last, chunk, columns)
+            done += take
+            if len(self.buckets["count"]) > self.max_buckets:
+                self.buckets = _merge_pairs(self.buckets, columns)
+                self.bucket_width *= 2
+        for values in self.series.values():
+            del values[:excess]
+
+    def report_series(self) -> dict[str, list[float]]:
+        """The whole run for the report: one row per bucket (at its middle step: the mean, or for :data:`PEAK`
+        columns the max; ``<column>_min`` / ``<column>_max`` beside), then the full-resolution window."""
+        b, n = self.buckets, len(self.buckets["count"])
+        out: dict[str, list[float]] = {
+            "step": [(first + last) / 2 for first, last in zip(b["step_first"], b["step_last"], strict=True)]
+        }
+        out["step"] += self.series["step"]
+        for key in self.series:
+            if key == "step":
+                continue
+            if not n:
+                out[key] = list(self.series[key])
+                continue
+            out[key] = list(b[f"{key}_max"] if key in PEAK else b[key]) + self.series[key]
+            if key not in PEAK:
+                out[f"{key}_min"] = b[f"{key}_min"] + [math.nan] * len(self.series[key])
+                out[f"{key}_max"] = b[f"{key}_max"] + [math.nan] * len(self.series[key])
+        return out
 
     def pending_on_host(self) -> list[float]:
         """The pending rows, flattened, as host values (HOST SYNC: end of training only)."""
@@ -97,10 +175,20 @@ class HealthHistory:
         return [] if flat is None else flat.cpu().tolist()
 
     def state_dict(self) -> dict[str, Any]:
-        """The host series and the rows not yet moved to the host (a sync: checkpoints only). Nothing is taken
-        from the pending rows: the next logging step still reads them, as in a run that was never saved."""
+        """The host series, buckets and totals, and the rows not yet moved to the host (a sync: checkpoints only).
+        Nothing is taken from the pending rows: the next logging step still reads them, as in a run that was never
+        saved. Bounded: ``window`` rows and ``max_buckets`` buckets at most."""
         return {
+            "version": 2,
             "series": {k: torch.tensor(v, dtype=torch.float64) for k, v in self.series.items()},
+            # padded with NaN to max_buckets: a checkpoint's size does not change once the window is full
+            "buckets": {
+                k: torch.tensor(v + [math.nan] * (self.max_buckets - len(v)), dtype=torch.float64)
+                for k, v in self.buckets.items()
+            },
+            "bucket_count": len(self.buckets["count"]),
+            "bucket_width": self.bucket_width,
+            "totals": dict(self.totals),
             "pending": {
                 "labels": list(self._labels),
                 "host": [dict(h) for h in self._host],
@@ -109,19 +197,111 @@ class HealthHistory:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a state of either version: a version-1 state (every step's row, written before the history was
+        bounded) is counted and downsampled as if its rows had just been appended."""
         series = state.get("series", {})
-        for key in self.series:
-            value = series.get(key)
-            self.series[key] = value.tolist() if value is not None else [math.nan] * len(series.get("step", []))
+        rows = len(series.get("step", []))
+        self.series = {k: [] for k in self.series}
+        self.buckets, self.bucket_width, self.totals = _empty_buckets(), 1, {}
+        if state.get("version", 1) >= 2:
+            for key in self.series:
+                value = series.get(key)
+                self.series[key] = value.tolist() if value is not None else [math.nan] * rows
+            count = int(state.get("bucket_count", 0))
+            self.buckets = {k: v[:count].tolist() for k, v in state.get("buckets", {}).items()} or _empty_buckets()
+            self.bucket_width = int(state.get("bucket_width", 1))
+            self.totals = {k: float(v) for k, v in state.get("totals", {}).items()}
+        else:
+            columns = {k: (v.tolist() if v is not None else None) for k, v in series.items()}
+            self.extend(
+                [{k: v[i] for k, v in columns.items() if v is not None and k in self.series} for i in range(rows)]
+            )
         pending = state.get("pending", {})
         self._labels, self._host = list(pending.get("labels", [])), [dict(h) for h in pending.get("host", [])]
-        rows = pending.get("rows", [])
+        pending_rows = pending.get("rows", [])
         self._buf = None
         if self._labels:
             # moved to the device by the first `add` (``_buffer`` copies the rows it holds)
             buf = torch.full((max(64, 2 * len(self._labels)), len(COLUMNS)), math.nan, dtype=torch.float32)
-            buf[: len(self._labels)] = torch.tensor(rows, dtype=torch.float32).reshape(len(self._labels), len(COLUMNS))
+            buf[: len(self._labels)] = torch.tensor(pending_rows, dtype=torch.float32).reshape(
+                len(self._labels), len(COLUMNS)
+            )
             self._buf = buf
+
+
+def _empty_buckets() -> dict[str, list[float]]:
+    return {"step_first": [], "step_last": [], "count": []}
+
+
+def _open_bucket(buckets: dict[str, list[float]], columns: list[str]) -> None:
+    buckets["step_first"].append(math.nan)
+    buckets["step_last"].append(math.nan)
+    buckets["count"].append(0.0)
+    for key in columns:
+        for name in (key, f"{key}_min", f"{key}_max"):
+            buckets.setdefault(name, [math.nan] * (len(buckets["count"]) - 1)).append(math.nan)
+        buckets.setdefault(f"{key}_n", [0.0] * (len(buckets["count"]) - 1)).append(0.0)
+
+
+def _fold_rows(buckets: dict[str, list[float]], i: int, rows: dict[str, list[float]], columns: list[str]) -> None:
+    """Fold consecutive rows (column lists) into bucket ``i``: the count, mean, min and max of each column's finite
+    values."""
+    if buckets["count"][i] == 0:
+        buckets["step_first"][i] = rows["step"][0]
+    buckets["step_last"][i] = rows["step"][-1]
+    buckets["count"][i] += len(rows["step"])
+    for key in columns:
+        finite = [v for v in rows[key] if math.isfinite(v)]
+        if not finite:
+            continue
+        n_old, n_new = buckets[f"{key}_n"][i], len(finite)
+        mean_new = math.fsum(finite) / n_new
+        low, high = min(finite), max(finite)
+        if n_old:
+            mean_new = (buckets[key][i] * n_old + mean_new * n_new) / (n_old + n_new)
+            low, high = min(low, buckets[f"{key}_min"][i]), max(high, buckets[f"{key}_max"][i])
+        buckets[f"{key}_n"][i] = n_old + n_new
+        buckets[key][i], buckets[f"{key}_min"][i], buckets[f"{key}_max"][i] = mean_new, low, high
+
+
+def _merge_pairs(buckets: dict[str, list[float]], columns: list[str]) -> dict[str, list[float]]:
+    """Neighbouring buckets merged two by two (an odd last one stays)."""
+    merged: dict[str, list[float]] = {k: [] for k in buckets}
+    count = len(buckets["count"])
+    for a in range(0, count, 2):
+        b = min(a + 1, count - 1)
+        merged["step_first"].append(buckets["step_first"][a])
+        merged["step_last"].append(buckets["step_last"][b])
+        merged["count"].append(buckets["count"][a] + (buckets["count"][b] if b != a else 0))
+        for key in columns:
+            na, nb = buckets[f"{key}_n"][a], buckets[f"{key}_n"][b] if b != a else 0.0
+            merged[f"{key}_n"].append(na + nb)
+            ma, mb = buckets[key][a], buckets[key][b]
+            merged[key].append(ma if nb == 0 else mb if na == 0 else (ma * na + mb * nb) / (na + nb))
+            for suffix, pick in (("_min", min), ("_max", max)):
+                va, vb = buckets[f"{key}{suffix}"][a], buckets[f"{key}{suffix}"][b]
+                merged[f"{key}{suffix}"].append(vb if na == 0 else va if nb == 0 else pick(va, vb))
+    return merged
+
+
+def _count(totals: dict[str, float], columns: dict[str, list[float]]) -> None:
+    """Exact whole-run figures for the report's summary: steps, skips per outcome, loss spikes, extremes."""
+    totals["steps"] = totals.get("steps", 0.0) + len(columns["step"])
+    for outcome in columns["outcome"]:
+        if math.isfinite(outcome) and outcome != 0:
+            key = f"outcome_{int(outcome)}"
+            totals[key] = totals.get(key, 0.0) + 1
+    spikes = sum(1 for v in columns["loss_spike"] if v == 1)
+    if spikes:
+        totals["loss_spikes"] = totals.get("loss_spikes", 0.0) + spikes
+    for key, name, pick in (
+        ("loss", "min_loss", min),
+        ("grad_norm", "max_grad_norm", max),
+        ("memory_gb", "peak_memory_gb", max),
+    ):
+        finite = [v for v in columns[key] if math.isfinite(v)]
+        if finite:
+            totals[name] = pick(totals.get(name, pick(finite)), pick(finite))
 
 
 _ACTIONS = {
@@ -150,7 +330,8 @@ class HealthReporter:
         self.response, self.spike_z = response, spike_z
         self.memory_warn_fraction, self.top_modules = memory_warn_fraction, top_modules
         self.history = HealthHistory()
-        self.events: list[dict[str, Any]] = []
+        self.events: list[dict[str, Any]] = []  # the newest MAX_EVENTS
+        self.events_dropped = 0  # older events beyond MAX_EVENTS
         self.names: list[str] = []  # module names, for the per-module update ratios
         self.capacity: float | None = None
         self._memory_warned = False
@@ -198,7 +379,7 @@ class HealthReporter:
         spikes = [int(row["step"]) for row in taken if row["loss_spike"] == 1 or row["grad_spike"] == 1]
         if spikes:
             action = _ACTIONS[self.response]
-            self.events.extend({"step": step, "kind": "spike", "detail": action} for step in spikes)
+            self.add_events([{"step": step, "kind": "spike", "detail": action} for step in spikes])
             rank_zero_warn(
                 f"TrainingHealthMonitor: a loss or gradient-norm spike (more than {self.spike_z:g} standard "
                 f"deviations above its running mean) at step(s) {spikes}: {action}.",
@@ -225,9 +406,36 @@ class HealthReporter:
                         "new level, "
                         "taken into the statistics, no longer treated as spikes"
                     )
-                    self.events.append({"step": step, "kind": "new_level", "detail": detail})
+                    self.add_events([{"step": step, "kind": "new_level", "detail": detail}])
                     rank_zero_warn(f"TrainingHealthMonitor: at step {step}, {detail}.", category=UserWarning)
                 calm = 0
+
+    def add_events(self, events: list[dict[str, Any]]) -> None:
+        """Record events (spikes, new levels, rollbacks), keeping the newest :data:`MAX_EVENTS`."""
+        self.events.extend(events)
+        if len(self.events) > MAX_EVENTS:
+            self.events_dropped += len(self.events) - MAX_EVENTS
+            del self.events[: len(self.events) - MAX_EVENTS]
+
+    def load_events(self, events: list[dict[str, Any]], dropped: int = 0) -> None:
+        self.events, self.events_dropped = [], int(dropped)
+        self.add_events(list(events))
+
+    def summary(self) -> dict[str, Any]:
+        """The report's whole-run figures that downsampling would blur, exact from the history's totals."""
+        from lightning_stability.health.report import SKIP_REASONS
+
+        totals = self.history.totals
+        skipped = {key: int(totals.get(f"outcome_{code}", 0)) for code, (key, *_) in SKIP_REASONS.items()}
+        skipped["total"] = int(sum(v for k, v in totals.items() if k.startswith("outcome_")))
+        return {
+            "steps": int(totals.get("steps", 0)),
+            "min_loss": totals.get("min_loss"),
+            "loss_spikes": int(totals.get("loss_spikes", 0)),
+            "skipped_steps": skipped,
+            "max_grad_norm": totals.get("max_grad_norm"),
+            "peak_memory_gb": totals.get("peak_memory_gb"),
+        }
 
     def check_memory(self, peak: float | None) -> None:
         if peak is None or self._memory_warned:
@@ -242,7 +450,10 @@ class HealthReporter:
         """Write ``stability_report.json`` (and ``.png`` with matplotlib) into ``directory``."""
         from lightning_stability.health.report import write_report
 
-        meta = {**meta, "module_names": self.names}
-        json_path, png_path = write_report(self.history.series, self.events, directory, meta)
+        meta = {**meta, "module_names": self.names, "events_dropped": self.events_dropped}
+        meta["history_bucket_width"] = self.history.bucket_width
+        json_path, png_path = write_report(
+            self.history.report_series(), self.events, directory, meta, summary=self.summary()
+        )
         rank_zero_info(f"stability report: {json_path}" + (f", {png_path}" if png_path else ""))
         return json_path, png_path

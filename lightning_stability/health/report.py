@@ -94,6 +94,7 @@ def write_report(
     out_dir: str | Path,
     meta: dict[str, Any] | None = None,
     name: str = "stability_report",
+    summary: dict[str, Any] | None = None,
 ) -> tuple[Path, Path | None]:
     """Write ``<out_dir>/<name>.json`` and, when matplotlib is installed, ``<out_dir>/<name>.png``.
 
@@ -104,13 +105,15 @@ def write_report(
         out_dir: created if needed.
         meta: run settings, copied into the JSON under ``"meta"``.
         name: the file stem.
+        summary: figures that replace those :func:`summarize` computes from ``history`` (exact whole-run counts
+            when ``history`` is downsampled).
 
     Returns:
         ``(json_path, png_path)``; ``png_path`` is ``None`` without matplotlib.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    summary = summarize(history, events)
+    summary = {**summarize(history, events), **(summary or {})}
     history_out = {k: _json_safe(_floats(v)) for k, v in history.items()}
     if "step" in history_out:  # steps are recorded as floats; write them as the integers they are
         history_out["step"] = [int(s) if s is not None and s == int(s) else s for s in history_out["step"]]
@@ -157,6 +160,13 @@ def _title(summary: dict[str, Any]) -> str:
     )
 
 
+def _band(ax: Axes, x: Any, series: Any, key: str, color: str) -> None:
+    """The min-max band of a downsampled series (``<key>_min`` / ``<key>_max``, where the history has them)."""
+    low, high = series(f"{key}_min"), series(f"{key}_max")
+    if (low == low).any():
+        ax.fill_between(x, low, high, color=color, alpha=0.25, lw=0, label="min-max of older steps (downsampled)")
+
+
 def _draw(
     history: dict[str, list[float]], events: list[dict[str, Any]], summary: dict[str, Any], figure_class: Any
 ) -> Figure:
@@ -188,6 +198,7 @@ def _draw(
         finite = np.isfinite(y)
         if key == "loss":
             ax.plot(x, np.where(finite, y, np.nan), lw=1, color="tab:blue", label="loss")
+            _band(ax, x, series, key, "tab:blue")
             if finite.any() and (y[finite] > 0).all() and y[finite].max() > 100 * y[finite].min():
                 ax.set_yscale("log")
             spike = (series("loss_spike") == 1) & finite
@@ -219,6 +230,7 @@ def _draw(
             ax.set_ylabel("loss")
         elif key == "grad_norm":
             ax.plot(x, np.where(finite, y, np.nan), lw=1, color="tab:green", label="grad norm (before clipping)")
+            _band(ax, x, series, key, "tab:green")
             clip = series("clip_threshold")
             if np.isfinite(clip).any():
                 ax.plot(

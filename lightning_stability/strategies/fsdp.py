@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Generator, Mapping
+from concurrent.futures import Future
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -23,6 +24,7 @@ from torch.optim import Optimizer
 
 from lightning_stability import _compat
 from lightning_stability.checkpoint import atomic
+from lightning_stability.checkpoint.async_save import AsyncSaves
 from lightning_stability.checkpoint.atomic import CheckpointError
 from lightning_stability.errors import StabilityConfigError, check_instance, config_error
 from lightning_stability.strategies import fsdp_checkpoint as ckpt
@@ -450,6 +452,53 @@ class StableFSDPStrategy(ParallelStrategy):
         error = self.broadcast(error)
         if error is not None:
             raise self._save_failed({0: error}, f"publishing {partial} at {path}", path, partial)
+
+    def save_checkpoint_async(
+        self, checkpoint: dict[str, Any], filepath: Path, saves: AsyncSaves
+    ) -> list[Future[None]]:
+        """:meth:`save_checkpoint` in two parts, for ``StableCheckpoint(async_save=True)``: every rank copies its
+        state to host memory now; the write goes on in the background (shards through
+        ``torch.distributed.checkpoint.async_save`` on ``saves.dcp_group``, gloo) and rank 0 publishes once every
+        rank's shards and ``meta.pt`` are written. Returns this rank's background work (see ``async_save.py``)."""
+        import torch.distributed.checkpoint as dcp
+
+        prepared: tuple[str, str, str | None] | None = None
+        if self.is_global_zero:
+            prepared = self._prepare_save(Path(filepath))
+        where, token, error = self.broadcast(prepared)
+        path = Path(where)
+        partial = atomic.partial_path(path, token)
+        if error is not None:
+            raise self._save_failed({0: error}, f"preparing {partial}", path, partial)
+        zero = self.is_global_zero
+        if self._full or self._cfg.backend == "fairscale":
+            if not zero:
+                return []  # rank 0 writes the one file
+            staged = saves.stage(checkpoint)
+            partial = partial.with_name(f"{partial.name}.pt")  # torch's writer wants a suffix
+            return [
+                saves.submit(
+                    lambda: atomic.torch_save_durably(partial, staged),
+                    lambda: atomic.publish(partial, path),
+                    partial,
+                )
+            ]
+        tensors, rest = ckpt.split_sharded(checkpoint)
+        meta = saves.stage(rest, "meta") if zero else None
+        shards = dcp.async_save(
+            tensors, checkpoint_id=partial, process_group=saves.dcp_group, async_stager=saves.stager()
+        )
+
+        def write() -> None:
+            # every rank's shards and .metadata, fsynced by FileSystemWriter (an AsyncSaveResponse only with a
+            # stager that stages in the background, which ours does not)
+            future = getattr(shards, "upload_completion", shards)
+            cast(Future, future).result()
+            if meta is not None:
+                ckpt.write_meta(meta, partial)
+
+        publish = (lambda: atomic.publish(partial, path)) if zero else (lambda: None)
+        return [saves.submit(write, publish, partial if zero else None)]
 
     def _prepare_save(self, path: Path) -> tuple[str, str, str | None]:
         """Rank 0: clear what a crash left in the directory (once), make the hidden sibling of a sharded save."""

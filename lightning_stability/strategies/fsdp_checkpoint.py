@@ -107,13 +107,24 @@ def save(checkpoint: dict[str, Any], partial: Path, *, full: bool, is_global_zer
         return
     import torch.distributed.checkpoint as dcp
 
+    tensors, rest = split_sharded(checkpoint)
+    dcp.save(tensors, checkpoint_id=partial)  # FileSystemWriter fsyncs each shard file and .metadata
+    if is_global_zero:
+        write_meta(rest, partial)
+
+
+def split_sharded(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A Lightning checkpoint dict as (what DCP writes: weights and optimizer states, the rest: ``meta.pt``)."""
     rest = dict(checkpoint)
     tensors: dict[str, Any] = {_MODEL_KEY: rest.pop(_MODEL_KEY)}
     for i, osd in enumerate(rest.pop("optimizer_states", [])):
         tensors[_OPTIM_KEY.format(i)] = osd
-    dcp.save(tensors, checkpoint_id=partial)  # FileSystemWriter fsyncs each shard file and .metadata
-    if is_global_zero:
-        atomic.write_durably(partial / META_FILE, lambda f: torch.save(rest, f))
+    return tensors, rest
+
+
+def write_meta(rest: dict[str, Any], partial: Path) -> None:
+    """Rank 0: ``meta.pt`` (the checkpoint without weights and optimizer states) into the sharded ``partial``."""
+    atomic.write_durably(partial / META_FILE, lambda f: torch.save(rest, f))
 
 
 # ---------------------------------------------------------------------- load (all ranks call)

@@ -13,7 +13,8 @@ server, see :func:`serve`: what tests/checkpoint/soak.py runs), where CONFIG is
   at ``FAULT_STEPS``: overflow, skipped step, backoff; growth every 4 clean steps) and ``GradientNormMonitor``;
 
 and each RUN one of ``soak`` (resume from ``OUT_DIR/CONFIG/ckpts`` with ``trainer.fit(ckpt_path="last")``, save
-with ``StableCheckpoint(every_n_train_steps=1)`` and train to ``STEPS`` optimizer steps) or ``reference`` (the same run
+with ``StableCheckpoint(every_n_train_steps=1, async_save=True)``: each write in the background, the next save
+waiting for it) and train to ``STEPS`` optimizer steps) or ``reference`` (the same run
 uninterrupted, no checkpoints). Both schedule the LR with ``WarmupConstantCosineLR`` on the applied-update count.
 
 Data: ``SEQS`` sequences, a new shuffle each epoch, ``EPOCH_STEPS`` steps per epoch, read through
@@ -193,7 +194,8 @@ def run(out: Path, config: str, steps: int, kind: str) -> None:
         callbacks.append(LossScaleTuner(init_scale=2.0**10, growth_interval=4, hysteresis=1, fit_start_checks=False))
     if kind == "soak":
         callbacks.insert(0, Progress(out, config))
-        callbacks.append(StableCheckpoint(dirpath=out / config / "ckpts", every_n_train_steps=1, keep=2))
+        checkpoint = StableCheckpoint(dirpath=out / config / "ckpts", every_n_train_steps=1, keep=2, async_save=True)
+        callbacks.append(checkpoint)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,

@@ -1,6 +1,7 @@
 """Exact resume under kill -9 (issue 22, item 3; the long form is benchmarks/fault_tolerance.py).
 
-Two processes train with ``StableCheckpoint(every_n_train_steps=1)``: under DDP (fp32, ``AtomicCheckpointIO``, a
+Two processes train with ``StableCheckpoint(every_n_train_steps=1, async_save=True)`` (each write in the
+background, so most kills land inside one): under DDP (fp32, ``AtomicCheckpointIO``, a
 NaN gradient skipped by ``GradientNormMonitor``) and under ``StableFSDPStrategy`` (fp16 with ``LossScaleTuner``:
 an overflow skipped, the scale backed off and grown; sharded checkpoints). Each run is killed with SIGKILL 3
 times at random moments (a random rank first, inside a step or inside a checkpoint write), every checkpoint on

@@ -1,0 +1,162 @@
+"""The health history stays bounded: full resolution for the newest steps, min/mean/max buckets before them, exact
+whole-run totals, capped events; the checkpoint's size does not grow with the run; a checkpoint written before the
+history was bounded still loads; the report draws the downsampled run and its exact summary."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_stability import TrainingHealthMonitor
+from lightning_stability.health.history import MAX_EVENTS, HealthHistory, HealthReporter
+from lightning_stability.health.report import figure_class
+
+SPIKE_AT = 123_457  # a loss spike, long before the window
+SKIPS = {5_000: 1, 77_777: 3, 400_001: 2}  # step -> outcome code
+
+
+def rows(start: int, stop: int) -> list[dict[str, float]]:
+    out = []
+    for s in range(start, stop):
+        spike = s == SPIKE_AT
+        out.append(
+            {
+                "step": float(s),
+                "loss": 1e6 if spike else 2.0 + math.sin(s / 100),
+                "grad_norm": 1.0 + (s % 7),
+                "clip_threshold": 3.0,
+                "loss_spike": 1.0 if spike else 0.0,
+                "grad_spike": 0.0,
+                "lr": 1e-3,
+                "loss_scale": 2.0**16,
+                "outcome": float(SKIPS.get(s, 0)),
+                "memory_gb": 10.0 if s % 1000 == 0 else math.nan,
+            }
+        )
+    return out
+
+
+def feed(history: HealthHistory, steps: int, chunk: int = 5_000) -> HealthHistory:
+    for start in range(0, steps, chunk):
+        history.extend(rows(start, min(steps, start + chunk)))
+    return history
+
+
+def same(a: dict[str, list[float]], b: dict[str, list[float]]) -> bool:
+    """Equal column by column, NaN equal to NaN, bit for bit otherwise."""
+    return a.keys() == b.keys() and all(
+        torch.equal(torch.tensor(a[k]).nan_to_num(nan=-7e300), torch.tensor(b[k]).nan_to_num(nan=-7e300)) for k in a
+    )
+
+
+def saved_size(state: object) -> int:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return len(buffer.getvalue())
+
+
+def monitor_size(steps: int) -> int:
+    monitor = TrainingHealthMonitor()
+    feed(monitor.history, steps)
+    return saved_size(monitor.state_dict())
+
+
+def test_checkpoint_size_at_1m_steps_equals_10k() -> None:
+    at_10k, at_1m = monitor_size(10_000), monitor_size(1_000_000)
+    assert abs(at_1m - at_10k) <= 0.01 * at_10k, (at_10k, at_1m)
+    assert at_1m < 1_000_000  # ~0.4 MB; every row kept would be ~87 MB
+
+
+def test_window_full_resolution_buckets_before_and_exact_totals() -> None:
+    history = feed(HealthHistory(window=2000, max_buckets=500), 1_000_000)
+    assert history.series["step"] == [float(s) for s in range(998_000, 1_000_000)]  # the window, every step
+    b = history.buckets
+    assert len(b["count"]) <= 500
+    assert sum(b["count"]) + 2000 == 1_000_000  # every older step in exactly one bucket
+    assert b["step_first"][0] == 0 and b["step_last"][-1] == 997_999
+    for i in range(len(b["count"]) - 1):
+        assert b["step_first"][i + 1] == b["step_last"][i] + 1  # consecutive, no gap, no overlap
+    # the spike's bucket shows it: max loss and the spike flag
+    i = next(i for i in range(len(b["count"])) if b["step_first"][i] <= SPIKE_AT <= b["step_last"][i])
+    assert b["loss_max"][i] == 1e6 and b["loss_spike_max"][i] == 1
+    # a bucket's mean and extremes are those of its steps
+    j = len(b["count"]) // 2
+    steps = range(int(b["step_first"][j]), int(b["step_last"][j]) + 1)
+    norms = [1.0 + (s % 7) for s in steps]
+    assert b["grad_norm"][j] == pytest.approx(sum(norms) / len(norms), rel=1e-9)
+    assert (b["grad_norm_min"][j], b["grad_norm_max"][j]) == (min(norms), max(norms))
+    t = history.totals
+    assert (t["steps"], t["loss_spikes"], t["max_grad_norm"]) == (1_000_000, 1, 7.0)
+    assert {k: v for k, v in t.items() if k.startswith("outcome_")} == {"outcome_1": 1, "outcome_2": 1, "outcome_3": 1}
+    assert t["min_loss"] == pytest.approx(1.0, abs=1e-3) and t["peak_memory_gb"] == 10.0
+
+
+def test_round_trip_keeps_everything() -> None:
+    history = feed(HealthHistory(), 50_000)
+    copy = HealthHistory()
+    copy.load_state_dict(history.state_dict())
+    assert same(copy.series, history.series) and same(copy.buckets, history.buckets)
+    assert copy.totals == history.totals and copy.bucket_width == history.bucket_width
+    # and both go on alike
+    feed(copy, 60_000)
+    feed(history, 60_000)
+    assert same(copy.series, history.series) and same(copy.buckets, history.buckets)
+    assert copy.totals == history.totals
+
+
+def test_a_checkpoint_from_before_the_bound_loads_bounded() -> None:
+    """Version 1 kept every step's row; it loads as if its rows had been appended: bounded, exact totals."""
+    old_rows = rows(0, 6_000)
+    old = {
+        "series": {k: torch.tensor([r.get(k, math.nan) for r in old_rows], dtype=torch.float64) for k in old_rows[0]},
+        "pending": {"labels": [], "host": [], "rows": []},
+    }
+    history = HealthHistory(window=2000, max_buckets=500)
+    history.load_state_dict(old)
+    straight = feed(HealthHistory(window=2000, max_buckets=500), 6_000, chunk=6_000)
+    assert same(history.series, straight.series) and same(history.buckets, straight.buckets)
+    assert history.totals == straight.totals and history.totals["steps"] == 6_000
+    assert sum(history.buckets["count"]) == 4_000
+
+
+def test_events_capped_with_a_count_of_dropped() -> None:
+    reporter = HealthReporter("warn", 6.0, 0.9, 5)
+    reporter.add_events([{"step": s, "kind": "spike", "detail": ""} for s in range(MAX_EVENTS + 250)])
+    assert len(reporter.events) == MAX_EVENTS and reporter.events_dropped == 250
+    assert reporter.events[0]["step"] == 250 and reporter.events[-1]["step"] == MAX_EVENTS + 249
+    monitor = TrainingHealthMonitor()
+    monitor._log.add_events(reporter.events)
+    monitor._log.events_dropped = 250
+    restored = TrainingHealthMonitor()
+    restored.load_state_dict(monitor.state_dict())
+    assert restored.events == reporter.events and restored._log.events_dropped == 250
+
+
+def test_report_of_a_long_run_is_bounded_and_its_summary_exact(tmp_path: Path) -> None:
+    reporter = HealthReporter("warn", 6.0, 0.9, 5)
+    feed(reporter.history, 1_000_000)
+    reporter.add_events([{"step": SPIKE_AT, "kind": "spike", "detail": "no action"}])
+    json_path, png_path = reporter.write_report(tmp_path, {})
+    report = json.loads(json_path.read_text())
+    summary = report["summary"]
+    assert summary["steps"] == 1_000_000 and summary["loss_spikes"] == 1
+    assert summary["skipped_steps"] == {
+        "scaler_overflow": 1,
+        "nonfinite_grad": 1,
+        "spike": 1,
+        "data_skip": 0,
+        "total": 3,
+    }
+    assert summary["max_grad_norm"] == 7.0
+    history = report["history"]
+    assert len(history["step"]) <= 2000 + 500
+    assert max(v for v in history["loss_max"] if v is not None) == 1e6  # the old spike is visible
+    assert report["events"] == [{"step": SPIKE_AT, "kind": "spike", "detail": "no action"}]
+    assert json_path.stat().st_size < 2_000_000
+    if figure_class() is not None:
+        assert png_path is not None and png_path.stat().st_size > 0
