@@ -156,6 +156,7 @@ ENTRIES: dict[str, Entry] = {
             "every_n_epochs": [-1],
             "save_on_train_epoch_end": [1],
             "enable_version_counter": [1],
+            "async_save": [1],
         },
     ),
     "verify_checkpoint": (call(ls.verify_checkpoint, path="."), {"path": [3], "meta_file": [3]}),
