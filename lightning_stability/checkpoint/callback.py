@@ -19,7 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_stability import _compat
-from lightning_stability.checkpoint import atomic
+from lightning_stability.checkpoint import atomic, loader_state
 from lightning_stability.checkpoint.atomic import CheckpointError
 from lightning_stability.checkpoint.io import local_path
 from lightning_stability.checkpoint.preemption import PreemptionSignals, check_signals, default_signals
@@ -150,6 +150,7 @@ class StableCheckpoint(ModelCheckpoint):
         self._preemption = PreemptionSignals(self.signals)
         self._healthy_list = HealthyCheckpoints(Path("."))
         self._kind = BEST  # what the next _save_checkpoint writes
+        self._loader_resume = loader_state.LoaderResume()
         self._reset_run_state()
 
     def _reset_run_state(self) -> None:
@@ -162,6 +163,7 @@ class StableCheckpoint(ModelCheckpoint):
         self._handlers_installed = False
         self._saved_names: set[str] = set()  # the checkpoints this fit wrote
         self._resumed_step = -1  # the listed checkpoint this fit resumed from, if any: it and older ones are its own
+        self._loader_resume.pending = None  # set by on_load_checkpoint, which comes after setup
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_batch_loss": None}
@@ -190,6 +192,7 @@ class StableCheckpoint(ModelCheckpoint):
                 f"handlers; {', '.join(s.name for s in self.signals)} will not save and stop this run."
             )
         self._handlers_installed = True
+        self._loader_resume.start(trainer)  # last: the data position and RNG states of a resumed checkpoint
 
     def _forget_other_timelines(self, trainer: pl.Trainer) -> None:
         """Listed checkpoints newer than the step this fit starts from belong to another run (a fresh fit in a used
@@ -227,6 +230,14 @@ class StableCheckpoint(ModelCheckpoint):
                 f"the save due at step {self._deferred_from} was not written. ckpt_path='last' resumes from "
                 f"{newest or 'nothing (no healthy checkpoint yet)'}."
             )
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)
+        checkpoint[loader_state.KEY] = self._loader_resume.capture(trainer)  # every rank: one all-gather
+
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(trainer, pl_module, checkpoint)
+        self._loader_resume.load(checkpoint)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._preemption.restore()
