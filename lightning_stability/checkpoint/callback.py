@@ -231,11 +231,15 @@ class StableCheckpoint(ModelCheckpoint):
                 f"{newest or 'nothing (no healthy checkpoint yet)'}."
             )
 
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         super().on_save_checkpoint(trainer, pl_module, checkpoint)
         checkpoint[loader_state.KEY] = self._loader_resume.capture(trainer)  # every rank: one all-gather
 
-    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         super().on_load_checkpoint(trainer, pl_module, checkpoint)
         self._loader_resume.load(checkpoint)
 

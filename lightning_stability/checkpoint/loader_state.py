@@ -317,5 +317,3 @@ def _put_back(loaders: list[Any], states: dict[str, Any]) -> None:
             loader.generator.set_state(state)
     if problems:
         rank_zero_warn(f"StableCheckpoint: could not restore the RNG state of {', '.join(problems)}.")
-
-

@@ -24,9 +24,10 @@ def capture() -> dict[str, Any]:
     """This process's generator states (CPU tensors and plain Python objects: picklable, small)."""
     states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if np is not None:
-        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
         # as a tensor and plain numbers: a checkpoint loads with torch.load(weights_only=True)
-        states["numpy"] = (str(name), torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss))
+        keys_tensor = torch.from_numpy(np.asarray(keys).astype(np.int64))
+        states["numpy"] = (str(name), keys_tensor, int(pos), int(has_gauss), float(gauss))
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state_all()
     return states

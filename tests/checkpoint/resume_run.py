@@ -4,18 +4,21 @@
 Usage: ``resume_run.py OUT_DIR STRATEGY LOADER RUN...`` (one process, or under torchrun), STRATEGY ``single``,
 ``ddp`` or ``fsdp`` (``StableFSDPStrategy``), LOADER one of :data:`LOADERS`, and each RUN one of
 
-* ``reference``: 20 optimizer steps, uninterrupted (saving as the others do);
-* ``stop``: the same with ``StableCheckpoint(every_n_train_steps=1)`` into ``OUT_DIR/<STRATEGY>-<LOADER>-<how>/``, stopped
-  (``trainer.should_stop``) at step ``STOP_AT`` (mid-epoch: 8 batches per epoch);
+* ``reference``: 20 optimizer steps, uninterrupted, ``StableCheckpoint(every_n_train_steps=1)`` saving into
+  ``OUT_DIR/<STRATEGY>-<LOADER>-<RUN>/`` (as every run does);
+* ``stop``: the same, stopped (``trainer.should_stop``) at step ``STOP_AT`` (mid-epoch: 8 batches per epoch);
 * ``kill``: the same, SIGKILLed by itself when step ``STOP_AT + 1`` starts (its step-``STOP_AT`` checkpoint saved);
 * ``sigterm`` / ``sigusr1``: the same, rank 1 (or the only rank) sends itself the signal when step ``STOP_AT``
   starts: ``StableCheckpoint`` saves at an agreed boundary and stops;
 * ``resume-<how>``: resume the run interrupted by ``<how>`` with ``ckpt_path="last"`` and train to 20 steps.
 
+``RESUME_STOP_AT=<step>`` moves the interruption; ``RESUME_CALLBACK=lightning`` saves with Lightning's
+``ModelCheckpoint(save_last=True)`` instead (the control).
+
 The model has dropout and draws from torch's, NumPy's and Python's generators in each step, so a resume that does
-not restore them trains differently. Every run writes ``OUT_DIR/<STRATEGY>-<LOADER>.<RUN>.<rank>.pt``: the data of each step
-trained (``{step: sample indices}``), the parameters and AdamW's state (this rank's shards under FSDP), and the
-messages the callback logged.
+not restore them trains differently. Every run writes ``OUT_DIR/<STRATEGY>-<LOADER>.<RUN>.<rank>.pt``: the data of
+each step trained (``{step: sample indices}``), the parameters and AdamW's state (this rank's shards under FSDP),
+and the messages the callback logged.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from torch import nn
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.nn import functional as F
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler
 
@@ -143,7 +146,10 @@ def run(out: Path, strategy: str, loader: str, kind: str) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     module = DropoutLM(loader)
     directory = out / f"{strategy}-{loader}-{kind.removeprefix('resume-')}"
-    callbacks = [Interrupt(kind), StableCheckpoint(dirpath=directory, every_n_train_steps=1, keep=2)]
+    saver: pl.Callback = StableCheckpoint(dirpath=directory, every_n_train_steps=1, keep=2)
+    if os.environ.get("RESUME_CALLBACK") == "lightning":  # the control: Lightning's own
+        saver = ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_last=True)
+    callbacks = [Interrupt(kind), saver]
     kwargs: dict[str, Any] = {"devices": world}
     if strategy == "fsdp":
         kwargs["strategy"] = StableFSDPStrategy()
