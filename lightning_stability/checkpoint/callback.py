@@ -19,11 +19,11 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_stability import _compat
-from lightning_stability.checkpoint import atomic, loader_state
+from lightning_stability.checkpoint import atomic, loader_state, recover
 from lightning_stability.checkpoint.atomic import CheckpointError
 from lightning_stability.checkpoint.io import local_path
 from lightning_stability.checkpoint.preemption import PreemptionSignals, check_signals, default_signals
-from lightning_stability.checkpoint.ring import BEST, LAST, RING, HealthyCheckpoints
+from lightning_stability.checkpoint.ring import BEST, LAST, RING, Entry, HealthyCheckpoints
 from lightning_stability.errors import check_bool, config_error
 from lightning_stability.ledger.step_ledger import StepLedger
 from lightning_stability.ledger.track import Outcome
@@ -150,6 +150,7 @@ class StableCheckpoint(ModelCheckpoint):
         self._preemption = PreemptionSignals(self.signals)
         self._healthy_list = HealthyCheckpoints(Path("."))
         self._kind = BEST  # what the next _save_checkpoint writes
+        self._taken_back: list[Entry] = []  # see _find_last_checkpoints
         self._loader_resume = loader_state.LoaderResume()
         self._reset_run_state()
 
@@ -164,6 +165,8 @@ class StableCheckpoint(ModelCheckpoint):
         self._saved_names: set[str] = set()  # the checkpoints this fit wrote
         self._resumed_step = -1  # the listed checkpoint this fit resumed from, if any: it and older ones are its own
         self._loader_resume.pending = None  # set by on_load_checkpoint, which comes after setup
+        self._run_id = recover.new_run_id()  # this fit's identity, in the list and in its checkpoints
+        self._saving: tuple[str, str] | None = None  # (name, kind) of the checkpoint being written
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_batch_loss": None}
@@ -176,6 +179,9 @@ class StableCheckpoint(ModelCheckpoint):
         if directory is None:
             raise config_error("dirpath", self.dirpath, "is not a local or mounted path", "pass a local directory")
         self._healthy_list = HealthyCheckpoints(directory).load()
+        for entry in self._taken_back:  # what resolving ckpt_path="last" put back on the list (rank 0 wrote it)
+            self._healthy_list.add(entry.name, entry.step, entry.kind, write=False)
+        self._taken_back = []
         if stage == "fit":
             self._reset_run_state()
             self._preemption.open()
@@ -185,6 +191,7 @@ class StableCheckpoint(ModelCheckpoint):
         self._boundary = trainer.global_step
         self._resumed_step = self._listed_step(trainer.ckpt_path)
         self._forget_other_timelines(trainer)
+        self._healthy_list.claim(self._run_id, write=trainer.is_global_zero)
         # after the Trainer installed its own handlers (at the start of fit), so that ours run first
         if self.signals and not self._preemption.install():
             rank_zero_warn(
@@ -235,6 +242,9 @@ class StableCheckpoint(ModelCheckpoint):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         super().on_save_checkpoint(trainer, pl_module, checkpoint)
+        if self._saving is not None:  # one of ours (not another writer's save through the Trainer)
+            name, kind = self._saving
+            checkpoint[recover.RUN_KEY] = recover.record(self._run_id, name, trainer.global_step, kind)
         checkpoint[loader_state.KEY] = self._loader_resume.capture(trainer)  # every rank: one all-gather
 
     def on_load_checkpoint(
@@ -367,7 +377,11 @@ class StableCheckpoint(ModelCheckpoint):
             self._remove_checkpoint(trainer, str(self._healthy_list.directory / name))
 
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
-        super()._save_checkpoint(trainer, filepath)  # every rank; the strategy publishes it whole
+        self._saving = (Path(filepath).name, self._kind)
+        try:
+            super()._save_checkpoint(trainer, filepath)  # every rank; the strategy publishes it whole
+        finally:
+            self._saving = None
         self._healthy_list.add(Path(filepath).name, trainer.global_step, self._kind, write=trainer.is_global_zero)
         self._saved_names.add(Path(filepath).name)
 
@@ -420,7 +434,18 @@ class StableCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero:
             # Lightning resolves "last" before any hook: finish or undo what a crashed save left here first
             atomic.clean_directory(directory)
-        for entry in HealthyCheckpoints(directory).load().newest_first():
+        listed = HealthyCheckpoints(directory).load()
+        # published, then killed before the list was rewritten: back on the list (every rank finds the same)
+        self._taken_back = recover.unlisted_newer(listed)
+        for entry in self._taken_back:
+            listed.add(entry.name, entry.step, entry.kind, write=trainer.is_global_zero)
+        if self._taken_back:
+            rank_zero_warn(
+                f"StableCheckpoint: {', '.join(e.name for e in self._taken_back)} in {directory} was published by the "
+                "run that last wrote the healthy list, which ended before listing it; it is whole and was healthy "
+                "when saved: back on the list."
+            )
+        for entry in listed.newest_first():
             path = directory / entry.name
             try:
                 return {str(_verified(path))}

@@ -1,0 +1,62 @@
+"""A checkpoint published just before a kill, and so missing from the healthy list, is resumed from: the run that
+published it is the one restarting. Another run's newer checkpoint in the same directory never is.
+
+Each run is a real process killed with SIGKILL between the publish of a checkpoint and the rewrite of
+``stable_checkpoints.json`` (takeback_run.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_stability.checkpoint.ring import HealthyCheckpoints
+from tests.helpers import REPO
+
+pytestmark = pytest.mark.distributed  # training in subprocesses
+
+SCRIPT = Path(__file__).with_name("takeback_run.py")
+
+
+def launch(
+    directory: Path, max_steps: int, ckpt_path: str = "last", kill_at: int = 0
+) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(SCRIPT), str(directory), str(max_steps), ckpt_path, str(kill_at)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=directory.parent)
+    assert proc.returncode == (-9 if kill_at else 0), proc.stderr[-6000:]
+    return proc
+
+
+def started_at(directory: Path) -> int:
+    return int(json.loads((directory.parent / "start.json").read_text())["global_step"])
+
+
+def listed_steps(directory: Path) -> list[int]:
+    return sorted(e.step for e in HealthyCheckpoints(directory).load().entries)
+
+
+def test_a_checkpoint_published_before_a_kill_is_taken_back(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpts"
+    launch(directory, 10, "none", kill_at=6)
+    assert (directory / "epoch=0-step=6.ckpt").is_file() and listed_steps(directory) == [1, 2, 3, 4, 5]
+    proc = launch(directory, 10)
+    assert started_at(directory) == 6
+    assert "epoch=0-step=6.ckpt" in proc.stderr and "back on the list" in proc.stderr
+    assert listed_steps(directory) == list(range(1, 11))
+
+
+def test_another_runs_newer_checkpoints_are_never_taken_back(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpts"
+    launch(directory, 8, "none")  # run A: steps 1..8, listed
+    launch(directory, 8, "none", kill_at=4)  # run B, fresh in the same directory: A's are off its list; killed at 4
+    assert listed_steps(directory) == [1, 2, 3]
+    for step in (5, 6, 7, 8):  # A's, newer than anything listed; touched as a copy or a second writer would
+        os.utime(directory / f"epoch=0-step={step}.ckpt")
+    launch(directory, 8)
+    assert started_at(directory) == 4  # B's, taken back; not A's step 8
