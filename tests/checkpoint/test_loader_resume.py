@@ -29,7 +29,8 @@ STEPS = 20
 
 def single(out: Path, loader: str, *runs: str, **env: str) -> int:
     """resume_run.py in one process; returns its exit status (-9: SIGKILLed)."""
-    full = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **env)
+    path = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    full = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", **env)
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), str(out), "single", loader, *runs],
         env=full,

@@ -26,7 +26,7 @@ SCRIPT = Path(__file__).with_name("takeback_run.py")
 def launch(
     directory: Path, max_steps: int, ckpt_path: str = "last", kill_at: int = 0
 ) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
     cmd = [sys.executable, str(SCRIPT), str(directory), str(max_steps), ckpt_path, str(kill_at)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=directory.parent)
     assert proc.returncode == (-9 if kill_at else 0), proc.stderr[-6000:]
