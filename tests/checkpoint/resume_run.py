@@ -45,21 +45,23 @@ from tests.helpers import exit_worker
 
 N, BATCH, STEPS = 64, 8, 20  # 8 batches per epoch (global)
 STOP_AT = int(os.environ.get("RESUME_STOP_AT", "11"))  # mid-epoch in the second epoch unless told
-LOADERS = ("shuffle", "shuffle_generator", "sequential", "batch_sampler", "workers", "iterable")
+LOADERS = ("shuffle", "shuffle_generator", "sequential", "batch_sampler", "workers", "workers_augment", "iterable")
 
 
 class Indexed(Dataset):
-    """token_data with each sample's index, so each step's data is known exactly."""
+    """token_data with each sample's index, so each step's data is known exactly; with ``augment``, a random
+    number drawn in ``__getitem__`` (in a loader's worker process: the worker's generator) that scales the loss."""
 
-    def __init__(self) -> None:
+    def __init__(self, augment: bool = False) -> None:
         self.data = token_data(N)
+        self.augment = augment
 
     def __len__(self) -> int:
         return N
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
         x, y = self.data[i]
-        return x, y, i
+        return x, y, i, torch.rand(()) if self.augment else torch.zeros(())
 
 
 class Stream(IterableDataset):
@@ -98,10 +100,11 @@ class DropoutLM(TinyLM):
         self.seen: dict[int, list[int]] = {}
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y, index = batch
+        x, y, index, augment = batch
         self.seen[self.global_step] = index.tolist()
         logits = F.dropout(self(x), p=0.3, training=True)  # torch's generator
         loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
+        loss = loss * (1.0 + 0.1 * augment.mean())
         return loss * (1.0 + 0.1 * random.random() + 0.1 * float(np.random.rand()))  # Python's and NumPy's
 
     def train_dataloader(self) -> DataLoader:
@@ -116,6 +119,8 @@ class DropoutLM(TinyLM):
             return DataLoader(data, batch_sampler=EpochBatches(self.batch_size))
         if self.loader == "workers":
             return DataLoader(data, batch_size=self.batch_size, shuffle=True, num_workers=2)
+        if self.loader == "workers_augment":
+            return DataLoader(Indexed(augment=True), batch_size=self.batch_size, shuffle=True, num_workers=2)
         return DataLoader(Stream(), batch_size=self.batch_size)
 
 

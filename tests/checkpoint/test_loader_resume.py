@@ -114,6 +114,16 @@ def test_preemption_signal_mid_epoch_resumes_exactly(tmp_path: Path, how: str) -
     assert differences(tmp_path, "single-shuffle_generator", how) == []
 
 
+def test_random_draws_in_loader_workers_are_said_once_and_not_replayed(tmp_path: Path) -> None:
+    """num_workers > 0 with a random draw in Dataset.__getitem__: the batches are exact, the draws are not (each
+    worker's generator lives in its process and has not drawn for the skipped samples); said once at fit start."""
+    single(tmp_path, "workers_augment", "reference", "stop", "resume-stop")
+    said = warnings_of(tmp_path, "single-workers_augment", "resume-stop")
+    assert len(said) == 1 and "num_workers=2" in said[0] and "not replayed" in said[0], said
+    found = differences(tmp_path, "single-workers_augment", "stop")
+    assert found and not any("other samples" in f for f in found), found
+
+
 def test_iterable_dataset_is_said_once_and_restarts_its_epoch(tmp_path: Path) -> None:
     """No index sampler to fast-forward: warned once at fit start with the fix; Lightning's behaviour stays."""
     single(tmp_path, "iterable", "reference", "stop", "resume-stop")
