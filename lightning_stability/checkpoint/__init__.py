@@ -7,6 +7,9 @@
 * ``callback.py``: :class:`StableCheckpoint`, a ``ModelCheckpoint`` that saves only healthy states, keeps the
   newest ``keep``, resolves ``ckpt_path="last"`` to the newest that verifies, and saves and stops on a signal.
 * ``ring.py``: ``stable_checkpoints.json``, the list of a directory's healthy checkpoints.
+* ``recover.py``: each fit's identity; the checkpoints a crash kept off the list, taken back at restart.
+* ``loader_state.py`` and ``rng.py``: exact mid-epoch resume of a plain ``DataLoader`` (the sampler replayed and
+  fast-forwarded) and every rank's RNG states, in each checkpoint.
 * ``preemption.py``: the signal handlers, and how every rank agrees on a signal at a step boundary.
 
 ``StableFSDPStrategy`` (``strategies/fsdp.py``) uses ``atomic`` for both of its layouts.
