@@ -2,7 +2,8 @@
 (stopped, SIGKILLed or signalled) and resumed with ``trainer.fit(ckpt_path="last")``, with a plain ``DataLoader``.
 
 Usage: ``resume_run.py OUT_DIR STRATEGY LOADER RUN...`` (one process, or under torchrun), STRATEGY ``single``,
-``ddp`` or ``fsdp`` (``StableFSDPStrategy``), LOADER one of :data:`LOADERS`, and each RUN one of
+``ddp``, ``fsdp`` (``StableFSDPStrategy``) or ``preset`` (``StableTrainer.from_preset("gpt")``, one process, its own
+``StableCheckpoint``), LOADER one of :data:`LOADERS`, and each RUN one of
 
 * ``reference``: 20 optimizer steps, uninterrupted, ``StableCheckpoint(every_n_train_steps=1)`` saving into
   ``OUT_DIR/<STRATEGY>-<LOADER>-<RUN>/`` (as every run does);
@@ -38,7 +39,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.nn import functional as F
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler
 
-from lightning_stability import StableCheckpoint
+from lightning_stability import StableCheckpoint, StableTrainer
 from lightning_stability.strategies import StableFSDPStrategy
 from tests.distributed.fsdp_common import VOCAB, TinyLM, token_data
 from tests.helpers import exit_worker
@@ -156,19 +157,31 @@ def run(out: Path, strategy: str, loader: str, kind: str) -> None:
         saver = ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_last=True)
     callbacks = [Interrupt(kind), saver]
     kwargs: dict[str, Any] = {"devices": world}
-    if strategy == "fsdp":
+    if strategy == "preset":  # StableTrainer.from_preset attaches its own StableCheckpoint in <root>/checkpoints
+        trainer: pl.Trainer = StableTrainer.from_preset(
+            "gpt",
+            accelerator="cpu",
+            max_steps=STEPS,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=directory,
+            callbacks=[Interrupt(kind)],
+        )
+    elif strategy == "fsdp":
         kwargs["strategy"] = StableFSDPStrategy()
     elif strategy == "ddp":
         kwargs["strategy"] = "ddp"
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=STEPS,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        **kwargs,
-    )
+    if strategy != "preset":
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_steps=STEPS,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=callbacks,
+            **kwargs,
+        )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, ckpt_path="last" if kind.startswith("resume") else None)

@@ -27,12 +27,12 @@ SCRIPT = Path(__file__).with_name("resume_run.py")
 STEPS = 20
 
 
-def single(out: Path, loader: str, *runs: str, **env: str) -> int:
+def single(out: Path, loader: str, *runs: str, strategy: str = "single", **env: str) -> int:
     """resume_run.py in one process; returns its exit status (-9: SIGKILLed)."""
     path = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     full = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", **env)
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), "single", loader, *runs],
+        [sys.executable, str(SCRIPT), str(out), strategy, loader, *runs],
         env=full,
         cwd=out,
         capture_output=True,
@@ -99,6 +99,12 @@ def test_resume_at_and_near_epoch_ends(tmp_path: Path, stop_at: str) -> None:
     """8 batches per epoch: after the first batch, before and at an epoch's last one, at the start of the third."""
     single(tmp_path, "shuffle", "reference", "stop", "resume-stop", RESUME_STOP_AT=stop_at)
     assert differences(tmp_path, "single-shuffle", "stop") == []
+
+
+def test_a_preset_trainer_resumes_exactly(tmp_path: Path) -> None:
+    """StableTrainer.from_preset attaches StableCheckpoint itself (every 2 steps here, and at the stop)."""
+    single(tmp_path, "shuffle", "reference", "stop", "resume-stop", strategy="preset")
+    assert differences(tmp_path, "preset-shuffle", "stop") == []
 
 
 def test_sigkilled_mid_epoch_resumes_exactly(tmp_path: Path) -> None:
