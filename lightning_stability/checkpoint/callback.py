@@ -54,6 +54,15 @@ class StableCheckpoint(ModelCheckpoint):
       :func:`~lightning_stability.checkpoint.verify_checkpoint` (a damaged one is skipped with a warning);
       there, rank 0 first finishes or undoes what a crash left in the directory
       (:func:`~lightning_stability.checkpoint.clean_directory`).
+      A checkpoint the crashed fit published but did not list yet (killed in between) is taken back first: it
+      verifies, carries that fit's identity and is newer than every listed one (``checkpoint/recover.py``).
+    * **Exact mid-epoch resume with a plain ``DataLoader``.** Each checkpoint holds the batches of the epoch
+      consumed, the record that reproduces the sampler's order (``shuffle=True`` included) and every rank's RNG
+      states (torch CPU and CUDA, NumPy, Python's ``random``, the loader's ``generator``). The resumed fit skips the
+      consumed batches' indices without loading them and draws what the uninterrupted one drew, under DDP and
+      FSDP too. A loader with ``state_dict``/``load_state_dict`` is left to Lightning; what cannot be exact (an
+      ``IterableDataset``, several training loaders, draws inside loader workers) is said once at fit start
+      (``checkpoint/loader_state.py``).
     * **Preemption.** On any of ``signals`` (default SIGTERM and SIGUSR1) received by any rank, every rank saves
       at the same step boundary, one or two optimizer steps later, and the Trainer stops
       (``trainer.should_stop``) with a message. Ranks agree through a small asynchronous exchange on a gloo
