@@ -224,6 +224,10 @@ class StableCheckpoint(ModelCheckpoint):
                 "resume with ckpt_path='last' (or their path)."
             )
 
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
+        self._loader_resume.epoch_start(trainer)
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.global_step
         if (

@@ -251,6 +251,13 @@ class LoaderResume:
             return
         _put_back(loaders, mine)
 
+    def epoch_start(self, trainer: pl.Trainer) -> None:
+        """At ``on_train_epoch_start``: wrap the samplers of loaders Lightning built anew for this epoch
+        (``reload_dataloaders_every_n_epochs``); the epoch's iterator is built after this hook."""
+        loaders = _compat.train_loaders(trainer)
+        if len(loaders) == 1 and _replayable(loaders[0]):
+            install(loaders[0])
+
     # ------------------------------------------------------------------ fit-start checks
     def _check(self, loaders: list[Any]) -> list[DataLoader]:
         """The loaders to fast-forward (empty where none can be); says once what cannot resume exactly."""
@@ -290,6 +297,13 @@ class LoaderResume:
                 "state_dict()/load_state_dict()."
             )
         return [loader]
+
+
+def _replayable(loader: Any) -> bool:
+    """A map-style ``DataLoader`` that Lightning does not restore itself: its sampler can be replayed."""
+    return (
+        isinstance(loader, DataLoader) and not is_stateful(loader) and not isinstance(loader.dataset, IterableDataset)
+    )
 
 
 def _length(loader: Any) -> int | None:

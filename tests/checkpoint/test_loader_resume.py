@@ -101,6 +101,12 @@ def test_resume_at_and_near_epoch_ends(tmp_path: Path, stop_at: str) -> None:
     assert differences(tmp_path, "single-shuffle", "stop") == []
 
 
+def test_a_loader_built_anew_each_epoch_resumes_exactly(tmp_path: Path) -> None:
+    """reload_dataloaders_every_n_epochs=1: the third epoch's new loader, stopped in its last batch."""
+    single(tmp_path, "shuffle", "reference", "stop", "resume-stop", RESUME_RELOAD="1", RESUME_STOP_AT="19")
+    assert differences(tmp_path, "single-shuffle", "stop") == []
+
+
 def test_a_preset_trainer_resumes_exactly(tmp_path: Path) -> None:
     """StableTrainer.from_preset attaches StableCheckpoint itself (every 2 steps here, and at the stop)."""
     single(tmp_path, "shuffle", "reference", "stop", "resume-stop", strategy="preset")
