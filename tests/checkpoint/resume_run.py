@@ -14,8 +14,8 @@ Usage: ``resume_run.py OUT_DIR STRATEGY LOADER RUN...`` (one process, or under t
 * ``resume-<how>``: resume the run interrupted by ``<how>`` with ``ckpt_path="last"`` and train to 20 steps.
 
 ``RESUME_STOP_AT=<step>`` moves the interruption; ``RESUME_RELOAD=1`` makes Lightning build the loader anew each
-epoch; ``RESUME_CALLBACK=lightning`` saves with Lightning's
-``ModelCheckpoint(save_last=True)`` instead (the control).
+epoch; ``RESUME_ACCUMULATE=<n>`` accumulates ``n`` batches per step; ``RESUME_CALLBACK=lightning`` saves with
+Lightning's ``ModelCheckpoint(save_last=True)`` instead (the control).
 
 The model has dropout and draws from torch's, NumPy's and Python's generators in each step, so a resume that does
 not restore them trains differently. Every run writes ``OUT_DIR/<STRATEGY>-<LOADER>.<RUN>.<rank>.pt``: the data of
@@ -177,6 +177,7 @@ def run(out: Path, strategy: str, loader: str, kind: str) -> None:
         trainer = pl.Trainer(
             accelerator="cpu",
             reload_dataloaders_every_n_epochs=int(os.environ.get("RESUME_RELOAD", "0")),
+            accumulate_grad_batches=int(os.environ.get("RESUME_ACCUMULATE", "1")),
             max_steps=STEPS,
             logger=False,
             enable_progress_bar=False,

@@ -107,6 +107,12 @@ def test_a_loader_built_anew_each_epoch_resumes_exactly(tmp_path: Path) -> None:
     assert differences(tmp_path, "single-shuffle", "stop") == []
 
 
+def test_gradient_accumulation_resumes_exactly(tmp_path: Path) -> None:
+    """Two batches per step: the checkpoint of step 11 is 22 batches in (the third epoch's sixth)."""
+    single(tmp_path, "shuffle", "reference", "stop", "resume-stop", RESUME_ACCUMULATE="2")
+    assert differences(tmp_path, "single-shuffle", "stop") == []
+
+
 def test_a_preset_trainer_resumes_exactly(tmp_path: Path) -> None:
     """StableTrainer.from_preset attaches StableCheckpoint itself (every 2 steps here, and at the stop)."""
     single(tmp_path, "shuffle", "reference", "stop", "resume-stop", strategy="preset")
