@@ -14,7 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
+from lightning_stability.checkpoint import recover
 from lightning_stability.checkpoint.ring import HealthyCheckpoints
 from tests.helpers import REPO
 
@@ -60,3 +63,33 @@ def test_another_runs_newer_checkpoints_are_never_taken_back(tmp_path: Path) -> 
         os.utime(directory / f"epoch=0-step={step}.ckpt")
     launch(directory, 8)
     assert started_at(directory) == 4  # B's, taken back; not A's step 8
+
+
+# ---------------------------------------------------------------------- which unlisted checkpoints qualify
+def _listed(directory: Path, run: str, steps: list[int]) -> HealthyCheckpoints:
+    listed = HealthyCheckpoints(directory)
+    for step in steps:
+        listed.add(f"step={step}.ckpt", step, "ring", write=False)
+    listed.claim(run, write=True)
+    return listed
+
+
+def _file(directory: Path, name: str, run: str, step: int, stored_name: str | None = None) -> None:
+    torch.save({recover.RUN_KEY: recover.record(run, stored_name or name, step, "ring")}, directory / name)
+
+
+def test_only_whole_newer_checkpoints_of_the_listing_run_under_their_own_name_qualify(tmp_path: Path) -> None:
+    listed = _listed(tmp_path, "fitA", [1, 2])
+    _file(tmp_path, "step=3.ckpt", "fitA", 3)  # qualifies
+    _file(tmp_path, "step=9.ckpt", "fitB", 9)  # another fit's
+    _file(tmp_path, "step=1b.ckpt", "fitA", 1)  # not newer than the list
+    _file(tmp_path, "copy.ckpt", "fitA", 4, stored_name="step=4.ckpt")  # a copy under another name
+    _file(tmp_path, "cut.ckpt", "fitA", 5)
+    (tmp_path / "cut.ckpt").write_bytes((tmp_path / "cut.ckpt").read_bytes()[:-30])  # truncated
+    sharded = tmp_path / "step=6.ckpt"  # a DCP directory: its record is in meta.pt
+    dcp.save({"state_dict": {"w": torch.ones(10)}}, checkpoint_id=sharded)
+    torch.save({recover.RUN_KEY: recover.record("fitA", "step=6.ckpt", 6, "last")}, sharded / "meta.pt")
+    found = recover.unlisted_newer(listed)
+    assert [(e.name, e.step, e.kind) for e in found] == [("step=3.ckpt", 3, "ring"), ("step=6.ckpt", 6, "last")]
+    listed.run = None  # a list no fit claimed: nothing is taken back
+    assert recover.unlisted_newer(listed) == []
