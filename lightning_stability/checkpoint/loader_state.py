@@ -231,19 +231,23 @@ class LoaderResume:
         total = trainer.num_training_batches
         mid_epoch = 0 < batches < total and epoch == trainer.current_epoch
         if mid_epoch and wrappers and len(wrappers) == len(loaders):
-            if lengths != saved["lengths"]:
+            starts = mine["samplers"]
+            if lengths != saved["lengths"] or any(start is None for start in starts):
+                why = (
+                    f"the training loader has {lengths} batches per epoch, the checkpoint's had {saved['lengths']}"
+                    if lengths != saved["lengths"]
+                    else "the checkpoint holds no record of the sampler's order (saved while it was not replayable)"
+                )
                 rank_zero_warn(
-                    f"StableCheckpoint: the training loader has {lengths} batches per epoch, the checkpoint's had "
-                    f"{saved['lengths']}; the epoch restarts at its first batch. Resume with the same data, batch "
-                    "size and number of processes to continue exactly."
+                    f"StableCheckpoint: {why}; the epoch restarts at its first batch. Resume with the same data, "
+                    "batch size and number of processes to continue exactly."
                 )
             else:
-                for wrapper, start in zip(wrappers, mine["samplers"], strict=True):
-                    if start is not None:
-                        wrapper.replay(start, batches)
-                _compat.restart_train_iterator(trainer)
-                _put_back(loaders, mine)
-                return
+                for wrapper, start in zip(wrappers, starts, strict=True):
+                    wrapper.replay(start, batches)
+            _compat.restart_train_iterator(trainer)  # through the wrapper, which records this epoch's order
+            _put_back(loaders, mine)
+            return
         if not mid_epoch and wrappers:
             # the epoch had ended: the next one's iterator draws its order from the restored states
             _put_back(loaders, mine)

@@ -14,7 +14,8 @@ Usage: ``resume_run.py OUT_DIR STRATEGY LOADER RUN...`` (one process, or under t
 * ``resume-<how>``: resume the run interrupted by ``<how>`` with ``ckpt_path="last"`` and train to 20 steps.
 
 ``RESUME_STOP_AT=<step>`` moves the interruption; ``RESUME_RELOAD=1`` makes Lightning build the loader anew each
-epoch; ``RESUME_ACCUMULATE=<n>`` accumulates ``n`` batches per step; ``RESUME_CALLBACK=lightning`` saves with
+epoch; ``RESUME_ACCUMULATE=<n>`` accumulates ``n`` batches per step; ``RESUME_BATCH``
+sets the global batch size; ``RESUME_CALLBACK=lightning`` saves with
 Lightning's ``ModelCheckpoint(save_last=True)`` instead (the control).
 
 The model has dropout and draws from torch's, NumPy's and Python's generators in each step, so a resume that does
@@ -97,7 +98,7 @@ class EpochBatches(Sampler[list[int]]):
 class DropoutLM(TinyLM):
     def __init__(self, loader: str) -> None:
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        super().__init__(d=16, batch_size=BATCH // world, n=N)
+        super().__init__(d=16, batch_size=int(os.environ.get("RESUME_BATCH", BATCH)) // world, n=N)
         self.loader = loader
         self.seen: dict[int, list[int]] = {}
 

@@ -142,6 +142,14 @@ def test_random_draws_in_loader_workers_are_said_once_and_not_replayed(tmp_path:
     assert found and not any("other samples" in f for f in found), found
 
 
+def test_a_resume_with_another_batch_size_is_said_and_restarts_the_epoch(tmp_path: Path) -> None:
+    single(tmp_path, "shuffle", "stop")
+    single(tmp_path, "shuffle", "resume-stop", RESUME_BATCH="4")
+    said = warnings_of(tmp_path, "single-shuffle", "resume-stop")
+    assert len(said) == 1 and "has [16] batches per epoch, the checkpoint's had [8]" in said[0], said
+    assert min(load(tmp_path, "single-shuffle", "resume-stop", 0)["seen"]) == 11
+
+
 def test_iterable_dataset_is_said_once_and_restarts_its_epoch(tmp_path: Path) -> None:
     """No index sampler to fast-forward: warned once at fit start with the fix; Lightning's behaviour stays."""
     single(tmp_path, "iterable", "reference", "stop", "resume-stop")
