@@ -5,9 +5,10 @@ train with ``StableCheckpoint(every_n_train_steps=1)`` under DDP (fp32, ``Atomic
 ``StableFSDPStrategy`` (fp16 with ``LossScaleTuner``, sharded checkpoints); each run is SIGKILLed ``--kills``
 times at random moments, every checkpoint on disk is verified after each kill, and each restart uses
 ``trainer.fit(ckpt_path="last")``. The finished run is compared with an uninterrupted one, bit for bit: weights,
-AdamW's state, LR, loss scale, ledger counts, step, epoch, the data of every step. A control run
-(``ddp_plain_loader``: a plain ``DataLoader`` with a shuffling ``DistributedSampler``, not resumable mid-epoch)
-shows what the comparison catches.
+AdamW's state, LR, loss scale, ledger counts, step, epoch, the data of every step. The data is a plain
+``DataLoader(shuffle=True)`` (Lightning's ``DistributedSampler``; ``StableCheckpoint`` resumes it mid-epoch). A
+control run (``ddp_stream``: the same data as an ``IterableDataset`` without ``state_dict``, which cannot be
+fast-forwarded) shows what the comparison catches.
 
 **The cost of a save**, the same model (``TinyGPT`` of tests/distributed/fsdp_common.py, ``--width`` wide, ``--blocks``
 blocks, with AdamW's state after one step), each save overwriting the previous one at the same path, the two
@@ -53,7 +54,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 # per configuration: optimizer steps (enough for the kills), the longest random wait before a kill (seconds)
-SOAK = {"ddp": (80, 0.8), "fsdp_fp16": (60, 1.0), "ddp_plain_loader": (40, 0.8)}
+SOAK = {"ddp": (80, 0.8), "fsdp_fp16": (60, 1.0), "ddp_stream": (40, 0.8)}
 
 
 def soak_all(kills: int, seed: int) -> list[str]:
@@ -61,12 +62,12 @@ def soak_all(kills: int, seed: int) -> list[str]:
 
     lines = []
     for config, (steps, delay) in SOAK.items():
-        n = 3 if config == "ddp_plain_loader" else kills
+        n = 3 if config == "ddp_stream" else kills
         with tempfile.TemporaryDirectory() as tmp:
             result = soak(Path(tmp), config, kills=n, steps=steps, seed=seed, max_delay=delay)
         lines.append(result.line())
         print(lines[-1], flush=True)
-        if config != "ddp_plain_loader" and result.mismatches:
+        if config != "ddp_stream" and result.mismatches:
             print("  all differences:", *result.mismatches, sep="\n    ")
     return lines
 

@@ -121,6 +121,24 @@ def accumulation_override(trainer: pl.Trainer) -> Callable[[], bool] | None:
     return decide
 
 
+def train_loaders(trainer: pl.Trainer) -> list[Any]:
+    """The fit loop's training loaders as Lightning processed them (its ``DistributedSampler`` injected), in the
+    order of its ``CombinedLoader``; empty before the fit loop set its data up."""
+    combined = trainer.fit_loop._combined_loader
+    return [] if combined is None else list(combined.flattened)
+
+
+def restart_train_iterator(trainer: pl.Trainer) -> bool:
+    """Build the fit loop's training iterator anew (``iter`` on its data fetcher, as Lightning does at each epoch's
+    start), so that changes made to the loaders after the fit loop's setup apply from the next batch on.
+    ``False`` when the fit loop has no data fetcher yet."""
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is None:
+        return False
+    iter(fetcher)
+    return True
+
+
 def callback_state_key(callback: pl.Callback, **kwargs: Any) -> str:
     """A callback's checkpoint key built the way Lightning builds them: class name plus ``kwargs``."""
     key: str = callback._generate_state_key(**kwargs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -203,10 +204,50 @@ def exit_worker() -> NoReturn:
     os._exit(0)
 
 
+def _children() -> dict[int, list[int]]:
+    """``{parent pid: [child pids]}`` of every process on the machine, from ``/proc`` (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # ended meanwhile
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the name, in parentheses, may hold spaces
+        children.setdefault(ppid, []).append(int(entry.name))
+    return children
+
+
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL the process ``pid`` started in a session of its own, and every process it started.
+
+    torchrun's agent starts each worker in a session (and process group) of its own, so killing the agent's group
+    leaves the workers running, orphaned, holding the agent's pipes. The agent's group is stopped first (it starts
+    no new worker meanwhile), then every descendant's process group is killed (a worker's own, with what the
+    worker started: DataLoader workers), then the agent's.
+    """
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGSTOP)
+    children, found, todo = _children(), [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    for child in found:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(os.getpgid(child), signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+
+
 def torchrun(script: Path, nproc: int, out_dir: Path, *args: str, timeout: int = 300) -> list[dict[str, Any]]:
     """Run ``script`` under ``torchrun --standalone`` (one node, a free port) with ``nproc`` CPU processes.
 
-    The script must write ``{out_dir}/rank{RANK}.json``; the parsed files are returned in rank order.
+    The script must write ``{out_dir}/rank{RANK}.json``; the parsed files are returned in rank order. After
+    ``timeout`` seconds every process it started, the workers included, is killed and ``TimeoutExpired`` raised.
     """
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
     cmd = [
@@ -219,15 +260,14 @@ def torchrun(script: Path, nproc: int, out_dir: Path, *args: str, timeout: int =
         str(out_dir),
         *args,
     ]
-    # A session of its own, so that a timeout kills the workers too, not only the torchrun agent.
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=out_dir, start_new_session=True
     )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        kill_process_tree(proc.pid)
+        proc.communicate(timeout=60)  # the pipes close once every process holding them is gone
         raise
     if proc.returncode != 0:
         # the workers' warnings (repeated on every rank) would push the error itself out of the message

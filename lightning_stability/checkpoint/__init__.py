@@ -9,6 +9,9 @@
 * ``async_save.py``: ``StableCheckpoint(async_save=True)``: the state copied to host memory in the step, the write,
   ``fsync`` and publish in a background thread, one save in flight, listed once every rank agrees it succeeded.
 * ``ring.py``: ``stable_checkpoints.json``, the list of a directory's healthy checkpoints.
+* ``recover.py``: each fit's identity; the checkpoints a crash kept off the list, taken back at restart.
+* ``loader_state.py`` and ``rng.py``: exact mid-epoch resume of a plain ``DataLoader`` (the sampler replayed and
+  fast-forwarded) and every rank's RNG states, in each checkpoint.
 * ``preemption.py``: the signal handlers, and how every rank agrees on a signal at a step boundary.
 
 ``StableFSDPStrategy`` (``strategies/fsdp.py``) uses ``atomic`` for both of its layouts.

@@ -19,13 +19,13 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_stability import _compat
-from lightning_stability.checkpoint import atomic
+from lightning_stability.checkpoint import atomic, loader_state, recover
 from lightning_stability.checkpoint.arguments import check_model_checkpoint_arguments
 from lightning_stability.checkpoint.async_save import AsyncSaves, PendingSave
 from lightning_stability.checkpoint.atomic import CheckpointError
 from lightning_stability.checkpoint.io import local_path
 from lightning_stability.checkpoint.preemption import PreemptionSignals, check_signals, default_signals
-from lightning_stability.checkpoint.ring import BEST, LAST, RING, HealthyCheckpoints
+from lightning_stability.checkpoint.ring import BEST, LAST, RING, Entry, HealthyCheckpoints
 from lightning_stability.errors import check_bool, config_error
 from lightning_stability.ledger.step_ledger import StepLedger
 from lightning_stability.ledger.track import Outcome
@@ -56,6 +56,15 @@ class StableCheckpoint(ModelCheckpoint):
       :func:`~lightning_stability.checkpoint.verify_checkpoint` (a damaged one is skipped with a warning);
       there, rank 0 first finishes or undoes what a crash left in the directory
       (:func:`~lightning_stability.checkpoint.clean_directory`).
+      A checkpoint the crashed fit published but did not list yet (killed in between) is taken back first: it
+      verifies, carries that fit's identity and is newer than every listed one (``checkpoint/recover.py``).
+    * **Exact mid-epoch resume with a plain ``DataLoader``.** Each checkpoint holds the batches of the epoch
+      consumed, the record that reproduces the sampler's order (``shuffle=True`` included) and every rank's RNG
+      states (torch CPU and CUDA, NumPy, Python's ``random``, the loader's ``generator``). The resumed fit skips the
+      consumed batches' indices without loading them and draws what the uninterrupted one drew, under DDP and
+      FSDP too. A loader with ``state_dict``/``load_state_dict`` is left to Lightning; what cannot be exact (an
+      ``IterableDataset``, several training loaders, draws inside loader workers) is said once at fit start
+      (``checkpoint/loader_state.py``).
     * **Preemption.** On any of ``signals`` (default SIGTERM and SIGUSR1) received by any rank, every rank saves
       at the same step boundary, one or two optimizer steps later, and the Trainer stops
       (``trainer.should_stop``) with a message. Ranks agree through a small asynchronous exchange on a gloo
@@ -183,6 +192,8 @@ class StableCheckpoint(ModelCheckpoint):
         self._preemption = PreemptionSignals(self.signals)
         self._healthy_list = HealthyCheckpoints(Path("."))
         self._kind = BEST  # what the next _save_checkpoint writes
+        self._taken_back: list[Entry] = []  # see _find_last_checkpoints
+        self._loader_resume = loader_state.LoaderResume()
         self._reset_run_state()
 
     def _reset_run_state(self) -> None:
@@ -196,6 +207,9 @@ class StableCheckpoint(ModelCheckpoint):
         self._saved_names: set[str] = set()  # the checkpoints this fit wrote
         self._resumed_step = -1  # the listed checkpoint this fit resumed from, if any: it and older ones are its own
         self._removals: list[str] = []  # removals asked for while an asynchronous save was in flight
+        self._loader_resume.pending = None  # set by on_load_checkpoint, which comes after setup
+        self._run_id = recover.new_run_id()  # this fit's identity, in the list and in its checkpoints
+        self._saving: tuple[str, str] | None = None  # (name, kind) of the checkpoint being written
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_batch_loss": None}
@@ -208,6 +222,9 @@ class StableCheckpoint(ModelCheckpoint):
         if directory is None:
             raise config_error("dirpath", self.dirpath, "is not a local or mounted path", "pass a local directory")
         self._healthy_list = HealthyCheckpoints(directory).load()
+        for entry in self._taken_back:  # what resolving ckpt_path="last" put back on the list (rank 0 wrote it)
+            self._healthy_list.add(entry.name, entry.step, entry.kind, write=False)
+        self._taken_back = []
         if stage == "fit":
             self._reset_run_state()
             self._preemption.open()
@@ -219,6 +236,7 @@ class StableCheckpoint(ModelCheckpoint):
         self._boundary = trainer.global_step
         self._resumed_step = self._listed_step(trainer.ckpt_path)
         self._forget_other_timelines(trainer)
+        self._healthy_list.claim(self._run_id, write=trainer.is_global_zero)
         # after the Trainer installed its own handlers (at the start of fit), so that ours run first
         if self.signals and not self._preemption.install():
             rank_zero_warn(
@@ -226,6 +244,7 @@ class StableCheckpoint(ModelCheckpoint):
                 f"handlers; {', '.join(s.name for s in self.signals)} will not save and stop this run."
             )
         self._handlers_installed = True
+        self._loader_resume.start(trainer)  # last: the data position and RNG states of a resumed checkpoint
 
     def _forget_other_timelines(self, trainer: pl.Trainer) -> None:
         """Listed checkpoints newer than the step this fit starts from belong to another run (a fresh fit in a used
@@ -240,6 +259,10 @@ class StableCheckpoint(ModelCheckpoint):
                 "healthy list, so ckpt_path='last' resumes this run; the files stay. To go on from them instead, "
                 "resume with ckpt_path='last' (or their path)."
             )
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_epoch_start(trainer, pl_module)
+        self._loader_resume.epoch_start(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.global_step
@@ -264,6 +287,21 @@ class StableCheckpoint(ModelCheckpoint):
                 f"the save due at step {self._deferred_from} was not written. ckpt_path='last' resumes from "
                 f"{newest or 'nothing (no healthy checkpoint yet)'}."
             )
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        super().on_save_checkpoint(trainer, pl_module, checkpoint)
+        if self._saving is not None:  # one of ours (not another writer's save through the Trainer)
+            name, kind = self._saving
+            checkpoint[recover.RUN_KEY] = recover.record(self._run_id, name, trainer.global_step, kind)
+        checkpoint[loader_state.KEY] = self._loader_resume.capture(trainer)  # every rank: one all-gather
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        super().on_load_checkpoint(trainer, pl_module, checkpoint)
+        self._loader_resume.load(checkpoint)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._preemption.restore()
@@ -391,13 +429,21 @@ class StableCheckpoint(ModelCheckpoint):
             self._kind = BEST
 
     def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        if self._async is not None:
+            self._wait_for_save(trainer)  # at most one save in flight
+        # while Lightning builds the checkpoint, on_save_checkpoint writes this fit's identity into it
+        self._saving = (Path(filepath).name, self._kind)
+        try:
+            if self._async is None:
+                super()._save_checkpoint(trainer, filepath)  # every rank; the strategy publishes it whole
+            else:
+                self._async.start(trainer, Path(filepath), self._kind)
+        finally:
+            self._saving = None
         if self._async is None:
-            super()._save_checkpoint(trainer, filepath)  # every rank; the strategy publishes it whole
             self._list(trainer, Path(filepath).name, trainer.global_step, self._kind)
-            return
-        self._wait_for_save(trainer)  # at most one save in flight
-        self._async.start(trainer, Path(filepath), self._kind)
-        _compat.record_model_checkpoint_save(self, trainer, filepath)
+        else:
+            _compat.record_model_checkpoint_save(self, trainer, filepath)
 
     def _list(self, trainer: pl.Trainer, name: str, step: int, kind: str) -> None:
         """A published checkpoint onto the healthy list; a ring one then pushes out the oldest beyond ``keep``."""
@@ -479,7 +525,18 @@ class StableCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero:
             # Lightning resolves "last" before any hook: finish or undo what a crashed save left here first
             atomic.clean_directory(directory)
-        for entry in HealthyCheckpoints(directory).load().newest_first():
+        listed = HealthyCheckpoints(directory).load()
+        # published, then killed before the list was rewritten: back on the list (every rank finds the same)
+        self._taken_back = recover.unlisted_newer(listed)
+        for entry in self._taken_back:
+            listed.add(entry.name, entry.step, entry.kind, write=trainer.is_global_zero)
+        if self._taken_back:
+            rank_zero_warn(
+                f"StableCheckpoint: {', '.join(e.name for e in self._taken_back)} in {directory} was published by the "
+                "run that last wrote the healthy list, which ended before listing it; it is whole and was healthy "
+                "when saved: back on the list."
+            )
+        for entry in listed.newest_first():
             path = directory / entry.name
             try:
                 return {str(_verified(path))}

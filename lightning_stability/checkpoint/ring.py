@@ -32,6 +32,7 @@ class HealthyCheckpoints:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.entries: list[Entry] = []
+        self.run: str | None = None  # the fit that writes the list now (see checkpoint/recover.py)
 
     @property
     def path(self) -> Path:
@@ -42,9 +43,17 @@ class HealthyCheckpoints:
         try:
             data = json.loads(self.path.read_text())
             self.entries = [Entry(str(e["name"]), int(e["step"]), str(e["kind"])) for e in data["checkpoints"]]
-        except (OSError, ValueError, KeyError, TypeError):
-            self.entries = []
+            self.run = str(data["run"]) if data.get("run") else None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            self.entries, self.run = [], None
         return self
+
+    def claim(self, run: str, write: bool) -> None:
+        """Record that the fit ``run`` writes the list from now on (its checkpoints carry the same id)."""
+        if self.run != run:
+            self.run = run
+            if write:
+                self._write()
 
     def add(self, name: str, step: int, kind: str, write: bool) -> None:
         """Record a published checkpoint (replacing an entry of the same name: ``last.ckpt`` is rewritten)."""
@@ -77,6 +86,6 @@ class HealthyCheckpoints:
         return [entry for _, entry in order]
 
     def _write(self) -> None:
-        data = {"version": 1, "checkpoints": [asdict(e) for e in self.entries]}
+        data = {"version": 1, "run": self.run, "checkpoints": [asdict(e) for e in self.entries]}
         text = json.dumps(data, indent=1).encode()
         atomic.save_file(self.path, lambda f: f.write(text))

@@ -6,8 +6,8 @@ server, see :func:`serve`: what tests/checkpoint/soak.py runs), where CONFIG is
 
 * ``ddp``: Lightning's ``DDPStrategy`` (gloo), fp32, ``AtomicCheckpointIO``, ``GradientNormMonitor(max_norm=1)``
   skipping a non-finite gradient (a NaN put into rank 1's gradient at ``FAULT_STEPS``);
-* ``ddp_plain_loader``: ``ddp`` with a plain ``DataLoader`` and a shuffling ``DistributedSampler`` (the control:
-  not resumable mid-epoch);
+* ``ddp_stream``: ``ddp`` reading the same data as a stream (an ``IterableDataset`` without ``state_dict``: the
+  control, which ``StableCheckpoint`` says it cannot resume mid-epoch);
 * ``fsdp_fp16``: ``StableFSDPStrategy(mixed_precision=True)`` (fp16 compute with a loss scaler on the CPU, as in
   tests/distributed/fsdp_fp16_run.py), sharded checkpoints, ``LossScaleTuner`` (an inf in rank 1's gradient shard
   at ``FAULT_STEPS``: overflow, skipped step, backoff; growth every 4 clean steps) and ``GradientNormMonitor``;
@@ -17,10 +17,9 @@ with ``StableCheckpoint(every_n_train_steps=1, async_save=True)``: each write in
 waiting for it) and train to ``STEPS`` optimizer steps) or ``reference`` (the same run
 uninterrupted, no checkpoints). Both schedule the LR with ``WarmupConstantCosineLR`` on the applied-update count.
 
-Data: ``SEQS`` sequences, a new shuffle each epoch, ``EPOCH_STEPS`` steps per epoch, read through
-:class:`StatefulLoader`: map-style data whose loader has ``state_dict``/``load_state_dict`` and ``__len__``, which
-Lightning stores in the checkpoint and restores before iterating (a plain ``DataLoader`` restarts the epoch from
-its first batch after a mid-epoch resume: Lightning warns that it is "not resumable").
+Data: ``SEQS`` sequences, ``EPOCH_STEPS`` steps per epoch, in a plain ``DataLoader(shuffle=True)``: Lightning puts
+in its shuffling ``DistributedSampler`` (a new order each epoch), and ``StableCheckpoint`` resumes it mid-epoch at
+the batch after the checkpoint's (checkpoint/loader_state.py).
 
 Writes:
 
@@ -48,7 +47,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from lightning_stability import (
     AtomicCheckpointIO,
@@ -65,57 +64,26 @@ from tests.helpers import exit_worker
 SEQS = 64  # global batch 8: 8 steps per epoch, so the run crosses two epoch ends
 EPOCH_STEPS = SEQS // 8
 FAULT_STEPS = (5, 13)  # rank 1's gradient holds a non-finite value in the step that starts at these global steps
-CONFIGS = ("ddp", "fsdp_fp16", "ddp_plain_loader")
+CONFIGS = ("ddp", "fsdp_fp16", "ddp_stream")
 
 
-class EpochSampler:
-    """Only ``set_epoch``: Lightning calls it on ``loader.sampler`` at each epoch start (resume included)."""
+class Stream(IterableDataset):
+    """The data in order, this rank's share, as a stream (the control: no index sampler, no ``state_dict``)."""
 
-    def __init__(self) -> None:
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-
-class StatefulLoader:
-    """Map-style data in batches, reshuffled every epoch, this rank's share; resumable mid-epoch.
-
-    ``state_dict`` is the number of batches of the current epoch handed out; Lightning saves it with every
-    checkpoint and calls ``load_state_dict`` before iterating on resume. ``__len__`` matters: for a sized loader
-    Lightning fetches no batch ahead, so at a save the batches handed out are exactly the batches trained on.
-    """
-
-    def __init__(self, data: TensorDataset, batch_size: int, rank: int, world: int) -> None:
-        self.data, self.batch_size, self.rank, self.world = data, batch_size, rank, world
-        self.sampler = EpochSampler()
-        self._next = 0  # batches of this epoch handed out
-        self._start = 0  # where the next iteration starts (a restored position, once)
-
-    def __len__(self) -> int:
-        return len(self.data) // (self.batch_size * self.world)
+    def __init__(self, data: TensorDataset) -> None:
+        self.data = data
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
-        order = torch.randperm(len(self.data), generator=torch.Generator().manual_seed(1000 + self.sampler.epoch))
-        start, self._start = self._start, 0
-        for i in range(start, len(self)):
-            first = (i * self.world + self.rank) * self.batch_size
-            self._next = i + 1
-            yield self.data[order[first : first + self.batch_size]]
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.sampler.epoch, "next": self._next}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self._start = state["next"] if state["next"] < len(self) else 0
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        return (self.data[i] for i in range(rank, len(self.data), world))
 
 
 class SoakLM(TinyLM):
-    def __init__(self, data_log: Path, plain_loader: bool = False) -> None:
+    def __init__(self, data_log: Path, stream: bool = False) -> None:
         # d=128: ~0.5M weights, ~6 MB per checkpoint with AdamW's state: a random moment is often inside a save
         super().__init__(d=128, batch_size=8 // int(os.environ["WORLD_SIZE"]), n=SEQS)
         self.data_log = data_log
-        self.plain_loader = plain_loader
+        self.stream = stream
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         with open(self.data_log, "a") as f:
@@ -128,12 +96,10 @@ class SoakLM(TinyLM):
             local = grad.to_local() if hasattr(grad, "to_local") else grad
             local.view(-1)[0] = float("nan") if self.trainer.precision == "32-true" else float("inf")
 
-    def train_dataloader(self) -> StatefulLoader | DataLoader:  # type: ignore[override]
-        if self.plain_loader:  # the control: what Lightning's own DistributedSampler would do
-            data = token_data(self.n)
-            return DataLoader(data, self.batch_size, sampler=DistributedSampler(data, shuffle=True, seed=1000))
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        return StatefulLoader(token_data(self.n), self.batch_size, rank, world)
+    def train_dataloader(self) -> DataLoader:
+        if self.stream:
+            return DataLoader(Stream(token_data(self.n)), self.batch_size)
+        return DataLoader(token_data(self.n), self.batch_size, shuffle=True)
 
 
 class Progress(pl.Callback):
@@ -181,7 +147,7 @@ def final_state(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, An
 def run(out: Path, config: str, steps: int, kind: str) -> None:
     pl.seed_everything(0, verbose=False)
     rank = int(os.environ["RANK"])
-    module = SoakLM(out / f"{config}.{kind}.data.{rank}", plain_loader=config == "ddp_plain_loader")
+    module = SoakLM(out / f"{config}.{kind}.data.{rank}", stream=config == "ddp_stream")
     callbacks: list[pl.Callback] = [
         GradientNormMonitor(max_norm=1.0),
         WarmupConstantCosineLR(warmup=0.2, decay=0.5, min_lr_ratio=0.1, total_steps=steps),
@@ -204,7 +170,6 @@ def run(out: Path, config: str, steps: int, kind: str) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=kind == "soak",
-        use_distributed_sampler=False,
         log_every_n_steps=5,
         callbacks=callbacks,
         **kwargs,

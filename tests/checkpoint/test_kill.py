@@ -34,7 +34,7 @@ import torch
 
 from lightning_stability.checkpoint import atomic, verify_checkpoint
 from lightning_stability.strategies import consolidate_checkpoint
-from tests.helpers import REPO
+from tests.helpers import REPO, kill_process_tree
 
 pytestmark = pytest.mark.distributed
 
@@ -54,8 +54,7 @@ def launch(out: Path, runs: list[str], nproc: int) -> subprocess.Popen[bytes]:
 def end(proc: subprocess.Popen[bytes], timeout: float) -> None:
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=timeout)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # whatever the launcher left (a rank stuck in a collective)
+    kill_process_tree(proc.pid)  # whatever the launcher left (a rank stuck in a collective, in its own session)
     proc.wait()
 
 

@@ -8,8 +8,9 @@ times at random moments (a random rank first, inside a step or inside a checkpoi
 disk must verify after each kill, and each restart with ``trainer.fit(ckpt_path="last")`` must resume from the
 newest healthy checkpoint listed. The resumed run, finished, must equal an uninterrupted one bit for bit on
 every rank: weights, AdamW's state, LR (``WarmupConstantCosineLR``), loss scale and scaler state, the ledger's
-counts, the step, the epoch and the data of every step (8 steps per epoch, reshuffled each epoch, read through
-a resumable loader: see soak_run.py). The kill moments are random; the seed is in the printed line.
+counts, the step, the epoch and the data of every step (8 steps per epoch, reshuffled each epoch: a plain
+``DataLoader(shuffle=True)`` with Lightning's ``DistributedSampler``, see soak_run.py). The kill moments are random;
+the seed is in the printed line.
 """
 
 from __future__ import annotations

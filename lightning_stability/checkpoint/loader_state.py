@@ -1,0 +1,337 @@
+"""Exact mid-epoch resume for plain ``DataLoader``\\s: the data position and every rank's RNG states in each
+checkpoint, and a fast-forward of the sampler at resume.
+
+Lightning resumes mid-epoch only for a loader with ``state_dict``/``load_state_dict`` (torchdata's
+``StatefulDataLoader``); a plain ``DataLoader`` restarts the epoch at its first batch. :class:`LoaderResume` makes a
+plain one resume where it stopped, the way the HF Trainer does (``accelerate.skip_first_batches`` and the per-process
+``rng_state_<rank>.pth``):
+
+* **The batches.** Each training loader's index sampler (``loader.batch_sampler``, else ``loader.sampler``) is
+  wrapped in a :class:`ReplayableSampler`. At the start of each of its iterations (each epoch) it records the RNG
+  states its order is drawn from: torch's, NumPy's and Python's global generators and the ``generator`` of the
+  sampler and of the sampler under a batch sampler. A ``RandomSampler`` (``shuffle=True``) draws its permutation
+  from them right then. A checkpoint holds that record, the epoch and the number of batches of the epoch consumed;
+  at resume the sampler replays the record and skips those batches' indices (no sample is loaded), and the epoch
+  goes on with the next batch. A ``DistributedSampler`` (Lightning's, under DDP and FSDP) and a
+  ``SequentialSampler`` are a function of their epoch, which Lightning sets.
+* **The RNG states** of every rank (:mod:`~lightning_stability.checkpoint.rng`) and each loader's ``generator``,
+  put back when training starts again: dropout and random augmentation draw what they drew.
+
+Left alone: a loader that has ``state_dict`` and ``load_state_dict`` (Lightning restores it). Not exact, said once at
+fit start with the fix: an ``IterableDataset`` or an iterable that is not a ``DataLoader`` (no index sampler to
+fast-forward), several training loaders, and the draws made inside a loader's worker processes
+(``num_workers > 0``: the batches are exact, a random augmentation in ``Dataset.__getitem__`` is not).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
+
+from lightning_stability import _compat
+from lightning_stability.checkpoint import rng
+
+#: the checkpoint's key for what :meth:`LoaderResume.capture` returns
+KEY = "lightning_stability_resume"
+_TORCH_SAMPLERS = (
+    SequentialSampler,
+    RandomSampler,
+    DistributedSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+    BatchSampler,
+)
+_STATEFUL_FIX = (
+    "torchdata's StatefulDataLoader (`from torchdata.stateful_dataloader import StatefulDataLoader`, a drop-in "
+    "DataLoader), or a loader with state_dict()/load_state_dict(): Lightning saves and restores those itself"
+)
+
+
+def is_stateful(loader: Any) -> bool:
+    """Whether Lightning saves and restores ``loader`` itself (it has ``state_dict`` and ``load_state_dict``)."""
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+
+
+# ---------------------------------------------------------------------------------------------- the sampler
+def _generators(sampler: Any) -> list[torch.Generator]:
+    """The torch generators a sampler draws its order from besides the global one: its ``generator`` and that of
+    the sampler it batches."""
+    found: list[torch.Generator] = []
+    for obj in (sampler, getattr(sampler, "sampler", None)):
+        gen = getattr(obj, "generator", None)
+        if isinstance(gen, torch.Generator) and all(gen is not g for g in found):
+            found.append(gen)
+    return found
+
+
+def _global_states() -> dict[str, Any]:
+    states = rng.capture()
+    states.pop("cuda", None)  # samplers run on the host
+    return states
+
+
+class ReplayableSampler:
+    """An index sampler that records the RNG states at the start of each iteration and can replay one iteration
+    from a record, skipping its first items.
+
+    Attributes other than its own are the wrapped sampler's (``set_epoch``, ``sampler``, ``batch_size``...).
+
+    Args:
+        inner: the loader's ``batch_sampler`` (or ``sampler`` when it has none).
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.start: dict[str, Any] | None = None  # the record of the current (or last) iteration
+        self._replay: tuple[dict[str, Any], int] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner" or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def replay(self, start: dict[str, Any], skip: int) -> None:
+        """Make the next iteration draw its order from ``start`` (a record) and skip its first ``skip`` items."""
+        self._replay = (start, skip)
+
+    def __iter__(self) -> Iterator[Any]:
+        replay, self._replay = self._replay, None
+        if replay is None:
+            self.start = {"global": _global_states(), "generators": [g.get_state() for g in _generators(self.inner)]}
+            yield from self.inner
+            return
+        start, skip = replay
+        self.start = start
+        outside = _global_states()  # the resumed run's own states: back once the order is drawn
+        try:
+            rng.restore(start["global"])
+            for gen, state in zip(_generators(self.inner), start["generators"], strict=False):
+                gen.set_state(state)
+            items = iter(self.inner)
+            for _ in range(skip):
+                next(items)  # the index lists of the consumed batches only: no sample is loaded
+        finally:
+            rng.restore(outside)
+        yield from items
+
+
+def _index_sampler_name(loader: DataLoader) -> str:
+    return "batch_sampler" if loader.batch_sampler is not None else "sampler"
+
+
+def install(loader: DataLoader) -> ReplayableSampler:
+    """Wrap ``loader``'s index sampler in a :class:`ReplayableSampler` (once; returns it).
+
+    ``DataLoader`` refuses ``loader.batch_sampler = ...`` after construction (its ``__setattr__``), for loaders being
+    iterated; the loader is between iterations here, and the iterator built next reads the wrapper.
+    """
+    name = _index_sampler_name(loader)
+    current = getattr(loader, name)
+    if isinstance(current, ReplayableSampler):
+        return current
+    wrapper = ReplayableSampler(current)
+    object.__setattr__(loader, name, wrapper)
+    return wrapper
+
+
+def _custom_sampler(loader: DataLoader) -> Any | None:
+    """The loader's sampler or batch sampler when it is not one of torch's (whose orders are known to replay)."""
+    for obj in (loader.batch_sampler, loader.sampler):
+        inner = obj.inner if isinstance(obj, ReplayableSampler) else obj
+        if inner is not None and type(inner) not in _TORCH_SAMPLERS:
+            return inner
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- the callback's part
+class LoaderResume:
+    """The data position and RNG states in each checkpoint, and their restore when a fit resumes (see module doc).
+
+    ``StableCheckpoint`` drives it: :meth:`capture` in ``on_save_checkpoint`` (every rank: a collective),
+    :meth:`load` in ``on_load_checkpoint``, :meth:`start` in ``on_train_start``.
+    """
+
+    def __init__(self) -> None:
+        self.pending: dict[str, Any] | None = None  # what the resumed checkpoint holds, until training starts
+
+    def capture(self, trainer: pl.Trainer) -> dict[str, Any]:
+        """What a checkpoint needs to resume the data and the RNG exactly (every rank must call it together)."""
+        loaders = _compat.train_loaders(trainer)
+        local = {
+            "rng": rng.capture(),
+            "samplers": [
+                loader.batch_sampler.start
+                if isinstance(loader, DataLoader) and isinstance(loader.batch_sampler, ReplayableSampler)
+                else loader.sampler.start
+                if isinstance(loader, DataLoader) and isinstance(loader.sampler, ReplayableSampler)
+                else None
+                for loader in loaders
+            ],
+            "generators": [
+                loader.generator.get_state() if isinstance(loader, DataLoader) and loader.generator else None
+                for loader in loaders
+            ],
+        }
+        return {
+            "version": 1,
+            "epoch": trainer.current_epoch,
+            "batches": int(trainer.fit_loop.epoch_loop.batch_progress.current.ready),
+            "lengths": [_length(loader) for loader in loaders],
+            "ranks": rng.gather(local),
+        }
+
+    def load(self, checkpoint: dict[str, Any]) -> None:
+        self.pending = checkpoint.get(KEY)
+
+    def start(self, trainer: pl.Trainer) -> None:
+        """At ``on_train_start`` (the fit loop built its iterator, no batch was fetched): wrap the samplers, say
+        what cannot resume exactly, and on a resume fast-forward the epoch and put back every RNG state."""
+        saved, self.pending = self.pending, None
+        loaders = _compat.train_loaders(trainer)
+        if not loaders:
+            return
+        managed = self._check(loaders)
+        wrappers = [install(loader) for loader in managed]
+        here = _local_states(loaders)
+        rank = trainer.global_rank
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if saved is None:
+            # a fresh fit: rebuild the iterator through the wrappers, drawing nothing from the run's generators
+            if wrappers and _compat.restart_train_iterator(trainer):
+                _put_back(loaders, here)
+            return
+        if len(saved["ranks"]) != world:
+            rank_zero_warn(
+                f"StableCheckpoint: the checkpoint was saved by {len(saved['ranks'])} processes and this run has "
+                f"{world}; the RNG states and the data position cannot be restored per rank. The epoch restarts "
+                "at its first batch (Lightning's default); resume with the same number of processes to be exact."
+            )
+            return
+        mine = saved["ranks"][rank]
+        batches, epoch = int(saved["batches"]), int(saved["epoch"])
+        lengths = [_length(loader) for loader in loaders]
+        total = trainer.num_training_batches
+        mid_epoch = 0 < batches < total and epoch == trainer.current_epoch
+        if mid_epoch and wrappers and len(wrappers) == len(loaders):
+            starts = mine["samplers"]
+            if lengths != saved["lengths"] or any(start is None for start in starts):
+                why = (
+                    f"the training loader has {lengths} batches per epoch, the checkpoint's had {saved['lengths']}"
+                    if lengths != saved["lengths"]
+                    else "the checkpoint holds no record of the sampler's order (saved while it was not replayable)"
+                )
+                rank_zero_warn(
+                    f"StableCheckpoint: {why}; the epoch restarts at its first batch. Resume with the same data, "
+                    "batch size and number of processes to continue exactly."
+                )
+            else:
+                for wrapper, start in zip(wrappers, starts, strict=True):
+                    wrapper.replay(start, batches)
+            _compat.restart_train_iterator(trainer)  # through the wrapper, which records this epoch's order
+            _put_back(loaders, mine)
+            return
+        if not mid_epoch and wrappers:
+            # the epoch had ended: the next one's iterator draws its order from the restored states
+            _put_back(loaders, mine)
+            _compat.restart_train_iterator(trainer)
+            return
+        _put_back(loaders, mine)
+
+    def epoch_start(self, trainer: pl.Trainer) -> None:
+        """At ``on_train_epoch_start``: wrap the samplers of loaders Lightning built anew for this epoch
+        (``reload_dataloaders_every_n_epochs``); the epoch's iterator is built after this hook."""
+        loaders = _compat.train_loaders(trainer)
+        if len(loaders) == 1 and _replayable(loaders[0]):
+            install(loaders[0])
+
+    # ------------------------------------------------------------------ fit-start checks
+    def _check(self, loaders: list[Any]) -> list[DataLoader]:
+        """The loaders to fast-forward (empty where none can be); says once what cannot resume exactly."""
+        if all(is_stateful(loader) for loader in loaders):
+            return []  # Lightning resumes them
+        plain = [loader for loader in loaders if not is_stateful(loader)]
+        if len(loaders) > 1:
+            rank_zero_warn(
+                f"StableCheckpoint: {len(loaders)} training loaders: a resume from a mid-epoch checkpoint restarts "
+                f"the epoch of those without state_dict. Fix: combine them into one loader, or use {_STATEFUL_FIX}."
+            )
+            return []
+        loader = plain[0]
+        if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+            what = type(loader.dataset).__name__ if isinstance(loader, DataLoader) else type(loader).__name__
+            rank_zero_warn(
+                f"StableCheckpoint: the training data ({what}) is an iterable stream without state_dict, which "
+                "cannot be fast-forwarded: a resume from a mid-epoch checkpoint restarts the epoch at its first "
+                f"batch (the RNG states are restored). Fix: {_STATEFUL_FIX}."
+            )
+            return []
+        if loader.num_workers > 0:
+            rank_zero_warn(
+                f"StableCheckpoint: the training loader has num_workers={loader.num_workers}; a resume from a "
+                "mid-epoch checkpoint trains on the same batches, but random draws made inside its worker "
+                "processes (augmentation in Dataset.__getitem__ or collate_fn) are not replayed: each worker's "
+                "generators live in its process. Fix: draw them from a torch.Generator seeded with the sample's "
+                "index and the epoch, or apply the augmentation in the training step (whose RNG is restored)."
+            )
+        custom = _custom_sampler(loader)
+        if custom is not None:
+            rank_zero_info(
+                f"StableCheckpoint: the training loader's {type(custom).__name__} resumes mid-epoch by replaying its "
+                "order and skipping the consumed batches: exact when it draws its order when its iteration starts "
+                "(from torch's, NumPy's or Python's global RNG, or its `generator`) or from its epoch (set_epoch); "
+                "not when it draws from a global RNG while the epoch runs. If it cannot, give it or the loader "
+                "state_dict()/load_state_dict()."
+            )
+        return [loader]
+
+
+def _replayable(loader: Any) -> bool:
+    """A map-style ``DataLoader`` that Lightning does not restore itself: its sampler can be replayed."""
+    return (
+        isinstance(loader, DataLoader) and not is_stateful(loader) and not isinstance(loader.dataset, IterableDataset)
+    )
+
+
+def _length(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def _local_states(loaders: list[Any]) -> dict[str, Any]:
+    return {
+        "rng": rng.capture(),
+        "generators": [
+            loader.generator.get_state() if isinstance(loader, DataLoader) and loader.generator else None
+            for loader in loaders
+        ],
+    }
+
+
+def _put_back(loaders: list[Any], states: dict[str, Any]) -> None:
+    """Restore this rank's RNG states and each loader's ``generator`` (warned once when one cannot be)."""
+    problems = rng.restore(states["rng"])
+    for loader, state in zip(loaders, states["generators"], strict=False):
+        if state is not None and isinstance(loader, DataLoader) and loader.generator is not None:
+            loader.generator.set_state(state)
+    if problems:
+        rank_zero_warn(f"StableCheckpoint: could not restore the RNG state of {', '.join(problems)}.")

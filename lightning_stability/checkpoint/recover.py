@@ -1,0 +1,86 @@
+"""Taking back the checkpoints a crash kept off the healthy list.
+
+``StableCheckpoint`` publishes a checkpoint, then rewrites ``stable_checkpoints.json``: a process killed between
+the two leaves a complete, healthy checkpoint that the list does not name, and ``ckpt_path="last"`` would resume
+from the older one. So every fit has an identity (a random token), written
+
+* into the list, when the fit starts writing it (:meth:`HealthyCheckpoints.claim`), and
+* into each checkpoint ``StableCheckpoint`` saves (``checkpoint[RUN_KEY]``: the fit, the checkpoint's name, its
+  global step and its kind in the ring).
+
+At restart, a checkpoint in the directory that verifies, carries the identity the list was last claimed by, its own
+name, and a step newer than every listed one, was published by the fit that crashed, in a healthy state (only
+healthy states are saved): it goes back on the list. One carrying another identity (another run in the directory,
+or a continuation a later fit abandoned by resuming from an older step) never does.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_stability.checkpoint import atomic
+from lightning_stability.checkpoint.atomic import CheckpointError
+from lightning_stability.checkpoint.ring import FILE_NAME, Entry, HealthyCheckpoints
+
+#: the checkpoint's key for ``{"run", "name", "step", "kind"}`` of a ``StableCheckpoint`` save
+RUN_KEY = "lightning_stability_checkpoint"
+_META_FILE = "meta.pt"  # the rest of a sharded (DCP) Lightning checkpoint: StableFSDPStrategy's and Lightning's
+
+
+def new_run_id() -> str:
+    """A fresh identity for one fit (every rank must use rank 0's: it is written by rank 0 only)."""
+    return secrets.token_hex(8)
+
+
+def record(run: str, name: str, step: int, kind: str) -> dict[str, Any]:
+    """What a ``StableCheckpoint`` save writes under :data:`RUN_KEY`."""
+    return {"run": run, "name": name, "step": step, "kind": kind}
+
+
+def _read_record(path: Path) -> dict[str, Any] | None:
+    """The :data:`RUN_KEY` record of the checkpoint at ``path`` (its pickle only: tensors are memory-mapped)."""
+    source, mmap = (path / _META_FILE, False) if path.is_dir() else (path, True)
+    try:
+        data = torch.load(source, map_location="cpu", weights_only=False, mmap=mmap)
+    except Exception:  # not a torch checkpoint, or unreadable: not one to take back
+        return None
+    found = data.get(RUN_KEY) if isinstance(data, dict) else None
+    return found if isinstance(found, dict) else None
+
+
+def unlisted_newer(listed: HealthyCheckpoints) -> list[Entry]:
+    """The checkpoints the fit that last claimed ``listed`` published after its newest entry and a crash kept off
+    it: whole (verified), carrying that fit's identity and their own name. Oldest first.
+
+    Only checkpoints changed since the list was last written are read (a publish always follows the list's
+    previous write). Nothing when the list names no fit (written before identities, or never).
+    """
+    directory = listed.directory
+    if listed.run is None or not listed.path.is_file():
+        return []
+    since = listed.path.stat().st_mtime_ns
+    newest = max((e.step for e in listed.entries), default=-1)
+    found = []
+    for path in directory.iterdir():
+        if atomic.is_sibling(path.name) or path.name == FILE_NAME or path.suffix != ".ckpt":
+            continue
+        try:
+            if path.stat().st_mtime_ns < since:
+                continue
+            atomic.verify_checkpoint(path)
+        except (CheckpointError, OSError):
+            continue
+        info = _read_record(path)
+        if (
+            info is not None
+            and info.get("run") == listed.run
+            and info.get("name") == path.name
+            and isinstance(info.get("step"), int)
+            and info["step"] > newest
+        ):
+            found.append(Entry(path.name, int(info["step"]), str(info.get("kind", "ring"))))
+    return sorted(found, key=lambda e: e.step)

@@ -1,0 +1,64 @@
+"""The random number generator states a process draws from, captured and put back, so that a resumed run draws
+what the uninterrupted run drew: dropout masks, random augmentation, noise, sampling.
+
+One process's states: torch's CPU generator, every initialised CUDA device's, NumPy's global ``RandomState`` (when
+NumPy is installed) and Python's ``random``. The HF Trainer saves the same four per process
+(``rng_state_<rank>.pth``); each rank has its own, so a checkpoint holds one set per rank (:func:`gather`).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+try:  # NumPy is optional
+    import numpy as np
+except ImportError:  # pragma: no cover
+    np = None  # type: ignore[assignment]
+
+
+def capture() -> dict[str, Any]:
+    """This process's generator states (CPU tensors and plain Python objects: picklable, small)."""
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if np is not None:
+        name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+        # as a tensor and plain numbers: a checkpoint loads with torch.load(weights_only=True)
+        keys_tensor = torch.from_numpy(np.asarray(keys).astype(np.int64))
+        states["numpy"] = (str(name), keys_tensor, int(pos), int(has_gauss), float(gauss))
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def restore(states: dict[str, Any]) -> list[str]:
+    """Put back states from :func:`capture`; returns the generators it could not restore (and why)."""
+    problems = []
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["python"])
+    if "numpy" in states:
+        if np is not None:
+            name, keys, pos, has_gauss, gauss = states["numpy"]
+            np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+        else:
+            problems.append("NumPy's (NumPy is not installed here)")
+    if "cuda" in states:
+        saved = states["cuda"]
+        if torch.cuda.is_available() and torch.cuda.device_count() == len(saved):
+            torch.cuda.set_rng_state_all(saved)
+        else:
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            problems.append(f"CUDA's (saved for {len(saved)} devices, {count} here)")
+    return problems
+
+
+def gather(local: Any) -> list[Any]:
+    """Every rank's ``local`` on every rank, in rank order (one ``all_gather_object``; a collective: every rank
+    calls it at the same point). One process: ``[local]``."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [local]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, local)
+    return out

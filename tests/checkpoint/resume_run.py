@@ -1,0 +1,221 @@
+"""Runs for tests/checkpoint/test_loader_resume.py: an uninterrupted run, and the same run interrupted mid-epoch
+(stopped, SIGKILLed or signalled) and resumed with ``trainer.fit(ckpt_path="last")``, with a plain ``DataLoader``.
+
+Usage: ``resume_run.py OUT_DIR STRATEGY LOADER RUN...`` (one process, or under torchrun), STRATEGY ``single``,
+``ddp``, ``fsdp`` (``StableFSDPStrategy``) or ``preset`` (``StableTrainer.from_preset("gpt")``, one process, its own
+``StableCheckpoint``), LOADER one of :data:`LOADERS`, and each RUN one of
+
+* ``reference``: 20 optimizer steps, uninterrupted, ``StableCheckpoint(every_n_train_steps=1)`` saving into
+  ``OUT_DIR/<STRATEGY>-<LOADER>-<RUN>/`` (as every run does);
+* ``stop``: the same, stopped (``trainer.should_stop``) at step ``STOP_AT`` (mid-epoch: 8 batches per epoch);
+* ``kill``: the same, SIGKILLed by itself when step ``STOP_AT + 1`` starts (its step-``STOP_AT`` checkpoint saved);
+* ``sigterm`` / ``sigusr1``: the same, rank 1 (or the only rank) sends itself the signal when step ``STOP_AT``
+  starts: ``StableCheckpoint`` saves at an agreed boundary and stops;
+* ``resume-<how>``: resume the run interrupted by ``<how>`` with ``ckpt_path="last"`` and train to 20 steps.
+
+``RESUME_STOP_AT=<step>`` moves the interruption; ``RESUME_RELOAD=1`` makes Lightning build the loader anew each
+epoch; ``RESUME_ACCUMULATE=<n>`` accumulates ``n`` batches per step; ``RESUME_BATCH``
+sets the global batch size; ``RESUME_CALLBACK=lightning`` saves with
+Lightning's ``ModelCheckpoint(save_last=True)`` instead (the control).
+
+The model has dropout and draws from torch's, NumPy's and Python's generators in each step, so a resume that does
+not restore them trains differently. Every run writes ``OUT_DIR/<STRATEGY>-<LOADER>.<RUN>.<rank>.pt``: the data of
+each step trained (``{step: sample indices}``), the parameters and AdamW's state (this rank's shards under FSDP),
+and the messages the callback logged.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.nn import functional as F
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler
+
+from lightning_stability import StableCheckpoint, StableTrainer
+from lightning_stability.strategies import StableFSDPStrategy
+from tests.distributed.fsdp_common import VOCAB, TinyLM, token_data
+from tests.helpers import exit_worker
+
+N, BATCH, STEPS = 64, 8, 20  # 8 batches per epoch (global)
+STOP_AT = int(os.environ.get("RESUME_STOP_AT", "11"))  # mid-epoch in the second epoch unless told
+LOADERS = ("shuffle", "shuffle_generator", "sequential", "batch_sampler", "workers", "workers_augment", "iterable")
+
+
+class Indexed(Dataset):
+    """token_data with each sample's index, so each step's data is known exactly; with ``augment``, a random
+    number drawn in ``__getitem__`` (in a loader's worker process: the worker's generator) that scales the loss."""
+
+    def __init__(self, augment: bool = False) -> None:
+        self.data = token_data(N)
+        self.augment = augment
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+        x, y = self.data[i]
+        return x, y, i, torch.rand(()) if self.augment else torch.zeros(())
+
+
+class Stream(IterableDataset):
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        data = Indexed()
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        return (data[i] for i in range(rank, N, world))
+
+
+class EpochBatches(Sampler[list[int]]):
+    """A user's own batch sampler: deterministic, a new order each epoch (set_epoch), this rank's share."""
+
+    def __init__(self, batch_size: int) -> None:
+        self.batch_size, self.epoch = batch_size, 0
+        self.rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        self.world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return N // (self.batch_size * self.world)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        order = torch.randperm(N, generator=torch.Generator().manual_seed(100 + self.epoch)).tolist()
+        mine = order[self.rank :: self.world]
+        return iter(BatchSampler(mine, self.batch_size, drop_last=True))
+
+
+class DropoutLM(TinyLM):
+    def __init__(self, loader: str) -> None:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        super().__init__(d=16, batch_size=int(os.environ.get("RESUME_BATCH", BATCH)) // world, n=N)
+        self.loader = loader
+        self.seen: dict[int, list[int]] = {}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, index, augment = batch
+        self.seen[self.global_step] = index.tolist()
+        logits = F.dropout(self(x), p=0.3, training=True)  # torch's generator
+        loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
+        loss = loss * (1.0 + 0.1 * augment.mean())
+        return loss * (1.0 + 0.1 * random.random() + 0.1 * float(np.random.rand()))  # Python's and NumPy's
+
+    def train_dataloader(self) -> DataLoader:
+        data = Indexed()
+        if self.loader == "shuffle":
+            return DataLoader(data, batch_size=self.batch_size, shuffle=True)
+        if self.loader == "shuffle_generator":
+            return DataLoader(data, self.batch_size, shuffle=True, generator=torch.Generator().manual_seed(7))
+        if self.loader == "sequential":
+            return DataLoader(data, batch_size=self.batch_size)
+        if self.loader == "batch_sampler":
+            return DataLoader(data, batch_sampler=EpochBatches(self.batch_size))
+        if self.loader == "workers":
+            return DataLoader(data, batch_size=self.batch_size, shuffle=True, num_workers=2)
+        if self.loader == "workers_augment":
+            return DataLoader(Indexed(augment=True), batch_size=self.batch_size, shuffle=True, num_workers=2)
+        return DataLoader(Stream(), batch_size=self.batch_size)
+
+
+class Interrupt(pl.Callback):
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        step = trainer.global_step
+        if self.how == "kill" and step == STOP_AT + 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.how in ("sigterm", "sigusr1") and step == STOP_AT and trainer.global_rank == trainer.world_size - 1:
+            os.kill(os.getpid(), signal.SIGTERM if self.how == "sigterm" else signal.SIGUSR1)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.how == "stop" and trainer.global_step == STOP_AT:
+            trainer.should_stop = True
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+
+
+def run(out: Path, strategy: str, loader: str, kind: str) -> None:
+    pl.seed_everything(0, verbose=False)
+    random.seed(0)
+    np.random.seed(0)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    module = DropoutLM(loader)
+    directory = out / f"{strategy}-{loader}-{kind.removeprefix('resume-')}"
+    saver: pl.Callback = StableCheckpoint(dirpath=directory, every_n_train_steps=1, keep=2)
+    if os.environ.get("RESUME_CALLBACK") == "lightning":  # the control: Lightning's own
+        saver = ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_last=True)
+    callbacks = [Interrupt(kind), saver]
+    kwargs: dict[str, Any] = {"devices": world}
+    if strategy == "preset":  # StableTrainer.from_preset attaches its own StableCheckpoint in <root>/checkpoints
+        trainer: pl.Trainer = StableTrainer.from_preset(
+            "gpt",
+            accelerator="cpu",
+            max_steps=STEPS,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=directory,
+            callbacks=[Interrupt(kind)],
+        )
+    elif strategy == "fsdp":
+        kwargs["strategy"] = StableFSDPStrategy()
+    elif strategy == "ddp":
+        kwargs["strategy"] = "ddp"
+    if strategy != "preset":
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            reload_dataloaders_every_n_epochs=int(os.environ.get("RESUME_RELOAD", "0")),
+            accumulate_grad_batches=int(os.environ.get("RESUME_ACCUMULATE", "1")),
+            max_steps=STEPS,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=callbacks,
+            **kwargs,
+        )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, ckpt_path="last" if kind.startswith("resume") else None)
+    optimizer = trainer.optimizers[0]
+    rank = trainer.global_rank
+    torch.save(
+        {
+            "seen": module.seen,
+            "params": {n: _local(p) for n, p in module.named_parameters()},
+            "optimizer": {
+                f"{n}.{k}": _local(v) if isinstance(v, torch.Tensor) else torch.tensor(v)
+                for n, p in module.named_parameters()
+                for k, v in optimizer.state.get(p, {}).items()
+            },
+            "global_step": trainer.global_step,
+            "warnings": [str(w.message) for w in caught if "StableCheckpoint" in str(w.message)],
+        },
+        out / f"{strategy}-{loader}.{kind}.{rank}.pt",
+    )
+
+
+def main() -> None:
+    out, strategy, loader = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    for kind in sys.argv[4:]:
+        run(out, strategy, loader, kind)
+    (out / f"rank{os.environ.get('RANK', '0')}.json").write_text("{}")  # for tests.helpers.torchrun
+
+
+if __name__ == "__main__":
+    main()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    exit_worker()
