@@ -37,74 +37,56 @@ _LOSS_Z, _GRAD_Z = "stability/loss_z", "stability/grad_norm_z"  # TrainingHealth
 
 
 class StableCheckpoint(ModelCheckpoint):
-    """A ``ModelCheckpoint`` that writes only healthy states, keeps the newest ``keep``, and survives preemption.
+    """A ``ModelCheckpoint`` that saves only healthy states, keeps the newest ``keep``, resumes exactly with
+    ``trainer.fit(model, ckpt_path="last")`` and saves and stops on a preemption signal.
 
-    * **Only healthy states.** When a save is due (``every_n_train_steps``, ``every_n_epochs``,
-      ``train_time_interval``, the end of training, a signal), the state must be healthy: the last update was
-      applied (the step ledger's ``Outcome.APPLIED``: not skipped for an fp16 overflow, a non-finite gradient, a
-      spike or a rollback's data window), the loss and every weight are finite, and no spike is flagged
-      (``TrainingHealthMonitor``'s loss or gradient-norm z-score above its ``spike_z``, if one is attached).
-      Otherwise the save waits for the next healthy optimizer step, and says so once. The check reads the host
-      only when a save is due (a save syncs anyway) and while one waits; the other steps cost nothing.
-    * **A ring of healthy checkpoints.** Each save writes ``<filename>.ckpt`` (default ``epoch=E-step=S.ckpt``)
-      and the newest ``keep`` are kept; older ones are removed through the strategy (renamed away, then
-      deleted: never half-removed). With ``monitor``, Lightning's top-``save_top_k`` by the monitored value are
-      kept besides (a second file when one qualifies); ``save_last`` writes ``last.ckpt`` as in Lightning.
-      Without ``monitor``, ``save_top_k=-1`` keeps every save and ``save_top_k=0`` none (only ``last``).
-      ``stable_checkpoints.json`` in the directory lists them all (see ``checkpoint/ring.py``).
-    * **Resume.** ``trainer.fit(model, ckpt_path="last")`` resolves to the newest listed checkpoint that passes
-      :func:`~lightning_stability.checkpoint.verify_checkpoint` (a damaged one is skipped with a warning);
-      there, rank 0 first finishes or undoes what a crash left in the directory
-      (:func:`~lightning_stability.checkpoint.clean_directory`).
-      A checkpoint the crashed fit published but did not list yet (killed in between) is taken back first: it
-      verifies, carries that fit's identity and is newer than every listed one (``checkpoint/recover.py``).
-    * **Exact mid-epoch resume with a plain ``DataLoader``.** Each checkpoint holds the batches of the epoch
-      consumed, the record that reproduces the sampler's order (``shuffle=True`` included) and every rank's RNG
-      states (torch CPU and CUDA, NumPy, Python's ``random``, the loader's ``generator``). The resumed fit skips the
-      consumed batches' indices without loading them and draws what the uninterrupted one drew, under DDP and
-      FSDP too. A loader with ``state_dict``/``load_state_dict`` is left to Lightning; what cannot be exact (an
-      ``IterableDataset``, several training loaders, draws inside loader workers) is said once at fit start
-      (``checkpoint/loader_state.py``).
-    * **Preemption.** On any of ``signals`` (default SIGTERM and SIGUSR1) received by any rank, every rank saves
-      at the same step boundary, one or two optimizer steps later, and the Trainer stops
-      (``trainer.should_stop``) with a message. Ranks agree through a small asynchronous exchange on a gloo
-      group of its own, read one boundary later: no device sync, no blocking round trip
-      (``checkpoint/preemption.py``). A handler installed before the Trainer's runs as well; Lightning's SIGTERM
-      handler (which would end the run with ``SIGTERMException`` before the save) does not. Under
-      ``SLURMEnvironment(auto_requeue=True)``, Lightning's requeue handler runs after the save, on every rank,
-      at the same boundary (it also writes its ``hpc_ckpt``; resume with ``ckpt_path="last"`` to start from the
-      healthy ring). If the state stays unhealthy for ``SIGNAL_DEFER_STEPS`` boundaries, it stops without
-      saving; ``ckpt_path="last"`` then resumes from the newest healthy checkpoint.
-    * **Asynchronous saves** (``async_save=True``). The step waits only while the state is copied to host memory
-      (pinned on CUDA); the write, its ``fsync`` and the publishing rename go on in a background thread, one save
-      at a time (a save due while the previous one is still being written waits for it). The file holds the
-      state of the step it was saved at, whatever training does meanwhile; it enters the healthy list only once
-      published and every rank agrees it succeeded (at a later step boundary, without blocking the step); a
-      kill during the write leaves the previous checkpoint as the newest. A failed write raises
-      ``CheckpointError`` naming the path on every rank at the next step boundary, save or the end of fit. A
-      save on a preemption signal is waited for before the Trainer stops. See ``checkpoint/async_save.py``.
+    * **Healthy states only.** A due save (``every_n_train_steps``, ``every_n_epochs``, ``train_time_interval``,
+      the end of training, a signal) waits for the next optimizer step whose update was applied, whose loss and
+      weights are finite and where ``TrainingHealthMonitor`` (if attached) flags no spike, and says so once.
+    * **A list of healthy checkpoints.** ``stable_checkpoints.json`` in ``dirpath`` lists the newest ``keep``;
+      older ones are removed. ``ckpt_path="last"`` resolves to the newest listed one that passes
+      :func:`~lightning_stability.checkpoint.atomic.verify_checkpoint` (or none: a fresh start), after taking back one a
+      crash kept off the list.
+    * **Exact mid-epoch resume** for a plain ``DataLoader`` over a map-style dataset: each checkpoint holds the
+      data position and every rank's RNG states. What cannot be exact is said once at fit start.
+    * **Preemption.** On any of ``signals``, every rank saves at the same step boundary and the Trainer stops.
+    * **Asynchronous saves** (``async_save=True``): the step waits only for a copy of the state in host memory.
 
-    Checkpoints are written by the Trainer's strategy: atomically with ``AtomicCheckpointIO`` (single device,
-    DDP) or ``StableFSDPStrategy``; ``StableTrainer.from_preset`` sets both up and attaches this callback with
-    ``dirpath=<default_root_dir>/checkpoints``.
+    Checkpoints are written by the Trainer's strategy: atomically with ``AtomicCheckpointIO`` (single device, DDP)
+    or ``StableFSDPStrategy``. ``StableTrainer.from_preset`` sets both up and attaches this callback in
+    ``<default_root_dir>/checkpoints``. Details: the checkpoints concept page of the documentation.
 
     Args:
-        dirpath: the directory (local or mounted). Default: Lightning's (the logger's version directory, which
-            changes from run to run: pass a fixed one to resume with ``ckpt_path="last"``).
-        keep: the newest healthy checkpoints kept in the ring (``save_top_k=1``, the default, without monitor).
-        signals: the signals that save and stop (``()``: none).
-        save_at_end: also save the state training ends in (when healthy and not saved at that step already), e.g.
-            the last steps of a ``max_steps`` run that ``every_n_train_steps`` does not divide.
-        async_save: write checkpoints in the background (above). Needs ``AtomicCheckpointIO`` (single device,
-            DDP) or ``StableFSDPStrategy``; host memory for one copy of this rank's state.
-        filename, monitor, verbose, save_last, save_top_k, mode, auto_insert_metric_name, every_n_train_steps,
-            train_time_interval, every_n_epochs, save_on_train_epoch_end, enable_version_counter: as for
-            ``ModelCheckpoint``.
+        dirpath: the directory (local or mounted). Pass a fixed one to resume with ``ckpt_path="last"``:
+            Lightning's default (the logger's version directory) changes from run to run.
+        filename: as for ``ModelCheckpoint`` (default ``epoch=E-step=S``).
+        monitor: as for ``ModelCheckpoint``: Lightning's top ``save_top_k`` by this value are kept besides the
+            newest ``keep``.
+        verbose: as for ``ModelCheckpoint``.
+        save_last: as for ``ModelCheckpoint`` (``last.ckpt``). Not needed to resume: ``ckpt_path="last"`` reads
+            the healthy list.
+        save_top_k: as for ``ModelCheckpoint`` with ``monitor``. Without it, ``-1`` keeps every save and ``0``
+            none but ``last``.
+        keep: how many of the newest healthy checkpoints are kept.
+        signals: the signals that save and stop (default SIGTERM and SIGUSR1; ``()``: none).
+        save_at_end: also save the state training ends in, when healthy and not saved at that step already.
+        async_save: write checkpoints in a background thread. Needs ``AtomicCheckpointIO`` (single device, DDP)
+            or ``StableFSDPStrategy``, and host memory for one copy of each rank's state.
+        save_weights_only: must stay ``False`` (a checkpoint without optimizer state cannot be resumed from).
+        mode: as for ``ModelCheckpoint``.
+        auto_insert_metric_name: as for ``ModelCheckpoint``.
+        every_n_train_steps: as for ``ModelCheckpoint``.
+        train_time_interval: as for ``ModelCheckpoint``.
+        every_n_epochs: as for ``ModelCheckpoint``.
+        save_on_train_epoch_end: as for ``ModelCheckpoint``.
+        enable_version_counter: as for ``ModelCheckpoint``.
 
     Raises:
-        StabilityConfigError: ``keep`` is not an int >= 1, a signal cannot be caught, ``save_weights_only=True``
-            (a ring is for resuming), or ``dirpath`` is remote (``s3://...``); at setup, ``async_save=True`` with a
-            strategy or ``CheckpointIO`` that does not publish whole checkpoints.
+        StabilityConfigError: ``keep`` is not an int >= 1, a signal cannot be caught, ``save_weights_only=True``,
+            or ``dirpath`` is remote (``s3://...``); at setup, ``async_save=True`` with a strategy or
+            ``CheckpointIO`` that does not publish whole checkpoints.
+        CheckpointError: a save failed (on every rank); with ``async_save=True``, at the next step boundary, save
+            or the end of ``fit``.
 
     Example::
 
@@ -112,7 +94,7 @@ class StableCheckpoint(ModelCheckpoint):
             plugins=[AtomicCheckpointIO()],
             callbacks=[StableCheckpoint(dirpath="ckpts", every_n_train_steps=500, keep=3)],
         )
-        trainer.fit(model, ckpt_path="last")   # the newest healthy checkpoint, if any
+        trainer.fit(model, ckpt_path="last")  # the newest healthy checkpoint, if any
     """
 
     def __init__(
