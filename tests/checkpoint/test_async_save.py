@@ -2,7 +2,7 @@
 synchronous save, listed only once published, written from a copy (a NaN put into the live weights right after the
 save never reaches the file), one save in flight, errors raised as CheckpointError naming the path, and a resume
 equal bit for bit to an uninterrupted run. The SIGKILL during a background write is in test_async_kill.py; two
-processes (DDP, StableFSDPStrategy) in test_async_save_ddp.py and the soak."""
+processes (DDP, StableFSDPStrategy) in test_async_kill.py and the soak."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_stability import AtomicCheckpointIO, CheckpointError, StabilityConfigError, StableCheckpoint
 from lightning_stability.checkpoint.async_save import AsyncSaves
@@ -186,7 +185,6 @@ def test_async_save_needs_an_atomic_writer(tmp_path: Path) -> None:
         trainer.fit(TinyModule())
     with pytest.raises(StabilityConfigError, match="async_save"):
         StableCheckpoint(async_save="yes")  # type: ignore[arg-type]
-    assert DDPStrategy  # the multi-process strategies are tested in test_async_save_ddp.py
 
 
 def test_pickles_without_its_thread(tmp_path: Path) -> None:
