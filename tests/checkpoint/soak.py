@@ -109,16 +109,27 @@ def _log_tail(out: Path, config: str) -> str:
 
 def check_directory(directory: Path) -> tuple[int, int]:
     """Every published checkpoint in ``directory`` and every listed healthy one verifies; returns (how many were
-    checked, the newest listed step)."""
+    checked, the step ``ckpt_path="last"`` must resume from).
+
+    That step is the newest listed one, or newer: a checkpoint the killed launch published but could not list yet
+    (killed between the rename and the list's rewrite, or, with ``async_save``, before the ranks agreed on it) is
+    taken back at restart. Read here from each published file's own record (the launch that claimed the list, the
+    step), not from the package's take-back code.
+    """
     checked = 0
+    listed = HealthyCheckpoints(directory).load()
+    expected = 0
     for path in sorted(directory.glob("*.ckpt")):
         verify_checkpoint(path)  # raises CheckpointError naming the path
         checked += 1
-    newest = 0
-    for entry in HealthyCheckpoints(directory).load().entries:
+        data = torch.load(path / "meta.pt" if path.is_dir() else path, map_location="cpu", weights_only=False)
+        record = data.get("lightning_stability_checkpoint", {})
+        if listed.run is not None and record.get("run") == listed.run and record.get("name") == path.name:
+            expected = max(expected, int(record["step"]))
+    for entry in listed.entries:
         verify_checkpoint(directory / entry.name)
-        newest = max(newest, entry.step)
-    return checked, newest
+        expected = max(expected, entry.step)
+    return checked, expected
 
 
 #: the steps a launch may take past its first before its kill (kills x this must stay below the run's steps)
@@ -130,7 +141,7 @@ def kill_once(
 ) -> int:
     """One launch resuming from "last", one rank SIGKILLed at a random moment after its first step (then the
     other, which would wait in a collective for the dead one: what torchrun's agent does); returns the newest
-    healthy step listed afterwards."""
+    step the next launch must resume from (see check_directory)."""
     for stale in [out / f"{config}.progress", out / f"{config}.start.json"]:
         stale.unlink(missing_ok=True)
     pids = server.launch(out, config, steps, ["soak"])
@@ -211,7 +222,7 @@ def soak(out: Path, config: str, kills: int, steps: int, seed: int, max_delay: f
             if result.resumed_at[-1] != listed_before:
                 result.mismatches.append(
                     f"launch {result.kills} resumed at step {result.resumed_at[-1]}, not at the newest healthy "
-                    f"checkpoint's {listed_before}"
+                    f"published checkpoint's {listed_before}"
                 )
         pids = server.launch(out, config, steps, ["soak", "reference"])
         codes = server.wait(300)
