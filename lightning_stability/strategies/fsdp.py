@@ -428,14 +428,7 @@ class StableFSDPStrategy(ParallelStrategy):
                 "StableFSDPStrategy.save_checkpoint(storage_options=...) is not supported: checkpoints are "
                 "written by torch.distributed.checkpoint, not a CheckpointIO. Fix: drop storage_options."
             )
-        prepared: tuple[str, str, str | None] | None = None
-        if self.is_global_zero:
-            prepared = self._prepare_save(Path(filepath))
-        where, token, error = self.broadcast(prepared)
-        path = Path(where)
-        partial = atomic.partial_path(path, token)
-        if error is not None:
-            raise self._save_failed({0: error}, f"preparing {partial}", path, partial)
+        path, partial = self._start_save(Path(filepath))
         try:
             ckpt.save(checkpoint, partial, full=self._full, is_global_zero=self.is_global_zero)
             error = None
@@ -462,14 +455,7 @@ class StableFSDPStrategy(ParallelStrategy):
         rank's shards and ``meta.pt`` are written. Returns this rank's background work (see ``async_save.py``)."""
         import torch.distributed.checkpoint as dcp
 
-        prepared: tuple[str, str, str | None] | None = None
-        if self.is_global_zero:
-            prepared = self._prepare_save(Path(filepath))
-        where, token, error = self.broadcast(prepared)
-        path = Path(where)
-        partial = atomic.partial_path(path, token)
-        if error is not None:
-            raise self._save_failed({0: error}, f"preparing {partial}", path, partial)
+        path, partial = self._start_save(Path(filepath))
         zero = self.is_global_zero
         if self._full or self._cfg.backend == "fairscale":
             if not zero:
@@ -499,6 +485,19 @@ class StableFSDPStrategy(ParallelStrategy):
 
         publish = (lambda: atomic.publish(partial, path)) if zero else (lambda: None)
         return [saves.submit(write, publish, partial if zero else None)]
+
+    def _start_save(self, filepath: Path) -> tuple[Path, Path]:
+        """Every rank: the checkpoint's path and its hidden sibling, as rank 0 prepared them (one broadcast); a
+        failure to prepare is raised on every rank."""
+        prepared: tuple[str, str, str | None] | None = None
+        if self.is_global_zero:
+            prepared = self._prepare_save(filepath)
+        where, token, error = self.broadcast(prepared)
+        path = Path(where)
+        partial = atomic.partial_path(path, token)
+        if error is not None:
+            raise self._save_failed({0: error}, f"preparing {partial}", path, partial)
+        return path, partial
 
     def _prepare_save(self, path: Path) -> tuple[str, str, str | None]:
         """Rank 0: clear what a crash left in the directory (once), make the hidden sibling of a sharded save."""
