@@ -118,14 +118,13 @@ class StableCheckpoint(ModelCheckpoint):
         save_on_train_epoch_end: bool | None = None,
         enable_version_counter: bool = True,
     ) -> None:
-        check_model_checkpoint_arguments(
+        lightning_args: dict[str, Any] = dict(  # ModelCheckpoint's own arguments: checked here, then passed on
             dirpath=dirpath,
             filename=filename,
             monitor=monitor,
             verbose=verbose,
             save_last=save_last,
             save_top_k=save_top_k,
-            signals=signals,
             mode=mode,
             auto_insert_metric_name=auto_insert_metric_name,
             every_n_train_steps=every_n_train_steps,
@@ -134,6 +133,7 @@ class StableCheckpoint(ModelCheckpoint):
             save_on_train_epoch_end=save_on_train_epoch_end,
             enable_version_counter=enable_version_counter,
         )
+        check_model_checkpoint_arguments(signals=signals, **lightning_args)
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise config_error("keep", keep, "must be an int >= 1", "pass e.g. keep=3 (the newest healthy checkpoints)")
         if save_weights_only:
@@ -148,22 +148,7 @@ class StableCheckpoint(ModelCheckpoint):
             raise config_error(
                 "dirpath", dirpath, "is not a local or mounted path", "pass a local or mounted directory"
             )
-        super().__init__(
-            dirpath=dirpath,
-            filename=filename,
-            monitor=monitor,
-            verbose=verbose,
-            save_last=save_last,
-            save_top_k=save_top_k,
-            save_weights_only=False,
-            mode=mode,
-            auto_insert_metric_name=auto_insert_metric_name,
-            every_n_train_steps=every_n_train_steps,
-            train_time_interval=train_time_interval,
-            every_n_epochs=every_n_epochs,
-            save_on_train_epoch_end=save_on_train_epoch_end,
-            enable_version_counter=enable_version_counter,
-        )
+        super().__init__(save_weights_only=False, **lightning_args)
         check_bool("save_at_end", save_at_end)
         check_bool("async_save", async_save)
         self.keep = keep
