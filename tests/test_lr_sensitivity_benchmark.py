@@ -1,0 +1,52 @@
+"""benchmarks.lr_sensitivity: its --quick run end to end, and its argument checks."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from benchmarks import lr_sensitivity
+
+
+@pytest.fixture
+def restore_process_settings() -> Iterator[None]:
+    """The benchmark sets torch's thread count and quiets Lightning's loggers for the whole process."""
+    names = ("lightning.pytorch", "lightning.fabric", "lightning_stability")
+    threads, levels = torch.get_num_threads(), {n: logging.getLogger(n).level for n in names}
+    yield
+    torch.set_num_threads(threads)
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+
+
+def test_the_grid_is_six_log_spaced_lrs_from_1e_3_to_3e_1() -> None:
+    assert len(lr_sensitivity.LRS) == 6
+    assert lr_sensitivity.LRS[0] == 1e-3 and lr_sensitivity.LRS[-1] == 0.3
+    ratios = [b / a for a, b in zip(lr_sensitivity.LRS, lr_sensitivity.LRS[1:], strict=False)]
+    assert max(ratios) / min(ratios) < 1.01
+
+
+@pytest.mark.usefixtures("restore_process_settings")
+def test_the_quick_run_prints_every_arm(capsys: pytest.CaptureFixture[str]) -> None:
+    figures = lr_sensitivity.main(["--quick"])
+    out = capsys.readouterr().out
+    assert set(figures) == {"bare", "preset"}
+    for name, s in figures.items():
+        assert f"\n{name} " in out
+        assert set(s["per_lr"]) == {1e-3, 0.3} and all(len(v) == 1 for v in s["per_lr"].values())
+        assert s["sensitivity"] >= 0 and 0 <= s["skipped"] <= 1 and 0 <= s["spike_score"] <= 1
+        assert math.isfinite(s["initial"]) and s["best"] <= s["initial"]
+    assert "preset+early    not built yet" in out
+
+
+def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        lr_sensitivity.main(["--lrs", "1e-2,fast"])
+    assert "--lrs must be numbers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        lr_sensitivity.main(["--arms", "bare,magic"])
+    assert "unknown arm(s) ['magic']" in capsys.readouterr().err
