@@ -501,3 +501,44 @@ def split_lightning_signal_handler(handler: Any) -> tuple[list[Callable[..., Any
         elif callable(part):
             others.append(part)
     return requeue, others
+
+
+# ---------------------------------------------------------------------------------------------- fused per-tensor
+# math of lightning_stability.precursors (torch's ``_foreach_*`` ops: one kernel per group of tensors on a GPU)
+def foreach_pow(base: float, exponents: list[Tensor]) -> tuple[Tensor, ...]:
+    """``base ** exponents[i]`` for all i (``torch._foreach_pow``), e.g. Adam's ``beta ** step``."""
+    return torch._foreach_pow(base, exponents)
+
+
+def foreach_sqrt(tensors: list[Tensor]) -> tuple[Tensor, ...]:
+    """``sqrt(tensors[i])`` for all i (``torch._foreach_sqrt``)."""
+    return torch._foreach_sqrt(tensors)
+
+
+def foreach_div(tensors: list[Tensor], others: list[Tensor]) -> tuple[Tensor, ...]:
+    """``tensors[i] / others[i]`` for all i (``torch._foreach_div``); ``others`` may be 0-dim tensors."""
+    return torch._foreach_div(tensors, others)
+
+
+def foreach_add_scalar_(tensors: list[Tensor], scalar: float) -> None:
+    """``tensors[i] += scalar`` in place for all i (``torch._foreach_add_``)."""
+    torch._foreach_add_(tensors, scalar)
+
+
+def foreach_mul_scalars_(tensors: list[Tensor], scalars: list[float] | list[Tensor]) -> None:
+    """``tensors[i] *= scalars[i]`` in place for all i (``torch._foreach_mul_``)."""
+    torch._foreach_mul_(tensors, scalars)
+
+
+def foreach_one_minus_(tensors: list[Tensor]) -> None:
+    """``tensors[i] = 1 - tensors[i]`` in place for all i (``torch._foreach_sub_`` then ``_foreach_neg_``)."""
+    torch._foreach_sub_(tensors, 1)
+    torch._foreach_neg_(tensors)
+
+
+def foreach_below_(tensors: list[Tensor], threshold: float) -> None:
+    """In place: ``-1`` where ``tensors[i] < threshold``, else ``0`` (``_foreach_sub_``, ``_foreach_clamp_max_``,
+    ``_foreach_sign_``): the 1-norm of the result counts the coordinates below ``threshold``."""
+    torch._foreach_sub_(tensors, threshold)
+    torch._foreach_clamp_max_(tensors, 0.0)
+    torch._foreach_sign_(tensors)

@@ -1,0 +1,102 @@
+"""Per-tensor statistics of an Adam-like optimizer's update, read from its state after the step, on the device.
+
+For each tensor with Adam state (``exp_avg`` = m, ``exp_avg_sq`` = v, ``step`` = t, as torch's ``Adam`` and
+``AdamW`` keep it, fused, foreach or single-tensor alike; ``max_exp_avg_sq`` under ``amsgrad``), with the bias
+corrections ``m_hat = m / (1 - beta1^t)``, ``v_hat = v / (1 - beta2^t)`` and torch's denominator
+``sqrt(v_hat) + eps``:
+
+* **update RMS**: the root mean square of ``lr * m_hat / (sqrt(v_hat) + eps)``, the step Adam just applied to the
+  tensor (decoupled weight decay left out). Marin's 32B run saw this norm double before its loss spikes.
+* **epsilon-dominated share**: the share of coordinates where ``sqrt(v_hat) < eps``, i.e. where epsilon is the
+  larger term of the denominator and the update is damped below Adam's ``lr * sign``-like size. Wortsman et al.
+  2023 (arXiv 2309.14322, "AdamW epsilon") show that as gradients shrink with scale, ``sqrt(v_hat)`` falls to
+  ``eps`` and the updates vanish; this share measures how much of a tensor is there.
+
+All per-tensor math is fused (``torch._foreach_*`` through :mod:`lightning_stability._compat`, one group of
+kernels per param group) and stays on the device: no host sync. Norms of sharded ``DTensor`` state are reduced
+over the mesh (:func:`lightning_stability.norms.per_tensor_norms`), so both figures are those of the whole tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_stability import _compat
+from lightning_stability.errors import StabilityConfigError
+from lightning_stability.norms import per_tensor_norms
+
+
+@dataclass
+class AdamUpdateStats:
+    """One optimizer step's figures, one entry per tensor with Adam state, in param-group order.
+
+    Attributes:
+        params: the tensors (to name them).
+        update_rms: ``(n,)`` fp32, the RMS of each tensor's Adam step (``lr`` included).
+        eps_share: ``(n,)`` fp32 in [0, 1], the share of its coordinates where ``sqrt(v_hat) < eps``.
+    """
+
+    params: list[Tensor]
+    update_rms: Tensor
+    eps_share: Tensor
+
+
+def is_adam_like(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether every param group has ``betas`` and ``eps`` (the state's ``exp_avg``/``exp_avg_sq`` come with them)."""
+    return all("betas" in g and "eps" in g for g in optimizer.param_groups)
+
+
+def adam_update_stats(optimizer: torch.optim.Optimizer) -> AdamUpdateStats:
+    """The update RMS and epsilon-dominated share of each tensor, from ``optimizer``'s state after its step.
+
+    Tensors without state yet (no step taken) are left out.
+
+    Raises:
+        StabilityConfigError: when ``optimizer`` is not Adam-like (:func:`is_adam_like`).
+    """
+    if not is_adam_like(optimizer):
+        raise StabilityConfigError(
+            f"adam_update_stats needs an Adam-like optimizer (param groups with 'betas' and 'eps', state "
+            f"'exp_avg'/'exp_avg_sq'), got {type(optimizer).__name__}. Fix: use torch.optim.Adam or AdamW, or "
+            "leave the Adam statistics off for this optimizer."
+        )
+    params: list[Tensor] = []
+    rms: list[Tensor] = []
+    share: list[Tensor] = []
+    for group in optimizer.param_groups:
+        have = [p for p in group["params"] if "exp_avg" in optimizer.state.get(p, {})]
+        if not have:
+            continue
+        states = [optimizer.state[p] for p in have]
+        second = "max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq"
+        beta1, beta2 = group["betas"]
+        eps = float(group["eps"])
+        steps = [torch.as_tensor(s["step"], dtype=torch.float32) for s in states]
+        bc1 = list(_compat.foreach_pow(float(beta1), steps))
+        _compat.foreach_one_minus_(bc1)  # 1 - beta1^t
+        bc2 = list(_compat.foreach_pow(float(beta2), steps))
+        _compat.foreach_one_minus_(bc2)
+        sqrt_bc2 = list(_compat.foreach_sqrt(bc2))
+        root_v = list(_compat.foreach_div(list(_compat.foreach_sqrt([s[second] for s in states])), sqrt_bc2))
+        # the epsilon-dominated share, before eps is added: ||sign(min(sqrt(v_hat) - eps, 0))||_1 / numel
+        below = [r.clone() for r in root_v]
+        _compat.foreach_below_(below, eps)
+        _compat.foreach_mul_scalars_(below, [1.0 / p.numel() for p in have])
+        share.append(per_tensor_norms(below, 1.0))
+        _compat.foreach_add_scalar_(root_v, eps)  # torch's denominator sqrt(v_hat) + eps
+        update = list(_compat.foreach_div(list(_compat.foreach_div([s["exp_avg"] for s in states], bc1)), root_v))
+        lr = group["lr"]
+        if isinstance(lr, Tensor):  # a tensor LR (capturable, or a schedule that writes tensors): no host read
+            _compat.foreach_mul_(update, lr)
+            lr = 1.0
+        _compat.foreach_mul_scalars_(update, [float(lr) / math.sqrt(p.numel()) for p in have])
+        rms.append(per_tensor_norms(update))  # ||lr * u|| / sqrt(numel)
+        params.extend(have)
+    if not params:
+        empty = torch.zeros(0)
+        return AdamUpdateStats([], empty, empty)
+    return AdamUpdateStats(params, torch.cat(rms), torch.cat(share))
