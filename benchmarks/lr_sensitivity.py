@@ -38,7 +38,8 @@ Figures, per arm:
   over every run of the arm; no fault is injected in this benchmark, so every skip is a false alarm or a
   genuine divergence).
 
-Run: ``python -m benchmarks.lr_sensitivity`` (6 LRs x 3 seeds x 2 arms; about 10 minutes on 2 CPU cores alone),
+Run: ``python -m benchmarks.lr_sensitivity`` (6 LRs x 3 seeds x 2 arms = 36 runs, ~10 s each on a 2-core machine
+with a load average of 3, so about 6 minutes; 17 minutes measured with a load average of 5 to 10),
 ``--quick`` for a smoke run (2 LRs, 1 seed, a tiny model: seconds). ``--help`` lists every option.
 """
 
