@@ -16,7 +16,8 @@ model's code is left as it is. Masked pairs (a causal mask, ``attn_mask``, ``key
 Known attention modules:
 
 * ``torch.nn.MultiheadAttention`` (so ``nn.TransformerEncoderLayer.self_attn`` and the decoder's), packed or
-  separate projections, ``batch_first`` either way; not ``add_bias_kv`` (refused).
+  separate projections, ``batch_first`` either way; not ``add_bias_kv`` (refused). In training the layer calls
+  ``self_attn``; its inference fast path (eval mode without autograd) does not, so nothing is captured there.
 * Hugging Face transformers: ``GPT2Attention`` (self-attention), ``BertSelfAttention``, ``LlamaAttention``,
   ``MistralAttention``, ``Qwen2Attention``, ``Qwen3Attention`` (rotary embeddings applied with the model's own
   ``apply_rotary_pos_emb``, Qwen3's q/k norms, grouped-query heads; a sliding window is not applied, so the
