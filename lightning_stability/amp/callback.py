@@ -7,6 +7,7 @@ the ledger. With the Trainer's clipping it also installs :class:`FusedClipMixedP
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from functools import partial
 from typing import Any, Literal
 
@@ -23,7 +24,7 @@ from lightning_stability.amp.diagnostics import (
     run_fit_start_checks,
 )
 from lightning_stability.amp.rule import ScaleRule
-from lightning_stability.amp.scaler import TunedGradScaler, check_scaler_arguments
+from lightning_stability.amp.scaler import ScalerSettings, TunedGradScaler
 from lightning_stability.errors import StabilityConfigError, check_bool, config_error
 from lightning_stability.ledger import FlushValues, OptimizerRecord, StepLedger
 from lightning_stability.ledger.callback import LedgerCallback
@@ -141,7 +142,7 @@ class LossScaleTuner(LedgerCallback):
         fit_start_checks: bool = True,
     ) -> None:
         super().__init__(log_every_n_steps)
-        self.scaler_kwargs: dict[str, Any] = dict(
+        self.settings = ScalerSettings(
             init_scale=init_scale,
             growth_factor=growth_factor,
             backoff_factor=backoff_factor,
@@ -152,7 +153,6 @@ class LossScaleTuner(LedgerCallback):
             overflow_window=overflow_window,
             auto_headroom=auto_headroom,
         )
-        check_scaler_arguments(**self.scaler_kwargs)
         if on_min_scale not in ("raise", "warn"):
             raise config_error("on_min_scale", on_min_scale, "is not 'raise' or 'warn'", "pass 'raise' or 'warn'")
         if (
@@ -177,7 +177,7 @@ class LossScaleTuner(LedgerCallback):
     one_instance_reason = "each would own the loss scale"
 
     def state_fields(self) -> dict[str, Any]:
-        return dict(self.scaler_kwargs)
+        return asdict(self.settings)
 
     @property
     def scaler(self) -> TunedGradScaler | None:
@@ -201,7 +201,7 @@ class LossScaleTuner(LedgerCallback):
             return
         if current is not self._scaler:
             device = _compat.scaler_device(current, trainer.strategy.root_device.type)
-            self._scaler = TunedGradScaler(device, **self.scaler_kwargs)
+            self._scaler = self.settings.scaler(device)
             self._floor_hits_seen, self._warned = 0, False  # a checkpoint may restore both later
             plugin.scaler = self._scaler  # type: ignore[attr-defined]  # any plugin with a `scaler`
         if trainer.gradient_clip_val and type(plugin) is MixedPrecision:

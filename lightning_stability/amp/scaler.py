@@ -8,14 +8,15 @@ are in :mod:`~lightning_stability.amp.state`.
 Each optimizer step has one overflow flag, the same on every rank: torch's unscale records one flag per device the
 gradients live on, :func:`combine_flags` makes them one 0-dim flag on the scale's device, and
 :func:`max_across_ranks` max-reduces it over a process group, so an inf in one rank's gradient (or one shard) makes
-every rank skip and back off alike. :func:`check_scaler_arguments` holds the argument checks, also run by
-``LossScaleTuner`` at construction.
+every rank skip and back off alike. :class:`ScalerSettings` holds the scaler's settings and their checks, the
+one definition ``TunedGradScaler`` and ``LossScaleTuner`` both take their arguments from.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -98,16 +99,16 @@ class TunedGradScaler(torch.amp.GradScaler):
         if process_group is not None:
             check_instance("process_group", process_group, dist.ProcessGroup, "a ProcessGroup or None", "None")
         check_bool("enabled", enabled)
-        check_scaler_arguments(
-            init_scale,
-            growth_factor,
-            backoff_factor,
-            growth_interval,
-            hysteresis,
-            min_scale,
-            consecutive_hysteresis,
-            overflow_window,
-            auto_headroom,
+        settings = ScalerSettings(  # the checks
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            min_scale=min_scale,
+            consecutive_hysteresis=consecutive_hysteresis,
+            overflow_window=overflow_window,
+            auto_headroom=auto_headroom,
         )
         auto = init_scale == "auto"
         super().__init__(
@@ -118,11 +119,11 @@ class TunedGradScaler(torch.amp.GradScaler):
             growth_interval=growth_interval,
             enabled=enabled,
         )
-        self._hysteresis = hysteresis
-        self._min_scale = None if min_scale is None else float(min_scale)
-        self._consecutive_hysteresis = consecutive_hysteresis
-        self._overflow_window = overflow_window
-        self._auto_headroom = float(auto_headroom)
+        self._hysteresis = settings.hysteresis
+        self._min_scale = None if settings.min_scale is None else float(settings.min_scale)
+        self._consecutive_hysteresis = settings.consecutive_hysteresis
+        self._overflow_window = settings.overflow_window
+        self._auto_headroom = float(settings.auto_headroom)
         self.process_group = process_group
         self._probing = auto
         self._probe = ScaleProbe()
@@ -408,19 +409,40 @@ def _check_headroom(auto_headroom: object) -> None:
         raise config_error("auto_headroom", auto_headroom, "must be a finite number >= 1", "pass e.g. 8.0")
 
 
-def check_scaler_arguments(
-    init_scale: object,
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
-    hysteresis: int,
-    min_scale: float | None,
-    consecutive_hysteresis: bool,
-    overflow_window: object,
-    auto_headroom: object,
-) -> None:
-    """Every argument check of :class:`TunedGradScaler`, also run by ``LossScaleTuner`` at construction."""
-    ScaleRule(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, consecutive_hysteresis)
-    _check_init_scale(init_scale, min_scale)
-    check_int("overflow_window", overflow_window, 1, "1000")
-    _check_headroom(auto_headroom)
+@dataclass(frozen=True)
+class ScalerSettings:
+    """The settings of a :class:`TunedGradScaler`, checked at construction: the one definition of the arguments
+    ``TunedGradScaler`` and ``LossScaleTuner`` share (each field is documented in :class:`TunedGradScaler`).
+
+    ``LossScaleTuner`` holds one and builds its scaler from it with :meth:`scaler`.
+
+    Raises:
+        StabilityConfigError: for a bad setting, naming it.
+    """
+
+    init_scale: float | Literal["auto"] = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    hysteresis: int = 2
+    min_scale: float | None = 1.0
+    consecutive_hysteresis: bool = False
+    overflow_window: int = 1000
+    auto_headroom: float = 8.0
+
+    def __post_init__(self) -> None:
+        ScaleRule(
+            self.growth_factor,
+            self.backoff_factor,
+            self.growth_interval,
+            self.hysteresis,
+            self.min_scale,
+            self.consecutive_hysteresis,
+        )
+        _check_init_scale(self.init_scale, self.min_scale)
+        check_int("overflow_window", self.overflow_window, 1, "1000")
+        _check_headroom(self.auto_headroom)
+
+    def scaler(self, device: str) -> TunedGradScaler:
+        """A :class:`TunedGradScaler` on ``device`` with these settings."""
+        return TunedGradScaler(device, **asdict(self))

@@ -513,7 +513,7 @@ def test_a_saved_scale_below_the_floor_starts_at_the_floor() -> None:
 
 def test_tuner_pickles_before_and_after_fit() -> None:
     tuner = LossScaleTuner(init_scale="auto")
-    assert pickle.loads(pickle.dumps(tuner)).scaler_kwargs == tuner.scaler_kwargs
+    assert pickle.loads(pickle.dumps(tuner)).settings == tuner.settings
     fit(TinyModule(), [tuner], max_steps=2)
     restored = pickle.loads(pickle.dumps(tuner))
     assert restored.scaler is None and restored.state_dict() == tuner.state_dict()
@@ -564,3 +564,20 @@ def test_scaler_config_errors() -> None:
         TunedGradScaler("cpu", overflow_window=-3)
     with pytest.raises(StabilityConfigError, match=r"`hysteresis=1.5` must be an int >= 1"):
         TunedGradScaler("cpu", hysteresis=1.5)  # type: ignore[arg-type]
+
+
+def test_the_scaler_settings_are_one_definition_for_the_scaler_and_the_tuner() -> None:
+    """``TunedGradScaler`` and ``LossScaleTuner`` take the settings of ``ScalerSettings``, with its defaults."""
+    import dataclasses
+    import inspect
+
+    from lightning_stability.amp import ScalerSettings
+
+    defaults = {f.name: f.default for f in dataclasses.fields(ScalerSettings)}
+    for cls in (TunedGradScaler, LossScaleTuner):
+        parameters = inspect.signature(cls).parameters
+        assert {name: parameters[name].default for name in defaults} == defaults, cls
+    tuner = LossScaleTuner(init_scale="auto", hysteresis=3)
+    assert tuner.settings == ScalerSettings(init_scale="auto", hysteresis=3)
+    scaler = tuner.settings.scaler("cpu")
+    assert isinstance(scaler, TunedGradScaler) and scaler.probing and scaler.rule.hysteresis == 3
