@@ -160,8 +160,10 @@ class GradientNormMonitor(LedgerCallback):
         if getattr(trainer.strategy, "gradients_are_local_shards", False):  # backend="fairscale"
             raise StabilityConfigError(
                 f"GradientNormMonitor cannot measure the global norm under {type(trainer.strategy).__name__}: its "
-                "gradients are flat local shards. Fix: use StableFSDPStrategy (FSDP2) or Lightning's "
-                "ModelParallelStrategy, or DDP."
+                "gradients are flat local shards. Fix: use StableFSDPStrategy(backend='native') (FSDP2), Lightning's "
+                "ModelParallelStrategy or DDP; or drop GradientNormMonitor and clip with "
+                "Trainer(gradient_clip_val=...), which the strategy applies with its own clip (FairScale's "
+                "clip_grad_norm_)."
             )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
