@@ -354,7 +354,7 @@ class TunedGradScaler(torch.amp.GradScaler):
         )
         updates = int(state_dict.get("updates", 0))
         fused = self._state.fused
-        self._state = RuleState(OverflowCounts.from_state(state_dict, self._overflow_window, updates), updates)
+        self._state = RuleState(OverflowCounts.from_state(state_dict, self._overflow_window), updates)
         if fused is not None:  # already running: rebuild the rule's state around torch's reloaded tensors
             self._init_device_state(fused.scale.device)
 

@@ -472,7 +472,6 @@ class TrainingHealthMonitor(LedgerCallback):
         self.history.load_state_dict(state_dict.get("history", {}))
         self._log.load_events(state_dict.get("events", []), state_dict.get("events_dropped", 0))
         self.rollback.load_state_dict(state_dict.get("rollback", {}))
-        # a checkpoint of version 0.1 saved True for any spike not yet answered: it rolls back at the next step
         self._damaged.load(bool(state_dict.get("pending_rollback", False)))
         self._spiked = bool(state_dict.get("last_spike", False))
         self._interval.load_state_dict(state_dict.get("interval", {}))

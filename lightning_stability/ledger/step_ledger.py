@@ -324,8 +324,7 @@ class StepLedger:
         return {"version": 2, "tracks": {str(i): s for i, s in sorted(records.items())}, "events": list(self.events)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # version 1 held one optimizer's record
-        loaded = {int(i): s for i, s in state["tracks"].items()} if "tracks" in state else {0: state}
+        loaded = {int(i): s for i, s in state["tracks"].items()}
         for index, record in self._records.items():
             record.load_state_dict(loaded.pop(index, {}))
         self._loaded = loaded

@@ -452,29 +452,6 @@ def test_counts_and_rate_across_ring_laps_and_a_resume_mid_lap() -> None:
     assert resumed.scaler.state_dict() == driver.scaler.state_dict()
 
 
-def test_a_checkpoint_with_overflow_flags_of_an_earlier_version_loads_with_exact_counts_and_rate() -> None:
-    flags = [1, 1, 1, 1, 1, 0]
-    driver = _Driver(TunedGradScaler("cpu", init_scale=256.0, growth_interval=3, min_scale=64.0, overflow_window=4))
-    for flag in flags:
-        driver.step(bool(flag))
-    old = {k: v for k, v in driver.scaler.state_dict().items() if k != "overflow_counts"}
-    old["overflow_flags"] = [0.0] * 4  # the earlier format: update u's 0/1 flag in slot u % overflow_window
-    for u, flag in enumerate(flags):
-        old["overflow_flags"][u % 4] = float(flag)
-    loaded = _Driver(TunedGradScaler("cpu"))
-    loaded.scaler.load_state_dict(old)
-    for more in ([], [1, 0, 0, 1, 1, 1, 1]):
-        for d in (driver, loaded):
-            for flag in more:
-                d.step(bool(flag))
-        for name in ("overflow_steps", "floor_hits", "overflow_rate"):
-            mine, theirs = getattr(loaded.scaler, name), getattr(driver.scaler, name)
-            mine, theirs = (mine(), theirs()) if callable(mine) else (mine, theirs)
-            assert mine.item() == theirs.item(), (name, more)
-        assert loaded.scaler.get_scale() == driver.scaler.get_scale()
-    assert int(driver.scaler.overflow_steps) == 10 and int(driver.scaler.floor_hits) > 0  # type: ignore[attr-defined]
-
-
 def test_an_overflow_on_two_devices_is_one_overflow(monkeypatch: pytest.MonkeyPatch) -> None:
     """Gradients on two devices (e.g. CPU offload) that both overflow spend one unit of hysteresis, not two."""
     scaler = TunedGradScaler("cpu", init_scale=256.0, hysteresis=2)
