@@ -20,7 +20,14 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stability.amp.diagnostics import fp16_without_scaler_problem
-from lightning_stability.errors import StabilityConfigError, check_bool, check_int, config_error
+from lightning_stability.errors import (
+    StabilityConfigError,
+    check_bool,
+    check_instance,
+    check_int,
+    check_number,
+    config_error,
+)
 from lightning_stability.ledger import (
     FlushValues,
     LedgerCallback,
@@ -37,23 +44,14 @@ _K_CLIPPED = "grad_norm_monitor/clipped"
 
 
 def _parse_norm_type(norm_type: float | str) -> float:
-    if isinstance(norm_type, bool):
-        raise config_error("norm_type", norm_type, "is not a norm order", "pass 2.0, 1.0, float('inf') or any p > 0")
+    check_instance("norm_type", norm_type, (int, float, str), "a norm order", "2.0, 1.0, 'inf' or any p > 0")
     if isinstance(norm_type, str):
         if norm_type.lower() not in ("inf", "+inf"):
             raise config_error("norm_type", norm_type, "is not a norm order", "pass 2.0, 1.0, 'inf' or any p > 0")
         return math.inf
-    if not isinstance(norm_type, (int, float)):
-        raise config_error("norm_type", norm_type, "is not a norm order", "pass 2.0, 1.0, 'inf' or any p > 0")
-    value = float(norm_type)
-    if math.isnan(value) or value <= 0:
-        raise config_error(
-            "norm_type",
-            norm_type,
-            "must be a positive p or inf",
-            "use 2.0 (Euclidean, the usual choice) or 'inf'",
-        )
-    return value
+    return check_number(
+        "norm_type", norm_type, 0.0, example="2.0 (Euclidean, the usual choice) or 'inf'", high_inclusive=True
+    )
 
 
 class GradientNormMonitor(LedgerCallback):
@@ -116,19 +114,10 @@ class GradientNormMonitor(LedgerCallback):
     ) -> None:
         super().__init__(log_every_n_steps)
         if max_norm is not None:
-            if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
-                raise config_error(
-                    "max_norm", max_norm, "is not a number", "pass a positive float such as 1.0, or None"
-                )
-            if not math.isfinite(max_norm) or max_norm <= 0:
-                raise config_error(
-                    "max_norm",
-                    max_norm,
-                    "must be a positive, finite number",
-                    "pass e.g. 1.0 (BERT-like), 0.5 (GPT-like) or 2.0 (mixture of experts), or None to only measure",
-                )
-        if not isinstance(per_layer, (bool, int)) or (not isinstance(per_layer, bool) and per_layer < 1):
-            raise config_error("per_layer", per_layer, "is not False, True or a positive int", "pass True or e.g. 5")
+            example = "1.0 (BERT-like), 0.5 (GPT-like) or 2.0 (mixture of experts), or None to only measure"
+            check_number("max_norm", max_norm, 0.0, example=example)
+        if not isinstance(per_layer, bool):
+            check_int("per_layer", per_layer, 1, "per_layer=True (every module) or 5 (the 5 largest norms), or False")
         check_bool("skip_nonfinite", skip_nonfinite)
         check_bool("check_replicas", check_replicas)
         check_int("warn_top_k", warn_top_k, 0, "3")

@@ -25,7 +25,7 @@ from lightning_stability.amp.diagnostics import (
 )
 from lightning_stability.amp.rule import ScaleRule
 from lightning_stability.amp.scaler import ScalerSettings, TunedGradScaler
-from lightning_stability.errors import StabilityConfigError, check_bool, config_error
+from lightning_stability.errors import StabilityConfigError, check_bool, check_number, config_error
 from lightning_stability.ledger import FlushValues, OptimizerRecord, StepLedger
 from lightning_stability.ledger.callback import LedgerCallback
 from lightning_stability.ledger.skips import unscale_if_deferred
@@ -155,12 +155,7 @@ class LossScaleTuner(LedgerCallback):
         )
         if on_min_scale not in ("raise", "warn"):
             raise config_error("on_min_scale", on_min_scale, "is not 'raise' or 'warn'", "pass 'raise' or 'warn'")
-        if (
-            isinstance(max_overflow_rate, bool)
-            or not isinstance(max_overflow_rate, (int, float))
-            or not 0 < max_overflow_rate <= 1
-        ):
-            raise config_error("max_overflow_rate", max_overflow_rate, "must be a number in (0, 1]", "pass e.g. 0.05")
+        check_number("max_overflow_rate", max_overflow_rate, 0.0, 1.0, example="0.05", high_inclusive=True)
         check_bool("fit_start_checks", fit_start_checks)
         self.on_min_scale = on_min_scale
         self.max_overflow_rate = float(max_overflow_rate)

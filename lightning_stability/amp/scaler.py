@@ -14,7 +14,6 @@ one definition ``TunedGradScaler`` and ``LossScaleTuner`` both take their argume
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -27,7 +26,7 @@ from torch.optim import Optimizer
 from lightning_stability import _compat
 from lightning_stability.amp.rule import HostScaleState, ScaleRule
 from lightning_stability.amp.state import OverflowCounts, RuleState, ScaleProbe, overflow_read_on_host
-from lightning_stability.errors import check_bool, check_instance, check_int, config_error
+from lightning_stability.errors import check_bool, check_instance, check_int, check_number, config_error
 from lightning_stability.ledger.skips import has_votes_in_flags, restore_overflow_flags
 
 if TYPE_CHECKING:
@@ -389,24 +388,11 @@ def max_across_ranks(flag: Tensor, group: ProcessGroup | None) -> Tensor:
 def _check_init_scale(init_scale: object, min_scale: object) -> None:
     if init_scale == "auto":
         return
-    if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)) or not math.isfinite(init_scale):
-        raise config_error("init_scale", init_scale, "is not a number or 'auto'", "pass e.g. 2.0**16, 32768 or 'auto'")
-    if init_scale <= 0:
-        raise config_error("init_scale", init_scale, "must be > 0", "pass e.g. 2.0**16, 32768 or 'auto'")
-    if isinstance(min_scale, (int, float)) and init_scale < min_scale:
+    scale = check_number("init_scale", init_scale, 0.0, example="2.0**16, 32768 or 'auto'")
+    if isinstance(min_scale, (int, float)) and scale < min_scale:
         raise config_error(
             "init_scale", init_scale, f"is below min_scale={min_scale}", "raise init_scale, or lower min_scale"
         )
-
-
-def _check_headroom(auto_headroom: object) -> None:
-    if (
-        isinstance(auto_headroom, bool)
-        or not isinstance(auto_headroom, (int, float))
-        or not math.isfinite(auto_headroom)
-        or auto_headroom < 1
-    ):
-        raise config_error("auto_headroom", auto_headroom, "must be a finite number >= 1", "pass e.g. 8.0")
 
 
 @dataclass(frozen=True)
@@ -441,7 +427,7 @@ class ScalerSettings:
         )
         _check_init_scale(self.init_scale, self.min_scale)
         check_int("overflow_window", self.overflow_window, 1, "1000")
-        _check_headroom(self.auto_headroom)
+        check_number("auto_headroom", self.auto_headroom, 1.0, example="8.0", low_inclusive=True)
 
     def scaler(self, device: str) -> TunedGradScaler:
         """A :class:`TunedGradScaler` on ``device`` with these settings."""

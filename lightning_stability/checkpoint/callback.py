@@ -26,7 +26,7 @@ from lightning_stability.checkpoint.atomic import CheckpointError
 from lightning_stability.checkpoint.io import local_path
 from lightning_stability.checkpoint.preemption import PreemptionSignals, check_signals, default_signals
 from lightning_stability.checkpoint.ring import BEST, LAST, RING, Entry, HealthyCheckpoints
-from lightning_stability.errors import check_bool, config_error
+from lightning_stability.errors import check_bool, check_int, config_error
 from lightning_stability.ledger.step_ledger import StepLedger
 from lightning_stability.ledger.track import Outcome
 from lightning_stability.norms import local_tensor
@@ -134,8 +134,7 @@ class StableCheckpoint(ModelCheckpoint):
             enable_version_counter=enable_version_counter,
         )
         check_model_checkpoint_arguments(signals=signals, **lightning_args)
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise config_error("keep", keep, "must be an int >= 1", "pass e.g. keep=3 (the newest healthy checkpoints)")
+        check_int("keep", keep, 1, "keep=3 (the newest healthy checkpoints)")
         if save_weights_only:
             raise config_error(
                 "save_weights_only",

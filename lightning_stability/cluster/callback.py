@@ -22,7 +22,7 @@ from lightning_stability.cluster.weight_hash import (
     replica_layout,
     weight_fingerprint,
 )
-from lightning_stability.errors import check_int, check_number, config_error
+from lightning_stability.errors import check_int, check_number
 from lightning_stability.grad_norm import gather_from_ranks
 from lightning_stability.ledger import FlushValues, LedgerCallback, OptimizerRecord, StepLedger
 
@@ -103,10 +103,7 @@ class ClusterHealthMonitor(LedgerCallback):
             check_number("straggler_factor", straggler_factor, 1.0, example="1.5 (or None to turn it off)")
         if weight_hash_every is not None:
             check_int("weight_hash_every", weight_hash_every, 1, "weight_hash_every=1000, or None for off")
-        if isinstance(straggler_min_gap_s, bool) or not isinstance(straggler_min_gap_s, (int, float)):
-            raise config_error("straggler_min_gap_s", straggler_min_gap_s, "is not a number", "pass e.g. 0.01")
-        if not (0.0 <= straggler_min_gap_s < math.inf):
-            raise config_error("straggler_min_gap_s", straggler_min_gap_s, "must be >= 0 and finite", "pass e.g. 0.01")
+        check_number("straggler_min_gap_s", straggler_min_gap_s, 0.0, example="0.01", low_inclusive=True)
         self.straggler_factor = None if straggler_factor is None else float(straggler_factor)
         self.weight_hash_every = weight_hash_every
         self.straggler_min_gap_s = float(straggler_min_gap_s)

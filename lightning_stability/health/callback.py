@@ -507,10 +507,8 @@ def check_health_arguments(
     if response not in RESPONSES:
         raise config_error("response", response, "is not a response", f"pass one of {', '.join(RESPONSES)}")
     for name, value in (("spike_z", spike_z), ("clip_z", clip_z)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise config_error(name, value, "must be a number > 0", "pass e.g. 6.0 (spikes) or 2.5 (clip)")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
-        raise config_error("alpha", alpha, "must be in (0, 1)", "pass e.g. 0.97 (ZClip's default)")
+        check_number(name, value, 0.0, example="6.0 (spikes) or 2.5 (clip)", high_inclusive=True)
+    check_number("alpha", alpha, 0.0, 1.0, example="0.97 (ZClip's default)")
     check_int("warmup_steps", warmup_steps, 1, "25")
     if snapshot_every is not None:
         check_int("snapshot_every", snapshot_every, 1, "20, or None to scale it to the run")
@@ -524,9 +522,7 @@ def check_health_arguments(
     for name, value in (("max_rollbacks", max_rollbacks), ("top_modules", top_modules)):
         check_int(name, value, 0, "3 or 5")
     check_int("max_disk_rollbacks", max_disk_rollbacks, 0, "1, or 0 to stop instead of loading a checkpoint")
-    check_number("memory_warn_fraction", memory_warn_fraction, 0.0, example="0.9")
-    if memory_warn_fraction > 1:
-        raise config_error("memory_warn_fraction", memory_warn_fraction, "must be in (0, 1]", "pass e.g. 0.9")
+    check_number("memory_warn_fraction", memory_warn_fraction, 0.0, 1.0, example="0.9", high_inclusive=True)
 
 
 def _total_steps(trainer: pl.Trainer) -> int | None:

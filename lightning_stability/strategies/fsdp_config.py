@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightning_stability.errors import StabilityConfigError, check_int, config_error
+from lightning_stability.errors import StabilityConfigError, check_bool, check_int, config_error
 from lightning_stability.strategies import fsdp_fairscale as fs
 from lightning_stability.strategies import fsdp_wrap as wrap
 from lightning_stability.strategies.fsdp_precision import PRECISIONS, StableFSDPPrecision
@@ -122,8 +122,8 @@ def parse_arguments(
     if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point):
         raise config_error("reduce_dtype", reduce_dtype, "is not a floating dtype", "pass torch.float32 or None")
     for name, flag in (("cpu_offload", cpu_offload), ("flatten_parameters", flatten_parameters)):
-        if flag is not None and not isinstance(flag, bool):
-            raise config_error(name, flag, "must be a bool", f"pass {name}=True or False")
+        if flag is not None:
+            check_bool(name, flag)
     if not isinstance(reshard_after_forward, bool) and (
         not isinstance(reshard_after_forward, int) or reshard_after_forward < 2
     ):

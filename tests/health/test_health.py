@@ -482,7 +482,7 @@ def test_works_beside_gradient_norm_monitor_in_any_order() -> None:
     [
         ({"response": "panic"}, r"`response='panic'` is not a response"),
         ({"spike_z": 0}, r"`spike_z=0` must be a number > 0"),
-        ({"alpha": 1.0}, r"`alpha=1.0` must be in \(0, 1\)"),
+        ({"alpha": 1.0}, r"`alpha=1.0` must be a finite number in \(0.0, 1.0\)"),
         ({"skip_batches": -1}, r"`skip_batches=-1` must be an int >= 0"),
         ({"warmup_steps": 0}, r"warmup_steps"),
         ({"warmup_steps": 1}, r"`warmup_steps=1` must be >= 2"),
