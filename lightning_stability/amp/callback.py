@@ -7,7 +7,6 @@ the ledger. With the Trainer's clipping it also installs :class:`FusedClipMixedP
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from functools import partial
 from typing import Any, Literal
 
@@ -142,17 +141,7 @@ class LossScaleTuner(LedgerCallback):
         fit_start_checks: bool = True,
     ) -> None:
         super().__init__(log_every_n_steps)
-        self.settings = ScalerSettings(
-            init_scale=init_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            hysteresis=hysteresis,
-            min_scale=min_scale,
-            consecutive_hysteresis=consecutive_hysteresis,
-            overflow_window=overflow_window,
-            auto_headroom=auto_headroom,
-        )
+        self.settings = ScalerSettings.among(locals())
         if on_min_scale not in ("raise", "warn"):
             raise config_error("on_min_scale", on_min_scale, "is not 'raise' or 'warn'", "pass 'raise' or 'warn'")
         check_number("max_overflow_rate", max_overflow_rate, 0.0, 1.0, example="0.05", high_inclusive=True)
@@ -172,7 +161,7 @@ class LossScaleTuner(LedgerCallback):
     one_instance_reason = "each would own the loss scale"
 
     def state_fields(self) -> dict[str, Any]:
-        return asdict(self.settings)
+        return self.settings.as_arguments()  # this order makes the state key that checkpoints are matched by
 
     @property
     def scaler(self) -> TunedGradScaler | None:

@@ -14,8 +14,8 @@ one definition ``TunedGradScaler`` and ``LossScaleTuner`` both take their argume
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -98,17 +98,7 @@ class TunedGradScaler(torch.amp.GradScaler):
         if process_group is not None:
             check_instance("process_group", process_group, dist.ProcessGroup, "a ProcessGroup or None", "None")
         check_bool("enabled", enabled)
-        settings = ScalerSettings(  # the checks
-            init_scale=init_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            hysteresis=hysteresis,
-            min_scale=min_scale,
-            consecutive_hysteresis=consecutive_hysteresis,
-            overflow_window=overflow_window,
-            auto_headroom=auto_headroom,
-        )
+        settings = ScalerSettings.among(locals())  # the checks
         auto = init_scale == "auto"
         super().__init__(
             device,
@@ -396,39 +386,36 @@ def _check_init_scale(init_scale: object, min_scale: object) -> None:
 
 
 @dataclass(frozen=True)
-class ScalerSettings:
-    """The settings of a :class:`TunedGradScaler`, checked at construction: the one definition of the arguments
-    ``TunedGradScaler`` and ``LossScaleTuner`` share (each field is documented in :class:`TunedGradScaler`).
-
-    ``LossScaleTuner`` holds one and builds its scaler from it with :meth:`scaler`.
+class ScalerSettings(ScaleRule):
+    """The settings of a :class:`TunedGradScaler`: the rule's (:class:`~lightning_stability.amp.rule.ScaleRule`)
+    and the scaler's own three, checked at construction. The one definition of the arguments ``TunedGradScaler``
+    and ``LossScaleTuner`` share (each is documented in :class:`TunedGradScaler`); ``LossScaleTuner`` holds one and
+    builds its scaler with :meth:`scaler`.
 
     Raises:
         StabilityConfigError: for a bad setting, naming it.
     """
 
     init_scale: float | Literal["auto"] = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    hysteresis: int = 2
-    min_scale: float | None = 1.0
-    consecutive_hysteresis: bool = False
     overflow_window: int = 1000
     auto_headroom: float = 8.0
 
     def __post_init__(self) -> None:
-        ScaleRule(
-            self.growth_factor,
-            self.backoff_factor,
-            self.growth_interval,
-            self.hysteresis,
-            self.min_scale,
-            self.consecutive_hysteresis,
-        )
+        super().__post_init__()
         _check_init_scale(self.init_scale, self.min_scale)
         check_int("overflow_window", self.overflow_window, 1, "1000")
         check_number("auto_headroom", self.auto_headroom, 1.0, example="8.0", low_inclusive=True)
 
+    @classmethod
+    def among(cls, arguments: Mapping[str, Any]) -> ScalerSettings:
+        """The settings found among a constructor's ``arguments`` (its ``locals()``), checked."""
+        return cls(**{f.name: arguments[f.name] for f in fields(cls)})
+
+    def as_arguments(self) -> dict[str, Any]:
+        """The settings as keyword arguments, in the constructors' order (``init_scale`` first)."""
+        settings = asdict(self)
+        return {"init_scale": settings.pop("init_scale"), **settings}
+
     def scaler(self, device: str) -> TunedGradScaler:
         """A :class:`TunedGradScaler` on ``device`` with these settings."""
-        return TunedGradScaler(device, **asdict(self))
+        return TunedGradScaler(device, **self.as_arguments())
