@@ -32,17 +32,9 @@ from lightning_stability.health.responses import RESPONSES, Response
 from lightning_stability.health.rollback import HostFlag, Rollback, newest_clean_step, restore_checkpoint
 from lightning_stability.health.signals import UpdateSize, capacity, mean_over_ranks, peak_memory_over_ranks
 from lightning_stability.health.spike_stats import NEW_LEVEL_AFTER, IntervalMean, SpikeStats, zclip_threshold
-from lightning_stability.ledger import (
-    CheckpointRing,
-    FlushValues,
-    HealthVerdict,
-    LedgerCallback,
-    OptimizerRecord,
-    Outcome,
-    StepGradients,
-    StepLedger,
-    loss_scaler,
-)
+from lightning_stability.ledger import FlushValues, LedgerCallback, OptimizerRecord, Outcome, StepLedger, loss_scaler
+from lightning_stability.ledger.gradients import StepGradients
+from lightning_stability.ledger.verdict import CheckpointRing, HealthVerdict
 from lightning_stability.norms import local_tensor, module_groups
 
 _LOSS, _GRAD = 0, 1
