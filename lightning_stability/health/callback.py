@@ -83,7 +83,8 @@ class TrainingHealthMonitor(LedgerCallback):
 
     Args:
         response: ``"warn"``, ``"clip"``, ``"skip"`` or ``"rollback"``.
-        spike_z: z-score above which a loss or gradient norm is a spike (OLMo-core's ``sigma_factor``, 6).
+        spike_z: z-score above which a loss or gradient norm is a spike, unless it has settled there (a new level;
+            OLMo-core's ``sigma_factor``, 6).
         clip_z: z-score above which ``"clip"`` clips the gradient (ZClip's ``z_thresh``, 2.5).
         alpha: EMA factor of the running statistics (ZClip, 0.97).
         warmup_steps: values that initialise the statistics before any spike is called (ZClip, 25).

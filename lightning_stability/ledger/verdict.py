@@ -36,9 +36,9 @@ class HealthVerdict:
     averaged over ranks).
 
     Attributes:
-        flags: per signal (:attr:`SIGNALS`), float32: 0 below the spike threshold, ``SPIKE`` (1) a spike,
-            ``NEW_LEVEL`` (2) above it but at the new level the signal has settled at (the history's
-            ``loss_spike`` and ``grad_spike`` columns).
+        flags: per signal (:attr:`SIGNALS`): 0 below the spike threshold, ``SPIKE`` (1) a spike, ``NEW_LEVEL`` (2)
+            above it but at the new level the signal has settled at (the history's ``loss_spike`` and
+            ``grad_spike`` columns); float32, or bool where the monitor learns no new level (``"rollback"``).
         spikes: per signal, bool: the spikes (``flags == SPIKE``).
         rollback_pending: under ``response="rollback"``: this step spiked on the weights of a spike whose update
             was skipped, so the damage is in the weights and the next step rolls back (0-dim bool tensor, or a
