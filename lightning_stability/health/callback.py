@@ -7,8 +7,9 @@ spike: warn, adaptive clip (ZClip), skip (OLMo-core), or rollback (PaLM).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -17,7 +18,6 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stability.checkpoint.atomic import CheckpointError, verify_checkpoint
-from lightning_stability.checkpoint.callback import StableCheckpoint
 from lightning_stability.errors import (
     StabilityConfigError,
     check_bool,
@@ -26,26 +26,26 @@ from lightning_stability.errors import (
     check_path,
     config_error,
 )
-from lightning_stability.grad_norm import GradientNormMonitor
 from lightning_stability.health.history import HealthHistory, HealthReporter
 from lightning_stability.health.report_loggers import send_report
+from lightning_stability.health.responses import RESPONSES, Response
 from lightning_stability.health.rollback import HostFlag, Rollback, newest_clean_step, restore_checkpoint
 from lightning_stability.health.signals import UpdateSize, capacity, mean_over_ranks, peak_memory_over_ranks
 from lightning_stability.health.spike_stats import NEW_LEVEL_AFTER, IntervalMean, SpikeStats, zclip_threshold
 from lightning_stability.ledger import FlushValues, LedgerCallback, OptimizerRecord, Outcome, StepLedger, loss_scaler
+from lightning_stability.ledger.gradients import StepGradients
+from lightning_stability.ledger.verdict import CheckpointRing, HealthVerdict
 from lightning_stability.norms import local_tensor, module_groups
 
-Response = Literal["warn", "clip", "skip", "rollback"]
 _LOSS, _GRAD = 0, 1
 
 
 class _Constants:
     """Device tensors the step reads and never writes (made once: no fill or copy per step)."""
 
-    def __init__(self, device: torch.device, fixed_clip: float) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.zero = torch.zeros((), device=device)
         self.nan = torch.full((1,), math.nan, device=device)
-        self.fixed_clip = torch.full((1,), fixed_clip, device=device)
         self.grad_only = torch.tensor([False, True], device=device)  # HOST DATA: once
 
 
@@ -71,6 +71,10 @@ class TrainingHealthMonitor(LedgerCallback):
       stops with :class:`TrainingDivergedError`. No host sync: the flag is copied to the host without waiting and
       read one step later (see ``lightning_stability.health.rollback``).
 
+    Its verdict of each step it scores (spike, new level, rollback pending) is data: a
+    :class:`~lightning_stability.ledger.verdict.HealthVerdict` in the step ledger (``StepLedger.of(trainer).health``),
+    which ``StableCheckpoint`` reads to defer a save, and whose flags the history and the report record.
+
     On logging steps it also measures the update-to-weight ratio ``‖Δθ‖/‖θ‖`` (total and per module, one
     transient copy of the local shard) and the peak memory (max over ranks), and warns when the peak nears
     the device's capacity. At the end of ``fit``, and when it ends in an exception, it writes the stability report
@@ -79,7 +83,8 @@ class TrainingHealthMonitor(LedgerCallback):
 
     Args:
         response: ``"warn"``, ``"clip"``, ``"skip"`` or ``"rollback"``.
-        spike_z: z-score above which a loss or gradient norm is a spike (OLMo-core's ``sigma_factor``, 6).
+        spike_z: z-score above which a loss or gradient norm is a spike, unless it has settled there (a new level;
+            OLMo-core's ``sigma_factor``, 6).
         clip_z: z-score above which ``"clip"`` clips the gradient (ZClip's ``z_thresh``, 2.5).
         alpha: EMA factor of the running statistics (ZClip, 0.97).
         warmup_steps: values that initialise the statistics before any spike is called (ZClip, 25).
@@ -160,8 +165,8 @@ class TrainingHealthMonitor(LedgerCallback):
         self._trainer: pl.Trainer | None = None
         self._interval = IntervalMean()  # the loss (and norm) over the logging interval
         self._const: _Constants | None = None
-        self._fixed_clip = math.nan
         self._row: int | None = None  # the open step's history row, its outcome set in after_step
+        self._grads: StepGradients | None = None  # the open step's gradients: their fixed clip read in after_step
         self._size: UpdateSize | None = None  # the update size, measured across the update on logging steps
 
     @property
@@ -193,9 +198,6 @@ class TrainingHealthMonitor(LedgerCallback):
         self._module_index = None
         device = pl_module.device
         self._log.capacity = capacity(device)
-        # the report draws GradientNormMonitor's fixed clip line when this monitor does not clip adaptively
-        fixed = [cb.max_norm for cb in trainer.callbacks if isinstance(cb, GradientNormMonitor)]  # type: ignore[attr-defined]
-        self._fixed_clip = float(fixed[0]) if fixed and fixed[0] is not None else math.nan
         self._const = None
         self._trainer = trainer
 
@@ -221,7 +223,7 @@ class TrainingHealthMonitor(LedgerCallback):
             ledger.mark_skip(Outcome.SKIPPED_ROLLBACK, True)
             row = self.history.add(ledger._label(), [], host, ledger.record_of().device)
             self.history.set_outcome(row, int(Outcome.SKIPPED_ROLLBACK))
-            self._row, self._size = None, None
+            self._row, self._size, self._grads = None, None, None
             self.record_metric("stability/rollbacks", float(self.rollback.rollbacks))
             if self.is_logging_step:
                 self._on_logging_step(ledger)
@@ -239,7 +241,7 @@ class TrainingHealthMonitor(LedgerCallback):
             z, raw = scored.z, values
         spikes, include, deviation = scored.spikes, scored.include, scored.deviation
         ledger.mark_skip(Outcome.SKIPPED_NONFINITE, scored.nonfinite)  # never applied, whatever the response
-        threshold = const.fixed_clip
+        threshold = const.nan  # a fixed clip (GradientNormMonitor's) is a host value, read in after_step
         if self.response == "clip":
             mean, std = self.stats.mean_std(values.device)
             over = z[_GRAD] > self.clip_z
@@ -252,12 +254,16 @@ class TrainingHealthMonitor(LedgerCallback):
             self.record_metric("stability/clip_threshold", threshold[0])
         elif self.response in ("skip", "rollback"):
             ledger.mark_skip(Outcome.SKIPPED_SPIKE, spikes.any())
+        damaged: Tensor | bool = False
         if self.response == "rollback":
             # the damage got in when this step spiked on the weights of a spike whose update was skipped
             spiked, before = spikes.any(), self._spiked
             if isinstance(before, Tensor) or before:
-                self._damaged.send(spiked & before if isinstance(before, Tensor) else spiked)
+                damaged = spiked & before if isinstance(before, Tensor) else spiked
+                self._damaged.send(damaged)
             self._spiked = spiked
+        # the verdict, as data: StableCheckpoint reads it from the ledger, the history records its flags
+        verdict = ledger.health = HealthVerdict(scored.flags, spikes, damaged)
         self.stats.update(deviation, include, scored.run)
         # the loss's mean over the logging interval, every step so that EarlyStopping/ModelCheckpoint find it at
         # any epoch end (device ops, no sync)
@@ -278,9 +284,10 @@ class TrainingHealthMonitor(LedgerCallback):
         )
         lr_value = lr.reshape(1).float() if isinstance(lr, Tensor) else const.nan
         # the history's row: loss, grad norm, clip threshold, the two spike flags, LR, loss scale
-        parts = [raw, threshold, scored.flags, lr_value, scale]
+        parts = [raw, threshold, verdict.flags, lr_value, scale]
         self._row = self.history.add(ledger._label(), parts, host, values.device)
         self._size = None
+        self._grads = grads if self.response != "clip" else None
         if self.is_logging_step:
             if grads.params:  # measured across the update: started here, finished in after_step
                 self._size = UpdateSize(grads.params, self._index_of(grads.params), len(self._log.names))
@@ -289,7 +296,11 @@ class TrainingHealthMonitor(LedgerCallback):
     def after_step(self, trainer: pl.Trainer, ledger: StepLedger) -> None:
         if self._row is not None:
             self.history.set_outcome(self._row, ledger.outcome)
-            self._row = None
+            # the report's clip line where this monitor does not clip: the fixed clip the step's gradients got
+            fixed = self._grads.fixed_threshold if self._grads is not None else None
+            if fixed is not None:
+                self.history.set_host(self._row, "clip_threshold", fixed)
+            self._row, self._grads = None, None
         if self._size is not None:
             self._log.log_update_size(self, self._size)
             self._size = None
@@ -308,7 +319,7 @@ class TrainingHealthMonitor(LedgerCallback):
 
     def _constants(self, device: torch.device) -> _Constants:
         if self._const is None or self._const.zero.device != device:
-            self._const = _Constants(device, self._fixed_clip)
+            self._const = _Constants(device)
         return self._const
 
     def _rollback_or_skip(self, trainer: pl.Trainer, ledger: StepLedger) -> bool:
@@ -328,7 +339,7 @@ class TrainingHealthMonitor(LedgerCallback):
         trainer = ledger.trainer
         assert trainer is not None
         r, module, optimizers = self.rollback, trainer.lightning_module, trainer.optimizers
-        rings = [cb for cb in trainer.callbacks if isinstance(cb, StableCheckpoint)]  # type: ignore[attr-defined]
+        rings = [cb for cb in trainer.callbacks if isinstance(cb, CheckpointRing)]  # type: ignore[attr-defined]
         found, why_not = None, ""
         if not r.from_memory(step):
             found, why_not = self._checkpoint_before_damage(trainer, rings, step)
@@ -345,6 +356,8 @@ class TrainingHealthMonitor(LedgerCallback):
         else:
             raise r.diverged(step, why_not)
         self._spiked = False  # the next step is scored on the restored weights
+        if ledger.health is not None:  # the verdict stays the last scored step's, its rollback done
+            ledger.health = replace(ledger.health, rollback_pending=False)
         self._log.add_events([event])
         ledger.note(event)
         rank_zero_warn(f"TrainingHealthMonitor: {said}: {event['detail']}.")
@@ -358,7 +371,7 @@ class TrainingHealthMonitor(LedgerCallback):
                 )
 
     def _checkpoint_before_damage(
-        self, trainer: pl.Trainer, rings: list[StableCheckpoint], step: int
+        self, trainer: pl.Trainer, rings: list[CheckpointRing], step: int
     ) -> tuple[tuple[Path, int] | None, str]:
         """The newest healthy checkpoint saved before the damage and not rolled back to already, as ``(path,
         global step)``, chosen by rank 0 (the first that passes ``verify_checkpoint``) and broadcast; else
@@ -484,10 +497,8 @@ class TrainingHealthMonitor(LedgerCallback):
             "_const": None,
             "_row": None,
             "_size": None,
+            "_grads": None,
         }
-
-
-RESPONSES = ("warn", "clip", "skip", "rollback")
 
 
 def check_health_arguments(

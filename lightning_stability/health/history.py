@@ -24,6 +24,7 @@ from lightning_stability.health.signals import UpdateSize, memory_warning
 from lightning_stability.health.spike_stats import NEW_LEVEL_AFTER
 from lightning_stability.ledger.callback import LedgerCallback
 from lightning_stability.ledger.metrics import FlushValues
+from lightning_stability.ledger.verdict import NEW_LEVEL, SPIKE
 
 #: the device columns of a row, in order
 COLUMNS = ("loss", "grad_norm", "clip_threshold", "loss_spike", "grad_spike", "lr", "loss_scale", "outcome")
@@ -96,6 +97,11 @@ class HealthHistory:
             cell.copy_(outcome)
         else:
             cell.fill_(float(outcome))
+
+    def set_host(self, index: int, column: str, value: float) -> None:
+        """A value of row ``index`` known on the host (a fixed clip threshold): it takes the place of the column's
+        device value when the row reaches the host."""
+        self._host[index][column] = value
 
     def pending(self) -> Tensor | None:
         """The rows since the last :meth:`take`, flattened (a view: queue it for the transfer)."""
@@ -291,7 +297,7 @@ def _count(totals: dict[str, float], columns: dict[str, list[float]]) -> None:
         if math.isfinite(outcome) and outcome != 0:
             key = f"outcome_{int(outcome)}"
             totals[key] = totals.get(key, 0.0) + 1
-    spikes = sum(1 for v in columns["loss_spike"] if v == 1)
+    spikes = sum(1 for v in columns["loss_spike"] if v == SPIKE)
     if spikes:
         totals["loss_spikes"] = totals.get("loss_spikes", 0.0) + spikes
     for key, name, pick in (
@@ -376,7 +382,7 @@ class HealthReporter:
         """Append the transferred rows to the history and warn about their spikes; returns the skip rate."""
         taken = self.history.take(rows, sparse)
         self._note_new_levels(taken)
-        spikes = [int(row["step"]) for row in taken if row["loss_spike"] == 1 or row["grad_spike"] == 1]
+        spikes = [int(row["step"]) for row in taken if SPIKE in (row["loss_spike"], row["grad_spike"])]
         if spikes:
             action = _ACTIONS[self.response]
             self.add_events([{"step": step, "kind": "spike", "detail": action} for step in spikes])
@@ -394,9 +400,9 @@ class HealthReporter:
         for column, signal in (("loss_spike", "loss"), ("grad_spike", "gradient norm")):
             series = self.history.series[column]  # the taken rows are its tail
             before = series[: len(series) - len(taken)][-CALM_STEPS:]
-            calm = CALM_STEPS if 2.0 not in before else before[::-1].index(2.0)
+            calm = CALM_STEPS if NEW_LEVEL not in before else before[::-1].index(NEW_LEVEL)
             for row in taken:
-                if row[column] != 2:
+                if row[column] != NEW_LEVEL:
                     calm += 1
                     continue
                 if calm >= CALM_STEPS:

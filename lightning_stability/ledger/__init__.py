@@ -13,6 +13,8 @@ skipped).
   decision, ``found_inf`` for fused optimizers, dropped gradients otherwise).
 * ``gradients.py``: the step's gradient norms, computed once for every callback; shared clipping.
 * ``metrics.py``: ``stability/`` metrics into ``callback_metrics`` at once, to the loggers in one transfer.
+* ``verdict.py``: :class:`HealthVerdict`, the health monitor's verdict of a step (spike, new level, rollback
+  pending) that ``StableCheckpoint`` reads; :class:`CheckpointRing`, what a rollback needs of ``StableCheckpoint``.
 """
 
 from lightning_stability.ledger.callback import LedgerCallback
@@ -21,10 +23,13 @@ from lightning_stability.ledger.metrics import FlushValues
 from lightning_stability.ledger.skips import loss_scaler
 from lightning_stability.ledger.step_ledger import CHECKPOINT_KEY, StepLedger
 from lightning_stability.ledger.track import OptimizerRecord, Outcome
+from lightning_stability.ledger.verdict import CheckpointRing, HealthVerdict
 
 __all__ = [
     "CHECKPOINT_KEY",
+    "CheckpointRing",
     "FlushValues",
+    "HealthVerdict",
     "LedgerCallback",
     "OptimizerRecord",
     "Outcome",

@@ -8,6 +8,7 @@ the gradients at the smallest one, as one clip to it would.
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -36,10 +37,12 @@ def _uniform(optimizer: Optimizer, key: tuple[int, ...], params: list[Tensor], g
 
 
 class ClipScale:
-    """The product of every clip coefficient applied to the open step's gradients so far (``None``: none)."""
+    """The product of every clip coefficient applied to the open step's gradients so far (``None``: none), and the
+    tightest threshold given as a host number (``inf``: none)."""
 
     def __init__(self) -> None:
         self.coef: Tensor | None = None
+        self.fixed = math.inf
 
 
 class StepGradients:
@@ -83,8 +86,16 @@ class StepGradients:
         """The product of the clip coefficients applied so far (1.0 when none)."""
         return 1.0 if self._clip.coef is None else self._clip.coef
 
+    @property
+    def fixed_threshold(self) -> float | None:
+        """The tightest threshold given as a host number that the step's gradients were clipped to so far, by any
+        callback (a fixed clip, such as ``GradientNormMonitor(max_norm)``); ``None``: none."""
+        return None if math.isinf(self._clip.fixed) else self._clip.fixed
+
     def clip_(self, threshold: float | Tensor) -> Tensor:
         """Scale the gradients so that their norm is at most ``threshold``; returns the coefficient applied."""
+        if not isinstance(threshold, Tensor):
+            self._clip.fixed = min(self._clip.fixed, float(threshold))
         coef = clip_coefficient(self.current, threshold)  # type: ignore[arg-type]
         if self.grads:
             scale_(self.grads, coef, self._uniform)

@@ -29,6 +29,7 @@ from lightning_stability.ledger.gradients import ClipScale, StepGradients
 from lightning_stability.ledger.metrics import FlushHook, MetricQueue
 from lightning_stability.ledger.skips import Flag, SkipDecision, loss_scaler
 from lightning_stability.ledger.track import OptimizerRecord, Outcome, device_of, optimizer_names
+from lightning_stability.ledger.verdict import HealthVerdict
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -50,6 +51,8 @@ class StepLedger:
     * :meth:`any_rank`: a flag made the same on every rank, for every decision that skips;
     * :meth:`record_of`: one optimizer's :class:`OptimizerRecord` (steps, outcome counts, window sums);
     * :attr:`outcome`: the outcome of the last closed step (read it in ``after_step``);
+    * :attr:`health`: ``TrainingHealthMonitor``'s :class:`~lightning_stability.ledger.verdict.HealthVerdict` of
+      the last step it scored (``None`` without one);
     * :attr:`events` / :meth:`note`: events of the run (rollbacks), saved in checkpoints;
     * :attr:`published`: the last logged value of every metric, as host numbers.
 
@@ -68,6 +71,7 @@ class StepLedger:
         self._trainer_ref = weakref.ref(trainer) if trainer is not None else None
         self.values: dict[str, Tensor] = {}
         self.outcome: Outcome | Tensor = Outcome.APPLIED
+        self.health: HealthVerdict | None = None  # written by TrainingHealthMonitor at each step it scores
         self.events: list[dict[str, Any]] = []  # rollbacks and other events, with their step labels
         self.published: dict[str, float] = {}  # the last logged value of every metric (host numbers)
         self._records: dict[int, OptimizerRecord] = {}
