@@ -200,7 +200,7 @@ class GradientNormMonitor(LedgerCallback):
             # A gradient can go bad on one rank after the data-parallel all-reduce (a hook that edits it, a
             # faulty device): one 0-dim all-reduce makes every rank see, and skip, the same step.
             bad = ledger.any_rank(bad)
-        ledger.values["grad_norm"] = total
+        ledger.step.grad_norm = total
         record = ledger.record_of()
         record.accumulate(_K_STEPS, 1.0)
         self.record_metric("stability/grad_norm", total)
@@ -208,7 +208,7 @@ class GradientNormMonitor(LedgerCallback):
         if self.max_norm is not None:
             # relative to another callback's clip, if one came first; the metrics after the step, once every
             # clip is done
-            ledger.values["clip_coef"] = gradients.clip_(self.max_norm)
+            ledger.step.clip_coef = gradients.clip_(self.max_norm)
         layers = self._layers_of(ledger, gradients, norms.device)
         layers.remember_first_bad(bad, norms)
         if self.skip_nonfinite:
@@ -327,9 +327,9 @@ class GradientNormMonitor(LedgerCallback):
         ledger = StepLedger.of(trainer)
         for index, layers in self._layers.items():
             if layers.bad_seen is not None and index < len(trainer.optimizers):
-                ledger._select(trainer.optimizers[index])
+                ledger.select(trainer.optimizers[index])
                 self._send_bad_report(layers)
-        ledger._flush()
+        ledger.flush()
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from lightning_stability.errors import StabilityConfigError, check_bool, config_
 from lightning_stability.ledger import FlushValues, OptimizerRecord, StepLedger
 from lightning_stability.ledger.callback import LedgerCallback
 from lightning_stability.ledger.skips import unscale_if_deferred
+from lightning_stability.norms import clip_by_global_norm_
 
 _NEAR_FLOOR_BACKOFFS = 4  # "near the floor": at most this many backoffs above min_scale
 _K_SCALE = "stability/loss_scale"
@@ -353,6 +354,12 @@ class FusedClipMixedPrecision(MixedPrecision):
             unscale_if_deferred(self.scaler, optimizer)
         # Skip MixedPrecision.clip_gradients (the fused-optimizer refusal): the gradients are unscaled now.
         Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        """Clip by the global norm with the package's one clip (``torch.nn.utils.clip_grad_norm_``'s coefficient)."""
+        grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
+        if grads:
+            clip_by_global_norm_(grads, float(clip_val))
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         own = type(self).__qualname__

@@ -137,6 +137,7 @@ class ClusterHealthMonitor(LedgerCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         self._timer.batch_start()
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -252,9 +253,9 @@ class ClusterHealthMonitor(LedgerCallback):
         # a check run after the last logging step is read now, not lost
         if self._pending and trainer.optimizers:
             ledger = StepLedger.of(trainer)
-            ledger._select(trainer.optimizers[0])
+            ledger.select(trainer.optimizers[0])
             self._send_pending()
-            ledger._flush()
+            ledger.flush()
 
     def transient_state(self) -> dict[str, Any]:
         return {"_timer": StepTimer(), "_layout": None, "_pending": [], "_last_clean": None}

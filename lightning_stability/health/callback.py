@@ -219,7 +219,7 @@ class TrainingHealthMonitor(LedgerCallback):
         if self.response == "rollback" and self._rollback_or_skip(trainer, ledger):
             # the rollback step or the data window after it: a host decision, no sync
             ledger.mark_skip(Outcome.SKIPPED_ROLLBACK, True)
-            row = self.history.add(ledger._label(), [], host, ledger.record_of().device)
+            row = self.history.add(ledger.step_label, [], host, ledger.record_of().device)
             self.history.set_outcome(row, int(Outcome.SKIPPED_ROLLBACK))
             self._row, self._size = None, None
             self.record_metric("stability/rollbacks", float(self.rollback.rollbacks))
@@ -227,7 +227,7 @@ class TrainingHealthMonitor(LedgerCallback):
                 self._on_logging_step(ledger)
             return
         grads = ledger.gradients()
-        loss = ledger.values.get("loss")
+        loss = ledger.step.loss
         const = self._constants(grads.total.device)
         if loss is None:  # the step's loss is not known: a placeholder the statistics skip; NaN in the history
             values = mean_over_ranks(torch.stack([const.zero, grads.total]))
@@ -279,7 +279,7 @@ class TrainingHealthMonitor(LedgerCallback):
         lr_value = lr.reshape(1).float() if isinstance(lr, Tensor) else const.nan
         # the history's row: loss, grad norm, clip threshold, the two spike flags, LR, loss scale
         parts = [raw, threshold, scored.flags, lr_value, scale]
-        self._row = self.history.add(ledger._label(), parts, host, values.device)
+        self._row = self.history.add(ledger.step_label, parts, host, values.device)
         self._size = None
         if self.is_logging_step:
             if grads.params:  # measured across the update: started here, finished in after_step
@@ -314,7 +314,7 @@ class TrainingHealthMonitor(LedgerCallback):
     def _rollback_or_skip(self, trainer: pl.Trainer, ledger: StepLedger) -> bool:
         """Under ``"rollback"``, before the step's update: roll back if the flag sent one step ago says the damage
         got in, or count down the skipped window; otherwise keep the snapshots. Whether the update is dropped."""
-        module, optimizers, step = trainer.lightning_module, trainer.optimizers, ledger._label()
+        module, optimizers, step = trainer.lightning_module, trainer.optimizers, ledger.step_label
         if self._damaged.read():  # HOST READ of a copy started a step ago: no wait for the device
             self._roll_back(ledger, step, end=False)
             return True
@@ -413,9 +413,9 @@ class TrainingHealthMonitor(LedgerCallback):
         self._log.take_rows(self.history.pending_on_host(), {})
         ledger = StepLedger.of(trainer)
         if self.response == "rollback" and self._damaged.read():
-            self._roll_back(ledger, ledger._label(), end=True)
+            self._roll_back(ledger, ledger.step_label, end=True)
         # the counter as it ends, also when the last rollback came after the last step that recorded it
-        ledger._log((("stability/rollbacks", float(self.rollback.rollbacks)),), False)
+        self.record_metric("stability/rollbacks", float(self.rollback.rollbacks), to_loggers=False)
         if self.report and trainer.is_global_zero:
             self.write_report(trainer)
 

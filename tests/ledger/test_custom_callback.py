@@ -18,7 +18,7 @@ from tests.helpers import TinyModule, quiet_trainer
 class SkipHighLoss(LedgerCallback):
     """Skip every update whose loss is above ``max_loss``; count them."""
 
-    needs_loss = True  # ledger.values["loss"]: the update's loss, on the device
+    needs_loss = True  # ledger.step.loss: the update's loss, on the device
 
     def __init__(self, max_loss: float) -> None:
         super().__init__()
@@ -26,11 +26,11 @@ class SkipHighLoss(LedgerCallback):
         self.warned_at: list[int] = []
 
     def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: torch.optim.Optimizer) -> None:
-        too_high = ledger.any_rank(ledger.values["loss"] > self.max_loss)  # the same decision on every rank
+        too_high = ledger.any_rank(ledger.step.loss > self.max_loss)  # the same decision on every rank
         ledger.mark_skip(Outcome.SKIPPED_SPIKE, too_high)
         self.record_metric("stability/loss_too_high", too_high.float())
         if self.is_logging_step:
-            self.to_host("loss", ledger.values["loss"])
+            self.to_host("loss", ledger.step.loss)
 
     def after_step(self, trainer: pl.Trainer, ledger: StepLedger) -> None:
         self.record_metric("stability/high_loss_skips", ledger.record_of().counts[Outcome.SKIPPED_SPIKE])
