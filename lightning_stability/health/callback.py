@@ -27,12 +27,12 @@ from lightning_stability.errors import (
     config_error,
 )
 from lightning_stability.grad_norm import GradientNormMonitor
-from lightning_stability.health.history import HealthHistory, HealthReporter
+from lightning_stability.health.history import HealthHistory, HealthReporter, HealthSent
 from lightning_stability.health.report_loggers import send_report
 from lightning_stability.health.rollback import HostFlag, Rollback, newest_clean_step, restore_checkpoint
 from lightning_stability.health.signals import UpdateSize, capacity, mean_over_ranks, peak_memory_over_ranks
 from lightning_stability.health.spike_stats import NEW_LEVEL_AFTER, IntervalMean, SpikeStats, zclip_threshold
-from lightning_stability.ledger import FlushValues, LedgerCallback, OptimizerRecord, Outcome, StepLedger, loss_scaler
+from lightning_stability.ledger import LedgerCallback, OnHost, OptimizerRecord, Outcome, StepLedger, loss_scaler
 from lightning_stability.norms import local_tensor, module_groups
 
 Response = Literal["warn", "clip", "skip", "rollback"]
@@ -163,6 +163,8 @@ class TrainingHealthMonitor(LedgerCallback):
         self._fixed_clip = math.nan
         self._row: int | None = None  # the open step's history row, its outcome set in after_step
         self._size: UpdateSize | None = None  # the update size, measured across the update on logging steps
+        self._sent_memory: OnHost | None = None  # a logging step's peak memory, read back in on_host
+        self._sent: dict[int, HealthSent] = {}  # per optimizer: what a logging step sent, read in on_host
 
     @property
     def history(self) -> HealthHistory:
@@ -290,11 +292,17 @@ class TrainingHealthMonitor(LedgerCallback):
         if self._row is not None:
             self.history.set_outcome(self._row, ledger.outcome)
             self._row = None
-        if self._size is not None:
-            self._log.log_update_size(self, self._size)
+        ratio, top = None, None
+        if self._size is not None:  # the update-to-weight ratio (total and the largest modules), after the update
+            total, largest = self._log.update_ratios(self._size)
+            ratio = self.record_metric("stability/update_ratio", total)
+            top = (self.to_host(largest[0]), self.to_host(largest[1])) if largest is not None else None
             self._size = None
         if self.is_logging_step:
-            self._log.send_rows(self)  # the rows since the last logging step ride this step's transfer
+            rows = self.history.pending()  # the rows since the last logging step ride this step's transfer
+            sent_rows = self.to_host(rows) if rows is not None else None
+            self._sent[ledger.record_of().index] = HealthSent(sent_rows, ratio, top, self._sent_memory)
+            self._sent_memory = None
 
     def _index_of(self, params: list[Tensor]) -> Tensor:
         """Each parameter's module index, on the device, for the parameters that have gradients this step (a
@@ -398,13 +406,13 @@ class TrainingHealthMonitor(LedgerCallback):
     def _on_logging_step(self, ledger: StepLedger) -> None:
         device = ledger.record_of().device
         memory = peak_memory_over_ranks(device)
-        self.record_metric("stability/memory_peak_gb", memory[0])
+        self._sent_memory = self.record_metric("stability/memory_peak_gb", memory[0])
         if device.type == "cuda":
             self.record_metric("stability/memory_reserved_gb", memory[1])
         self._interval.reset()  # its value for this interval was logged in on_step
 
-    def on_host(self, trainer: pl.Trainer, record: OptimizerRecord, values: FlushValues) -> dict[str, float]:
-        return self._log.read(values)
+    def on_host(self, trainer: pl.Trainer, record: OptimizerRecord) -> dict[str, float]:
+        return self._log.read(self._sent.pop(record.index, HealthSent(None, None, None, None)))
 
     # ------------------------------------------------------------------ end of fit, checkpoints
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -485,6 +493,8 @@ class TrainingHealthMonitor(LedgerCallback):
             "_const": None,
             "_row": None,
             "_size": None,
+            "_sent_memory": None,
+            "_sent": {},
         }
 
 

@@ -21,7 +21,7 @@ A callback author needs :class:`LedgerCallback` (the template: fill in ``on_step
 
 from lightning_stability.ledger.callback import LedgerCallback
 from lightning_stability.ledger.gradients import StepGradients
-from lightning_stability.ledger.metrics import FlushValues
+from lightning_stability.ledger.metrics import OnHost
 from lightning_stability.ledger.skips import loss_scaler
 from lightning_stability.ledger.step import OptimizerStep
 from lightning_stability.ledger.step_ledger import CHECKPOINT_KEY, StepLedger
@@ -29,8 +29,8 @@ from lightning_stability.ledger.track import OptimizerRecord, Outcome
 
 __all__ = [
     "CHECKPOINT_KEY",
-    "FlushValues",
     "LedgerCallback",
+    "OnHost",
     "OptimizerRecord",
     "OptimizerStep",
     "Outcome",

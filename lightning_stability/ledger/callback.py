@@ -12,7 +12,7 @@ from torch.optim import Optimizer
 from lightning_stability import _compat
 from lightning_stability.errors import StabilityConfigError, check_int
 from lightning_stability.ledger.gradients import forget_layouts
-from lightning_stability.ledger.metrics import FlushValues
+from lightning_stability.ledger.metrics import FlushValues, OnHost
 from lightning_stability.ledger.step_ledger import StepLedger
 from lightning_stability.ledger.track import OptimizerRecord
 
@@ -25,8 +25,8 @@ class LedgerCallback(Callback):
     * :meth:`on_step`: its work on each optimizer step, before the update: read ``ledger.gradients()`` and
       ``ledger.step``, vote with ``ledger.mark_skip(reason, flag)``, record metrics with :meth:`record_metric`;
     * :meth:`after_step`: its work once the update was applied or skipped (``ledger.outcome`` says which);
-    * :meth:`on_host`: on logging steps, after the step's one device-to-host transfer: what it sent with
-      :meth:`to_host` (and its metrics) as host numbers, to warn or to log more;
+    * :meth:`on_host`: on logging steps, after the step's one device-to-host transfer: read what it sent with
+      :meth:`to_host` (and the metrics it recorded) as host numbers, to warn or to log more;
     * :meth:`on_setup` (its checks at ``setup("fit")``), :meth:`state_fields` (the settings that identify it in
       a checkpoint), and ``state_dict``/``load_state_dict`` as for any Lightning callback.
 
@@ -90,10 +90,10 @@ class LedgerCallback(Callback):
     def after_step(self, trainer: pl.Trainer, ledger: StepLedger) -> None:
         """This callback's work once the step closed: the update was applied or skipped (``ledger.outcome``)."""
 
-    def on_host(self, trainer: pl.Trainer, record: OptimizerRecord, values: FlushValues) -> dict[str, float] | None:
-        """On a logging step after the transfer, once per optimizer that stepped: what this callback sent with
-        :meth:`to_host` (under its keys) and the optimizer's metrics, as floats (lists for vectors). Return extra
-        metrics to log, or ``None``."""
+    def on_host(self, trainer: pl.Trainer, record: OptimizerRecord) -> dict[str, float] | None:
+        """On a logging step after the transfer, once per optimizer (``record``) this callback recorded or sent
+        something for: the :class:`OnHost` values that :meth:`to_host` and :meth:`record_metric` returned hold
+        their host numbers now. Return extra metrics to log, or ``None``."""
         return None
 
     # ------------------------------------------------------------------ provided
@@ -102,30 +102,31 @@ class LedgerCallback(Callback):
         """Whether the current step logs (by this callback's ``log_every_n_steps``)."""
         return self._logging
 
-    def record_metric(self, key: str, value: Tensor | float, *, to_loggers: bool | None = None) -> None:
+    def record_metric(self, key: str, value: Tensor | float, *, to_loggers: bool | None = None) -> OnHost:
         """Record a metric of the current step (``"stability/..."``).
 
         A scalar is in ``trainer.callback_metrics[key]`` at once, so ``ModelCheckpoint``/``EarlyStopping`` can
         monitor it (a device tensor stays on the device: nothing moves until a monitor reads it). On logging
         steps it also goes to every logger with the step's one transfer. With several optimizers the key ends
         in ``/<optimizer>``. ``to_loggers=False`` keeps it from the loggers (``None``: on logging steps).
+        Returns its host copy, readable in :meth:`on_host` when it went to the loggers.
         """
         ledger = self._ledger_now()
         send = self._logging if to_loggers is None else to_loggers
-        ledger._log(((key, value),), send)
+        handle = ledger._log(((key, value),), send)
         if send:
             self._hook_host(ledger)
+        return handle
 
-    def to_host(self, key: str, value: Tensor) -> None:
-        """Send ``value`` to the host with the step's transfer; :meth:`on_host` receives it under ``key``. Nothing
-        else sees it (keys are this callback's own). Call it on logging steps (:attr:`is_logging_step`) or after
-        training: on any other step it makes that step transfer too (a host sync)."""
+    def to_host(self, value: Tensor) -> OnHost:
+        """Send ``value`` to the host with the step's one transfer; read the returned :class:`OnHost` in
+        :meth:`on_host` (``.number()`` for a 0-dim tensor, ``.numbers()`` for a vector). Call it on logging steps
+        (:attr:`is_logging_step`) or after training: on any other step it makes that step transfer too (a host
+        sync)."""
         ledger = self._ledger_now()
-        ledger._log(((self._private(key), value),), True)
+        handle = ledger._send(value)
         self._hook_host(ledger)
-
-    def _private(self, key: str) -> str:
-        return f"_{self.kind().__name__}/{key}"
+        return handle
 
     def _ledger_now(self) -> StepLedger:
         if self._ledger is None:
@@ -142,11 +143,11 @@ class LedgerCallback(Callback):
 
     def _run_on_host(self, index: int, values: FlushValues) -> dict[str, float] | None:
         self._host_hooked.discard(index)
-        prefix = self._private("")
-        own = {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in values.items()}
-        mine = {k: v for k, v in own.items() if not k.startswith("_")}
         ledger = self._ledger_now()
-        return self.on_host(ledger.trainer, ledger._record_at(index), mine)  # type: ignore[arg-type]
+        trainer = ledger.trainer
+        if trainer is None:
+            return None
+        return self.on_host(trainer, ledger._record_at(index))
 
     @classmethod
     def kind(cls) -> type[LedgerCallback]:

@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from lightning_stability import _compat
 from lightning_stability.errors import check_instance
 from lightning_stability.ledger.gradients import StepGradients
-from lightning_stability.ledger.metrics import FlushHook, MetricQueue
+from lightning_stability.ledger.metrics import FlushHook, MetricQueue, OnHost
 from lightning_stability.ledger.skips import Flag, loss_scaler
 from lightning_stability.ledger.step import OptimizerStep, enforce_before_update
 from lightning_stability.ledger.track import OptimizerRecord, Outcome, device_of, optimizer_names
@@ -313,11 +313,15 @@ class StepLedger:
         self._several = None  # read live between steps (another fit may have other optimizers)
 
     # ------------------------------------------------------------------ metrics
-    def _log(self, metrics: Iterable[tuple[str, Tensor | float]], to_loggers: bool) -> None:
+    def _log(self, metrics: Iterable[tuple[str, Tensor | float]], to_loggers: bool) -> OnHost:
         """Metrics of the current step (see ``LedgerCallback.record_metric``). A scalar goes into
         ``trainer.callback_metrics`` at once (a device tensor stays on the device); with ``to_loggers`` it is also
-        queued for the loggers. Keys starting with ``_`` are host values for flush hooks only."""
-        self._queue.route(self.trainer, self.record_of(), self._several_optimizers, metrics, to_loggers)
+        queued for the loggers. Returns the last one's host copy, filled by the next transfer."""
+        return self._queue.route(self.trainer, self.record_of(), self._several_optimizers, metrics, to_loggers)
+
+    def _send(self, value: Tensor) -> OnHost:
+        """``value`` to the host with the next transfer (see ``LedgerCallback.to_host``)."""
+        return self._queue.send(value)
 
     def _on_flush(self, hook: FlushHook) -> None:
         """Run ``hook(values)`` once at the next flush, with the current optimizer's queued values on the host
