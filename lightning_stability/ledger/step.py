@@ -6,7 +6,7 @@
  #  what happens                                where
 ==  ==========================================  ==============================================================
  1  forward, backward of each micro-batch;      Lightning's loop; ``LedgerCallback.on_before_backward`` ->
-    the loss kept if a callback ``needs_loss``  ``StepLedger.add_loss`` (``step_ledger.StepLoss``)
+    the loss kept if a callback ``needs_loss``  ``step_ledger.StepLoss`` (Lightning's divisor, fp16 scale undone)
  2  fp16: the scaler unscales a non-fused       ``MixedPrecision`` / ``StableFSDPPrecision.optimizer_step``;
     optimizer, one overflow flag per device     ``amp/scaler.py`` max-reduces the flag over the ranks
  3  **the step opens**: a fused optimizer is    :class:`OptimizerStep` ``__init__``, from ``StepLedger.open_step``
@@ -32,7 +32,7 @@
 ==  ==========================================  ==============================================================
 
 Where is a step skipped? At 8, and only there (under fp16 the scaler's own skip at 9 obeys the votes of 6).
-Where is it clipped? At 5 and 7, every clip by the global norm through one function, ``norms.clip_by_global_norm_``.
+Where is it clipped? At 5 and 7; every clip of this package goes through one function, ``norms.clip_by_global_norm_``.
 
 The enforcement does not depend on where a vote came from: the pre-hook runs once per step after every
 ``on_before_optimizer_step`` hook (the package's callbacks, yours, the module's) and Lightning's clip. Lightning

@@ -362,3 +362,34 @@ def test_a_pickled_track_keeps_its_counts_consistent() -> None:
     copy.count(Outcome.SKIPPED_NONFINITE)
     assert copy.counts.tolist() == [1, 0, 1, 2, 0]
     assert int(copy.skipped_steps) == 3
+
+
+@pytest.mark.parametrize("call", ["no_closure", "closure_keyword", "closure_positional"])
+def test_a_vote_cast_inside_the_optimizers_closure_is_enforced_when_the_closure_returns(call: str) -> None:
+    """Lightning (outside fp16) runs backward and every `on_before_optimizer_step` hook inside the closure it passes
+    to `optimizer.step`, after torch ran the step pre-hooks: the pre-hook enforces once that closure returned."""
+    layer = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    ledger = StepLedger()
+    ledger._watch([optimizer])  # what the template does before the first step
+    x = torch.randn(8, 4)
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = layer(x).pow(2).mean()
+        loss.backward()
+        ledger.open_step(optimizer)  # as the first LedgerCallback's on_before_optimizer_step does
+        ledger.mark_skip(Outcome.SKIPPED_SPIKE, torch.ones((), dtype=torch.bool))
+        return loss
+
+    before = [p.detach().clone() for p in layer.parameters()]
+    if call == "no_closure":
+        closure()
+        optimizer.step()
+    elif call == "closure_keyword":
+        optimizer.step(closure=closure)
+    else:
+        optimizer.step(closure)
+    assert all(torch.equal(a, b) for a, b in zip(before, layer.parameters(), strict=True))
+    assert ledger.outcome is Outcome.SKIPPED_SPIKE
+    assert ledger.record_of(optimizer).counts.tolist() == [0, 0, 0, 1, 0]
