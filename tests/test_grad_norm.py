@@ -42,9 +42,9 @@ class LedgerCapture(pl.Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         ledger = StepLedger.of(trainer)
-        self.norms.append(ledger.values["grad_norm"].item())
-        if "clip_coef" in ledger.values:
-            self.coefs.append(ledger.values["clip_coef"].item())
+        self.norms.append(ledger.step.grad_norm.item())
+        if ledger.step.clip_coef is not None:
+            self.coefs.append(ledger.step.clip_coef.item())
         self.clipped.append([p.grad.detach().clone() if p.grad is not None else None for p in pl_module.parameters()])
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:

@@ -543,7 +543,7 @@ def state_problems(trainer: pl.Trainer, batch_loss: Tensor | None = None) -> lis
     ledger = StepLedger.of(trainer)
     outcome = ledger.outcome
     flags = [torch.as_tensor(outcome, device=device).reshape(()).float()]
-    loss = ledger.values.get("loss", batch_loss)
+    loss = ledger.step.loss if ledger.has_step and ledger.step.loss is not None else batch_loss
     flags.append(
         (~torch.isfinite(loss.detach().float())).any().to(device)
         if loss is not None

@@ -26,13 +26,13 @@ from lightning_stability.errors import (
     check_path,
     config_error,
 )
-from lightning_stability.health.history import HealthHistory, HealthReporter
+from lightning_stability.health.history import HealthHistory, HealthReporter, HealthSent
 from lightning_stability.health.report_loggers import send_report
 from lightning_stability.health.responses import RESPONSES, Response
 from lightning_stability.health.rollback import HostFlag, Rollback, newest_clean_step, restore_checkpoint
 from lightning_stability.health.signals import UpdateSize, capacity, mean_over_ranks, peak_memory_over_ranks
 from lightning_stability.health.spike_stats import NEW_LEVEL_AFTER, IntervalMean, SpikeStats, zclip_threshold
-from lightning_stability.ledger import FlushValues, LedgerCallback, OptimizerRecord, Outcome, StepLedger, loss_scaler
+from lightning_stability.ledger import LedgerCallback, OnHost, OptimizerRecord, Outcome, StepLedger, loss_scaler
 from lightning_stability.ledger.gradients import StepGradients
 from lightning_stability.ledger.verdict import CheckpointRing, HealthVerdict
 from lightning_stability.norms import local_tensor, module_groups
@@ -168,6 +168,8 @@ class TrainingHealthMonitor(LedgerCallback):
         self._row: int | None = None  # the open step's history row, its outcome set in after_step
         self._grads: StepGradients | None = None  # the open step's gradients: their fixed clip read in after_step
         self._size: UpdateSize | None = None  # the update size, measured across the update on logging steps
+        self._sent_memory: OnHost | None = None  # a logging step's peak memory, read back in on_host
+        self._sent: dict[int, HealthSent] = {}  # per optimizer: what a logging step sent, read in on_host
 
     @property
     def history(self) -> HealthHistory:
@@ -221,7 +223,7 @@ class TrainingHealthMonitor(LedgerCallback):
         if self.response == "rollback" and self._rollback_or_skip(trainer, ledger):
             # the rollback step or the data window after it: a host decision, no sync
             ledger.mark_skip(Outcome.SKIPPED_ROLLBACK, True)
-            row = self.history.add(ledger._label(), [], host, ledger.record_of().device)
+            row = self.history.add(ledger.step_label, [], host, ledger.record_of().device)
             self.history.set_outcome(row, int(Outcome.SKIPPED_ROLLBACK))
             self._row, self._size, self._grads = None, None, None
             self.record_metric("stability/rollbacks", float(self.rollback.rollbacks))
@@ -229,7 +231,7 @@ class TrainingHealthMonitor(LedgerCallback):
                 self._on_logging_step(ledger)
             return
         grads = ledger.gradients()
-        loss = ledger.values.get("loss")
+        loss = ledger.step.loss
         const = self._constants(grads.total.device)
         if loss is None:  # the step's loss is not known: a placeholder the statistics skip; NaN in the history
             values = mean_over_ranks(torch.stack([const.zero, grads.total]))
@@ -285,7 +287,7 @@ class TrainingHealthMonitor(LedgerCallback):
         lr_value = lr.reshape(1).float() if isinstance(lr, Tensor) else const.nan
         # the history's row: loss, grad norm, clip threshold, the two spike flags, LR, loss scale
         parts = [raw, threshold, verdict.flags, lr_value, scale]
-        self._row = self.history.add(ledger._label(), parts, host, values.device)
+        self._row = self.history.add(ledger.step_label, parts, host, values.device)
         self._size = None
         self._grads = grads if self.response != "clip" else None
         if self.is_logging_step:
@@ -301,11 +303,17 @@ class TrainingHealthMonitor(LedgerCallback):
             if fixed is not None:
                 self.history.set_host(self._row, "clip_threshold", fixed)
             self._row, self._grads = None, None
-        if self._size is not None:
-            self._log.log_update_size(self, self._size)
+        ratio, top = None, None
+        if self._size is not None:  # the update-to-weight ratio (total and the largest modules), after the update
+            total, largest = self._log.update_ratios(self._size)
+            ratio = self.record_metric("stability/update_ratio", total)
+            top = (self.to_host(largest[0]), self.to_host(largest[1])) if largest is not None else None
             self._size = None
         if self.is_logging_step:
-            self._log.send_rows(self)  # the rows since the last logging step ride this step's transfer
+            rows = self.history.pending()  # the rows since the last logging step ride this step's transfer
+            sent_rows = self.to_host(rows) if rows is not None else None
+            self._sent[ledger.record_of().index] = HealthSent(sent_rows, ratio, top, self._sent_memory)
+            self._sent_memory = None
 
     def _index_of(self, params: list[Tensor]) -> Tensor:
         """Each parameter's module index, on the device, for the parameters that have gradients this step (a
@@ -325,7 +333,7 @@ class TrainingHealthMonitor(LedgerCallback):
     def _rollback_or_skip(self, trainer: pl.Trainer, ledger: StepLedger) -> bool:
         """Under ``"rollback"``, before the step's update: roll back if the flag sent one step ago says the damage
         got in, or count down the skipped window; otherwise keep the snapshots. Whether the update is dropped."""
-        module, optimizers, step = trainer.lightning_module, trainer.optimizers, ledger._label()
+        module, optimizers, step = trainer.lightning_module, trainer.optimizers, ledger.step_label
         if self._damaged.read():  # HOST READ of a copy started a step ago: no wait for the device
             self._roll_back(ledger, step, end=False)
             return True
@@ -411,13 +419,13 @@ class TrainingHealthMonitor(LedgerCallback):
     def _on_logging_step(self, ledger: StepLedger) -> None:
         device = ledger.record_of().device
         memory = peak_memory_over_ranks(device)
-        self.record_metric("stability/memory_peak_gb", memory[0])
+        self._sent_memory = self.record_metric("stability/memory_peak_gb", memory[0])
         if device.type == "cuda":
             self.record_metric("stability/memory_reserved_gb", memory[1])
         self._interval.reset()  # its value for this interval was logged in on_step
 
-    def on_host(self, trainer: pl.Trainer, record: OptimizerRecord, values: FlushValues) -> dict[str, float]:
-        return self._log.read(values)
+    def on_host(self, trainer: pl.Trainer, record: OptimizerRecord) -> dict[str, float]:
+        return self._log.read(self._sent.pop(record.index, HealthSent(None, None, None, None)))
 
     # ------------------------------------------------------------------ end of fit, checkpoints
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -426,9 +434,9 @@ class TrainingHealthMonitor(LedgerCallback):
         self._log.take_rows(self.history.pending_on_host(), {})
         ledger = StepLedger.of(trainer)
         if self.response == "rollback" and self._damaged.read():
-            self._roll_back(ledger, ledger._label(), end=True)
+            self._roll_back(ledger, ledger.step_label, end=True)
         # the counter as it ends, also when the last rollback came after the last step that recorded it
-        ledger._log((("stability/rollbacks", float(self.rollback.rollbacks)),), False)
+        self.record_metric("stability/rollbacks", float(self.rollback.rollbacks), to_loggers=False)
         if self.report and trainer.is_global_zero:
             self.write_report(trainer)
 
@@ -498,6 +506,8 @@ class TrainingHealthMonitor(LedgerCallback):
             "_row": None,
             "_size": None,
             "_grads": None,
+            "_sent_memory": None,
+            "_sent": {},
         }
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -22,8 +22,7 @@ from torch import Tensor
 
 from lightning_stability.health.signals import UpdateSize, memory_warning
 from lightning_stability.health.spike_stats import NEW_LEVEL_AFTER
-from lightning_stability.ledger.callback import LedgerCallback
-from lightning_stability.ledger.metrics import FlushValues
+from lightning_stability.ledger.metrics import OnHost
 from lightning_stability.ledger.verdict import NEW_LEVEL, SPIKE
 
 #: the device columns of a row, in order
@@ -322,6 +321,15 @@ _ACTIONS = {
 CALM_STEPS = 10
 
 
+class HealthSent(NamedTuple):
+    """What ``TrainingHealthMonitor`` sends on a logging step (one optimizer's), read in :meth:`HealthReporter.read`."""
+
+    rows: OnHost | None  # the history's rows since the last logging step
+    update_ratio: OnHost | None  # the update-to-weight ratio
+    top: tuple[OnHost, OnHost] | None  # the largest per-module update ratios, and their modules
+    memory_gb: OnHost | None  # the peak memory
+
+
 class HealthReporter:
     """The history of every step, the events (spikes, rollbacks), the warnings and the report.
 
@@ -343,38 +351,31 @@ class HealthReporter:
         self._memory_warned = False
 
     # ------------------------------------------------------------------ logging steps (device side: send)
-    def log_update_size(self, monitor: LedgerCallback, size: UpdateSize) -> None:
-        """Log the update-to-weight ratio (total and the ``top_modules`` largest), right after the update."""
+    def update_ratios(self, size: UpdateSize) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+        """The update-to-weight ratio, right after the update: the total, and the ``top_modules`` largest
+        per-module ratios with their module indices (``None`` when none are asked for)."""
         total, per_module = size.finish()
-        monitor.record_metric("stability/update_ratio", total)
         k = min(self.top_modules, per_module.numel())
-        if k:
-            top = torch.topk(torch.nan_to_num(per_module, nan=math.inf), k)
-            monitor.to_host("top_values", per_module[top.indices])
-            monitor.to_host("top_indices", top.indices)
-
-    def send_rows(self, monitor: LedgerCallback) -> None:
-        """The rows since the last logging step ride the step's one transfer."""
-        rows = self.history.pending()
-        if rows is not None:
-            monitor.to_host("rows", rows)
+        if not k:
+            return total, None
+        top = torch.topk(torch.nan_to_num(per_module, nan=math.inf), k)
+        return total, (per_module[top.indices], top.indices)
 
     # ------------------------------------------------------------------ logging steps (host side: read)
-    def read(self, values: FlushValues) -> dict[str, float]:
+    def read(self, sent: HealthSent) -> dict[str, float]:
         """Take a transfer's rows and metrics; returns the extra metrics to log (per-module update ratios, the
         skip rate)."""
         extra: dict[str, float] = {}
-        top_i, top_v = values.get("top_indices"), values.get("top_values")
-        if isinstance(top_i, list) and isinstance(top_v, list):
-            for i, v in zip(top_i, top_v, strict=True):
+        if sent.top is not None:
+            values, indices = sent.top[0].numbers(), sent.top[1].numbers()
+            for i, v in zip(indices, values, strict=True):
                 extra[f"stability/update_ratio/{self.names[int(i)]}"] = v
         sparse = {
-            key: value
-            for key, name in (("update_ratio", "stability/update_ratio"), ("memory_gb", "stability/memory_peak_gb"))
-            if isinstance(value := values.get(name), float)
+            key: value.number()
+            for key, value in (("update_ratio", sent.update_ratio), ("memory_gb", sent.memory_gb))
+            if value is not None
         }
-        rows = values.get("rows")
-        extra.update(self.take_rows(rows if isinstance(rows, list) else [], sparse))
+        extra.update(self.take_rows(sent.rows.numbers() if sent.rows is not None else [], sparse))
         self.check_memory(sparse.get("memory_gb"))
         return extra
 

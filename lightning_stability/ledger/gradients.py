@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_stability.norms import clip_coefficient, combine_norms, is_uniform, per_tensor_norms, scale_
+from lightning_stability.norms import clip_by_global_norm_, combine_norms, is_uniform, per_tensor_norms
 
 #: per optimizer: the ids of the parameters that had gradients on its last step, those parameters (held, so the
 #: ids stay theirs) and whether their gradients are uniform (``norms.is_uniform``): checked once per set, not
@@ -96,8 +96,6 @@ class StepGradients:
         """Scale the gradients so that their norm is at most ``threshold``; returns the coefficient applied."""
         if not isinstance(threshold, Tensor):
             self._clip.fixed = min(self._clip.fixed, float(threshold))
-        coef = clip_coefficient(self.current, threshold)  # type: ignore[arg-type]
-        if self.grads:
-            scale_(self.grads, coef, self._uniform)
+        coef = clip_by_global_norm_(self.grads, threshold, total=self.current, uniform=self._uniform)
         self._clip.coef = coef if self._clip.coef is None else self._clip.coef * coef
         return coef
