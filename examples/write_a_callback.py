@@ -18,14 +18,14 @@ BAD_STEP = STEPS // 2  # this step's targets are 1000x too large
 
 
 class SkipHighLoss(LedgerCallback):
-    needs_loss = True  # ledger.values["loss"]: the update's loss, averaged over its micro-batches
+    needs_loss = True  # ledger.step.loss: the update's loss, averaged over its micro-batches
 
     def __init__(self, max_loss: float) -> None:
         super().__init__()
         self.max_loss = max_loss
 
     def on_step(self, trainer, ledger, optimizer):
-        too_high = ledger.any_rank(ledger.values["loss"] > self.max_loss)  # a device flag, the same on every rank
+        too_high = ledger.any_rank(ledger.step.loss > self.max_loss)  # a device flag, the same on every rank
         ledger.mark_skip(Outcome.SKIPPED_SPIKE, too_high)
         self.record_metric("stability/loss_too_high", too_high.float())
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-import warnings
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -73,28 +72,9 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-# names that were public here before and now live in a feature's package: still importable, with a warning
-_MOVED = {
-    "FusedClipMixedPrecision": ("lightning_stability.amp", "FusedClipMixedPrecision"),
-    "ScaleRule": ("lightning_stability.amp", "ScaleRule"),
-    "StableFSDPPrecision": ("lightning_stability.strategies", "StableFSDPPrecision"),
-    "auto_initial_scale": ("lightning_stability.amp", "auto_initial_scale"),
-    "describe": ("lightning_stability", "describe_preset"),
-    "update_scale": ("lightning_stability.amp", "update_scale"),
-}
-
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
-    if module is None and name in _MOVED:
-        where, new = _MOVED[name]
-        warnings.warn(
-            f"lightning_stability.{name} moved: import {new} from {where} instead "
-            f"(`from {where} import {new}`). The old name goes in a later release.",
-            FutureWarning,
-            stacklevel=2,
-        )
-        return getattr(importlib.import_module(where), new)
     if module is None:
         raise AttributeError(f"module 'lightning_stability' has no attribute {name!r}")
     importlib.import_module("lightning_stability.strategies")  # registers "stable_fsdp" with Lightning

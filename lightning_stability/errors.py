@@ -43,12 +43,32 @@ def check_int(argument: str, value: object, minimum: int = 1, example: str | Non
     return value
 
 
-def check_number(argument: str, value: object, low: float = 0.0, high: float = math.inf, example: str = "1") -> float:
-    """``value`` as a float if it is a finite number in ``(low, high)`` (``low`` excluded), else a config error."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low < value < high and value < math.inf):
-        bounds = f"> {low}" if high == math.inf else f"in ({low}, {high})"
-        raise config_error(argument, value, f"must be a finite number {bounds}", f"pass e.g. {argument}={example}")
-    return float(value)
+def check_number(
+    argument: str,
+    value: object,
+    low: float = 0.0,
+    high: float = math.inf,
+    example: str = "1",
+    *,
+    low_inclusive: bool = False,
+    high_inclusive: bool = False,
+) -> float:
+    """``value`` as a float if it is a number between ``low`` and ``high``, else a config error naming it.
+
+    Both bounds are excluded unless ``low_inclusive`` / ``high_inclusive`` (so by default the number is finite;
+    ``high=math.inf, high_inclusive=True`` admits infinity). NaN and ``bool`` never pass.
+    """
+    number = not isinstance(value, bool) and isinstance(value, (int, float))
+    above = number and (low <= value if low_inclusive else low < value)  # type: ignore[operator]
+    below = number and (value <= high if high_inclusive else value < high)  # type: ignore[operator]
+    if not (above and below):
+        if high == math.inf:
+            bounds = f"{'>=' if low_inclusive else '>'} {low}" + (", or inf" if high_inclusive else "")
+        else:
+            bounds = f"in {'[' if low_inclusive else '('}{low}, {high}{']' if high_inclusive else ')'}"
+        what = "a number" if high == math.inf and high_inclusive else "a finite number"
+        raise config_error(argument, value, f"must be {what} {bounds}", f"pass e.g. {argument}={example}")
+    return float(value)  # type: ignore[arg-type]
 
 
 def check_bool(argument: str, value: object) -> bool:

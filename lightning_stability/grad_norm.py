@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import torch
@@ -20,10 +20,17 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stability.amp.diagnostics import fp16_without_scaler_problem
-from lightning_stability.errors import StabilityConfigError, check_bool, check_int, config_error
+from lightning_stability.errors import (
+    StabilityConfigError,
+    check_bool,
+    check_instance,
+    check_int,
+    check_number,
+    config_error,
+)
 from lightning_stability.ledger import (
-    FlushValues,
     LedgerCallback,
+    OnHost,
     OptimizerRecord,
     Outcome,
     StepGradients,
@@ -37,23 +44,14 @@ _K_CLIPPED = "grad_norm_monitor/clipped"
 
 
 def _parse_norm_type(norm_type: float | str) -> float:
-    if isinstance(norm_type, bool):
-        raise config_error("norm_type", norm_type, "is not a norm order", "pass 2.0, 1.0, float('inf') or any p > 0")
+    check_instance("norm_type", norm_type, (int, float, str), "a norm order", "2.0, 1.0, 'inf' or any p > 0")
     if isinstance(norm_type, str):
         if norm_type.lower() not in ("inf", "+inf"):
             raise config_error("norm_type", norm_type, "is not a norm order", "pass 2.0, 1.0, 'inf' or any p > 0")
         return math.inf
-    if not isinstance(norm_type, (int, float)):
-        raise config_error("norm_type", norm_type, "is not a norm order", "pass 2.0, 1.0, 'inf' or any p > 0")
-    value = float(norm_type)
-    if math.isnan(value) or value <= 0:
-        raise config_error(
-            "norm_type",
-            norm_type,
-            "must be a positive p or inf",
-            "use 2.0 (Euclidean, the usual choice) or 'inf'",
-        )
-    return value
+    return check_number(
+        "norm_type", norm_type, 0.0, example="2.0 (Euclidean, the usual choice) or 'inf'", high_inclusive=True
+    )
 
 
 class GradientNormMonitor(LedgerCallback):
@@ -116,19 +114,10 @@ class GradientNormMonitor(LedgerCallback):
     ) -> None:
         super().__init__(log_every_n_steps)
         if max_norm is not None:
-            if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
-                raise config_error(
-                    "max_norm", max_norm, "is not a number", "pass a positive float such as 1.0, or None"
-                )
-            if not math.isfinite(max_norm) or max_norm <= 0:
-                raise config_error(
-                    "max_norm",
-                    max_norm,
-                    "must be a positive, finite number",
-                    "pass e.g. 1.0 (BERT-like), 0.5 (GPT-like) or 2.0 (mixture of experts), or None to only measure",
-                )
-        if not isinstance(per_layer, (bool, int)) or (not isinstance(per_layer, bool) and per_layer < 1):
-            raise config_error("per_layer", per_layer, "is not False, True or a positive int", "pass True or e.g. 5")
+            example = "1.0 (BERT-like), 0.5 (GPT-like) or 2.0 (mixture of experts), or None to only measure"
+            check_number("max_norm", max_norm, 0.0, example=example)
+        if not isinstance(per_layer, bool):
+            check_int("per_layer", per_layer, 1, "per_layer=True (every module) or 5 (the 5 largest norms), or False")
         check_bool("skip_nonfinite", skip_nonfinite)
         check_bool("check_replicas", check_replicas)
         check_int("warn_top_k", warn_top_k, 0, "3")
@@ -140,6 +129,7 @@ class GradientNormMonitor(LedgerCallback):
         self.check_replicas = check_replicas
         self._names: dict[int, str] = {}
         self._layers: dict[int, _Layers] = {}  # per optimizer (track index)
+        self._reports: dict[int, _Report] = {}  # per optimizer: what a logging step sent, read in on_host
         self._scaler_skips = False
         self._replica_groups: tuple[int, ...] | None = None  # which ranks must hold equal local gradients
 
@@ -160,8 +150,10 @@ class GradientNormMonitor(LedgerCallback):
         if getattr(trainer.strategy, "gradients_are_local_shards", False):  # backend="fairscale"
             raise StabilityConfigError(
                 f"GradientNormMonitor cannot measure the global norm under {type(trainer.strategy).__name__}: its "
-                "gradients are flat local shards. Fix: use StableFSDPStrategy (FSDP2) or Lightning's "
-                "ModelParallelStrategy, or DDP."
+                "gradients are flat local shards. Fix: use StableFSDPStrategy(backend='native') (FSDP2), Lightning's "
+                "ModelParallelStrategy or DDP; or drop GradientNormMonitor and clip with "
+                "Trainer(gradient_clip_val=...), which the strategy applies with its own clip (FairScale's "
+                "clip_grad_norm_)."
             )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -200,7 +192,7 @@ class GradientNormMonitor(LedgerCallback):
             # A gradient can go bad on one rank after the data-parallel all-reduce (a hook that edits it, a
             # faulty device): one 0-dim all-reduce makes every rank see, and skip, the same step.
             bad = ledger.any_rank(bad)
-        ledger.values["grad_norm"] = total
+        ledger.step.grad_norm = total
         record = ledger.record_of()
         record.accumulate(_K_STEPS, 1.0)
         self.record_metric("stability/grad_norm", total)
@@ -208,7 +200,7 @@ class GradientNormMonitor(LedgerCallback):
         if self.max_norm is not None:
             # relative to another callback's clip, if one came first; the metrics after the step, once every
             # clip is done
-            ledger.values["clip_coef"] = gradients.clip_(self.max_norm)
+            ledger.step.clip_coef = gradients.clip_(self.max_norm)
         layers = self._layers_of(ledger, gradients, norms.device)
         layers.remember_first_bad(bad, norms)
         if self.skip_nonfinite:
@@ -216,7 +208,9 @@ class GradientNormMonitor(LedgerCallback):
             ledger.mark_skip(Outcome.SKIPPED_NONFINITE, bad)
         if self.is_logging_step:
             layer_norms = group_norms(norms, layers.index, len(layers.names), self.norm_type)
-            self._send_layers(layer_norms, layers, replica_norm)
+            every, top = self._send_layers(layer_norms)
+            replicas = self.to_host(gather_from_ranks(replica_norm)) if replica_norm is not None else None
+            self._reports[record.index] = _Report(every, top, replicas, self._send_bad_report(layers))
 
     def _replica_norm(self, trainer: pl.Trainer, gradients: StepGradients) -> Tensor | None:
         """What the replica check compares: the norm of this rank's own gradient shards, before this step's clips
@@ -246,58 +240,54 @@ class GradientNormMonitor(LedgerCallback):
         # counted now that the step closed, so this step's outcome is included
         self.record_metric("stability/skipped_steps", record.skipped_steps)
 
-    def _send_layers(self, layer_norms: Tensor, layers: _Layers, replica_norm: Tensor | None) -> None:
+    def _send_layers(self, layer_norms: Tensor) -> tuple[OnHost | None, tuple[OnHost, OnHost] | None]:
+        """Every module's norm (``per_layer=True``), or the k largest with their module indices."""
         if self.per_layer is True:
-            self.to_host("layers", layer_norms)
-        elif self.per_layer:
-            k = min(int(self.per_layer), layer_norms.numel())
-            top = torch.topk(torch.nan_to_num(layer_norms, nan=math.inf), k)
-            self.to_host("top_values", layer_norms[top.indices])
-            self.to_host("top_indices", top.indices)
-        if replica_norm is not None:
-            self.to_host("replica_norms", gather_from_ranks(replica_norm))
-        self._send_bad_report(layers)
+            return self.to_host(layer_norms), None
+        if not self.per_layer:
+            return None, None
+        k = min(int(self.per_layer), layer_norms.numel())
+        top = torch.topk(torch.nan_to_num(layer_norms, nan=math.inf), k)
+        return None, (self.to_host(layer_norms[top.indices]), self.to_host(top.indices))
 
-    def _send_bad_report(self, layers: _Layers) -> None:
+    def _send_bad_report(self, layers: _Layers) -> _BadReport | None:
         if layers.bad_seen is None or layers.bad_snapshot is None:
-            return
+            return None
         snap = layers.bad_layer_norms(self.norm_type)
         finite = torch.isfinite(snap)
-        self.to_host("bad_seen", layers.bad_seen)
-        self.to_host("first_bad", torch.argmax((~finite).to(torch.int32)))
-        self.to_host("bad_count", (~finite).sum())
+        seen = self.to_host(layers.bad_seen)
+        first = self.to_host(torch.argmax((~finite).to(torch.int32)))
+        count = self.to_host((~finite).sum())
         k = min(self.warn_top_k, snap.numel())
+        largest = None
         if k:
             top = torch.topk(torch.where(finite, snap, -1.0), k)
-            self.to_host("bad_top_values", top.values)
-            self.to_host("bad_top_indices", top.indices)
+            largest = (self.to_host(top.values), self.to_host(top.indices))
         layers.bad_seen = torch.zeros_like(layers.bad_seen)
+        return _BadReport(seen, first, count, largest)
 
-    def on_host(self, trainer: pl.Trainer, record: OptimizerRecord, values: FlushValues) -> dict[str, float]:
+    def on_host(self, trainer: pl.Trainer, record: OptimizerRecord) -> dict[str, float]:
+        report = self._reports.pop(record.index, None)
+        if report is None:
+            return {}
         names, step = self._layers[record.index].names, record.steps
         extra: dict[str, float] = {}
-        layers = values.get("layers")
-        if isinstance(layers, list):
-            extra.update({f"stability/grad_norm/{n}": v for n, v in zip(names, layers, strict=True)})
-        top_values, top_indices = values.get("top_values"), values.get("top_indices")
-        if isinstance(top_values, list) and isinstance(top_indices, list):
-            extra.update(
-                {f"stability/grad_norm/{names[int(i)]}": v for i, v in zip(top_indices, top_values, strict=True)}
-            )
-        replicas = values.get("replica_norms")
-        if isinstance(replicas, list):
-            warn_disagreeing_replicas(replicas, step, groups=self._replica_groups)
-        if values.get("bad_seen"):
-            self._warn_nonfinite(values, names)
+        if report.layers is not None:
+            extra.update({f"stability/grad_norm/{n}": v for n, v in zip(names, report.layers.numbers(), strict=True)})
+        if report.top is not None:
+            values, indices = (sent.numbers() for sent in report.top)
+            extra.update({f"stability/grad_norm/{names[int(i)]}": v for i, v in zip(indices, values, strict=True)})
+        if report.replicas is not None:
+            warn_disagreeing_replicas(report.replicas.numbers(), step, groups=self._replica_groups)
+        if report.bad is not None and report.bad.seen.number():
+            self._warn_nonfinite(report.bad, names)
         return extra
 
-    def _warn_nonfinite(self, values: FlushValues, names: list[str]) -> None:
-        first = names[int(values["first_bad"])]  # type: ignore[arg-type]
-        bad_values = values.get("bad_top_values", [])
-        bad_indices = values.get("bad_top_indices", [])
-        assert isinstance(bad_values, list) and isinstance(bad_indices, list)
-        top = ", ".join(f"{names[int(i)]}={v:.3g}" for i, v in zip(bad_indices, bad_values, strict=True) if v >= 0)
-        count = int(values["bad_count"])  # type: ignore[arg-type]
+    def _warn_nonfinite(self, bad: _BadReport, names: list[str]) -> None:
+        first = names[int(bad.first.number())]
+        values, indices = (bad.top[0].numbers(), bad.top[1].numbers()) if bad.top is not None else ([], [])
+        top = ", ".join(f"{names[int(i)]}={v:.3g}" for i, v in zip(indices, values, strict=True) if v >= 0)
+        count = int(bad.modules.number())
         if self._scaler_skips:
             action = "skipped by the fp16 loss scaler"
         else:
@@ -327,16 +317,34 @@ class GradientNormMonitor(LedgerCallback):
         ledger = StepLedger.of(trainer)
         for index, layers in self._layers.items():
             if layers.bad_seen is not None and index < len(trainer.optimizers):
-                ledger._select(trainer.optimizers[index])
-                self._send_bad_report(layers)
-        ledger._flush()
+                ledger.select(trainer.optimizers[index])
+                self._reports[index] = _Report(None, None, None, self._send_bad_report(layers))
+        ledger.flush()
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
         return {"max_norm": self.max_norm, "norm_type": self.norm_type}
 
     def transient_state(self) -> dict[str, Any]:
-        return {"_layers": {}, "_names": {}, "_replica_groups": None}
+        return {"_layers": {}, "_reports": {}, "_names": {}, "_replica_groups": None}
+
+
+class _BadReport(NamedTuple):
+    """The first non-finite step since the last report, on its way to the host."""
+
+    seen: OnHost  # whether there was one
+    first: OnHost  # the first module with a non-finite norm
+    modules: OnHost  # how many modules had one
+    top: tuple[OnHost, OnHost] | None  # the largest finite module norms at that step, and their modules
+
+
+class _Report(NamedTuple):
+    """What a logging step sends to the host for one optimizer, read back in ``on_host``."""
+
+    layers: OnHost | None  # every module's norm (per_layer=True)
+    top: tuple[OnHost, OnHost] | None  # the k largest module norms and their modules (per_layer=k)
+    replicas: OnHost | None  # every rank's norm (check_replicas=True)
+    bad: _BadReport | None
 
 
 class _Layers:

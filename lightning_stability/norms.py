@@ -174,6 +174,29 @@ def clip_coefficient(total_norm: Tensor, max_norm: float, eps: float = 1e-6) -> 
     return torch.clamp(max_norm / (total_norm + eps), max=1.0)
 
 
+def clip_by_global_norm_(
+    tensors: Sequence[Tensor],
+    max_norm: float | Tensor,
+    total: Tensor | None = None,
+    norm_type: float = 2.0,
+    uniform: bool = False,
+) -> Tensor:
+    """Clip by the global norm, in place: every tensor times ``min(1, max_norm / (total + 1e-6))``, the coefficient
+    of ``torch.nn.utils.clip_grad_norm_``; returns it (a 0-dim tensor, no host sync).
+
+    The one clip of the package: ``StepGradients.clip_`` (the callbacks' clips), ``StableFSDPPrecision`` and
+    ``FusedClipMixedPrecision`` (``Trainer(gradient_clip_val)``). ``total``: the tensors' global norm when the
+    caller knows it (else measured here, sharded tensors reduced over their mesh); ``uniform``: as for
+    :func:`per_tensor_norms`.
+    """
+    if total is None:
+        total = total_norm(tensors, norm_type)
+    coef = clip_coefficient(total, max_norm)  # type: ignore[arg-type]
+    if tensors:
+        scale_(tensors, coef, uniform)
+    return coef
+
+
 def scale_(tensors: Sequence[Tensor], coef: Tensor, uniform: bool = False) -> None:
     """Multiply tensors in place by a scalar tensor; sharded tensors are scaled shard by shard. ``uniform``: as
     for :func:`per_tensor_norms`."""

@@ -23,9 +23,9 @@ from lightning_stability.errors import (
     check_ratio,
     config_error,
 )
+from lightning_stability.health.responses import RESPONSES, Response
 
 Precision = Literal["16-mixed", "bf16-mixed", "32-true"]
-Response = Literal["warn", "clip", "skip", "rollback"]
 
 
 @dataclass(frozen=True)
@@ -115,9 +115,9 @@ class Preset:
             raise config_error("precision", self.precision, "is not a preset precision", f"pass one of {_PRECISIONS}")
         check_number("init_scale", self.init_scale, example="65536.0 (2**16)")
         check_int("hysteresis", self.hysteresis, 1, "hysteresis=2")
-        if self.health is not None and self.health not in _RESPONSES:
+        if self.health is not None and self.health not in RESPONSES:
             raise config_error(
-                "health", self.health, "is not a response", f"pass one of {_RESPONSES}, or None for no health monitor"
+                "health", self.health, "is not a response", f"pass one of {RESPONSES}, or None for no health monitor"
             )
         if self.lr_scaling not in ("linear", "sqrt", "none"):
             raise config_error(
@@ -157,7 +157,6 @@ _NEEDS_FSDP = {
 }
 _OFF = {"tensor_parallel": "1", "activation_checkpointing": "False"}
 _PRECISIONS = ("16-mixed", "bf16-mixed", "32-true")
-_RESPONSES = ("warn", "clip", "skip", "rollback")
 FIELDS = tuple(f.name for f in fields(Preset) if f.name not in _META)
 
 _BASE = Preset(

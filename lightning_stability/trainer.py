@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import inspect
 import os
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -264,19 +265,55 @@ def _fp16(preset: Preset, args: dict[str, Any]) -> bool:
     return str(args.get("precision", preset.precision)) in ("16-mixed", "16")
 
 
+@dataclass(frozen=True)
+class _Part:
+    """One callback a preset attaches: how it is built from the preset (``None``: turned off), the preset fields
+    that configure it, and the override that turns it off (``None``: none does)."""
+
+    kind: type[Callback]
+    build: Callable[[Preset, dict[str, Any]], Callback | None]
+    fields: str
+    off: str | None = None
+
+
+#: the preset's callbacks, in the order they are attached
+_PARTS = (
+    _Part(GradientNormMonitor, lambda p, a: GradientNormMonitor(max_norm=p.max_norm), "max_norm"),
+    _Part(
+        WarmupConstantCosineLR,
+        lambda p, a: (
+            WarmupConstantCosineLR(warmup=p.warmup, decay=p.decay, min_lr_ratio=p.min_lr_ratio)
+            if p.lr_schedule
+            else None
+        ),
+        "warmup, decay, min_lr_ratio",
+        "lr_schedule=False",
+    ),
+    _Part(
+        GradientAccumulation,
+        lambda p, a: (
+            GradientAccumulation(steps=p.accumulation, lr_scaling=p.lr_scaling) if p.accumulation > 1 else None
+        ),
+        "accumulation, lr_scaling",
+        "accumulation=1",
+    ),
+    _Part(
+        LossScaleTuner,
+        lambda p, a: LossScaleTuner(init_scale=p.init_scale, hysteresis=p.hysteresis) if _fp16(p, a) else None,
+        "init_scale, hysteresis",
+    ),
+    _Part(
+        TrainingHealthMonitor,
+        lambda p, a: TrainingHealthMonitor(response=p.health) if p.health is not None else None,
+        "health",
+        "health=None",
+    ),
+)
+
+
 def _callbacks(preset: Preset, args: dict[str, Any]) -> list[Callback]:
-    callbacks: list[Callback] = [GradientNormMonitor(max_norm=preset.max_norm)]
-    if preset.lr_schedule:
-        callbacks.append(
-            WarmupConstantCosineLR(warmup=preset.warmup, decay=preset.decay, min_lr_ratio=preset.min_lr_ratio)
-        )
-    if preset.accumulation > 1:
-        callbacks.append(GradientAccumulation(steps=preset.accumulation, lr_scaling=preset.lr_scaling))
-    if _fp16(preset, args):
-        callbacks.append(LossScaleTuner(init_scale=preset.init_scale, hysteresis=preset.hysteresis))
-    if preset.health is not None:
-        callbacks.append(TrainingHealthMonitor(response=preset.health))
-    return callbacks
+    built = (part.build(preset, args) for part in _PARTS)
+    return [callback for callback in built if callback is not None]
 
 
 #: a preset run of known length saves every 10% of it, and at least every 500 optimizer steps (torchtitan's default
@@ -308,16 +345,6 @@ def _stable_checkpoint(preset: Preset, args: dict[str, Any], extra: list[Callbac
     return StableCheckpoint(dirpath=root / "checkpoints", every_n_train_steps=every, save_at_end=every is not None)
 
 
-#: the preset fields that configure each of its callbacks, and the override that turns it off (None: none does)
-_FIELD_OF: dict[type[Callback], tuple[str, str | None]] = {
-    GradientNormMonitor: ("max_norm", None),
-    WarmupConstantCosineLR: ("warmup, decay, min_lr_ratio", "lr_schedule=False"),
-    GradientAccumulation: ("accumulation, lr_scaling", "accumulation=1"),
-    LossScaleTuner: ("init_scale, hysteresis", None),
-    TrainingHealthMonitor: ("health", "health=None"),
-}
-
-
 def _check_duplicates(preset: Preset, ours: list[Callback], extra: list[Callback]) -> None:
     for cb in extra:
         if not isinstance(cb, LedgerCallback):
@@ -325,7 +352,8 @@ def _check_duplicates(preset: Preset, ours: list[Callback], extra: list[Callback
         clash = next((o for o in ours if isinstance(o, LedgerCallback) and isinstance(cb, o.kind())), None)
         if clash is not None:
             kind = clash.kind()
-            fields, off = _FIELD_OF.get(type(clash), ("its preset fields", None))
+            part = next(p for p in _PARTS if type(clash) is p.kind)  # `ours` holds only the parts' callbacks
+            fields, off = part.fields, part.off
             keep = f"; or turn the preset's off with {off} and keep yours" if off else ""
             raise StabilityConfigError(
                 f"StableTrainer.from_preset({preset.name!r}) already attaches a {kind.__name__}, and callbacks= "

@@ -42,9 +42,9 @@ class LedgerCapture(pl.Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         ledger = StepLedger.of(trainer)
-        self.norms.append(ledger.values["grad_norm"].item())
-        if "clip_coef" in ledger.values:
-            self.coefs.append(ledger.values["clip_coef"].item())
+        self.norms.append(ledger.step.grad_norm.item())
+        if ledger.step.clip_coef is not None:
+            self.coefs.append(ledger.step.clip_coef.item())
         self.clipped.append([p.grad.detach().clone() if p.grad is not None else None for p in pl_module.parameters()])
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -425,16 +425,16 @@ def test_pickle_and_state_key() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"max_norm": -1.0}, r"`max_norm=-1.0` must be a positive, finite number.*Fix"),
-        ({"max_norm": 0}, r"`max_norm=0` must be a positive"),
+        ({"max_norm": -1.0}, r"`max_norm=-1.0` must be a finite number > 0.*Fix"),
+        ({"max_norm": 0}, r"`max_norm=0` must be a finite number > 0"),
         ({"max_norm": float("nan")}, r"`max_norm=nan`"),
-        ({"max_norm": "1"}, r"`max_norm='1'` is not a number"),
-        ({"norm_type": 0}, r"`norm_type=0` must be a positive p or inf.*Fix"),
+        ({"max_norm": "1"}, r"`max_norm='1'` must be a finite number"),
+        ({"norm_type": 0}, r"`norm_type=0` must be a number > 0.0, or inf.*Fix"),
         ({"norm_type": -2.0}, r"`norm_type=-2.0`"),
         ({"norm_type": "fro"}, r"`norm_type='fro'` is not a norm order"),
-        ({"norm_type": True}, r"`norm_type=True` is not a norm order"),
+        ({"norm_type": True}, r"`norm_type=True` must be a norm order"),
         ({"log_every_n_steps": 0}, r"`log_every_n_steps=0` must be an int >= 1"),
-        ({"per_layer": 0}, r"`per_layer=0` is not False, True or a positive int"),
+        ({"per_layer": 0}, r"`per_layer=0` must be an int >= 1.*per_layer=True"),
         ({"per_layer": "all"}, r"`per_layer='all'`"),
         ({"skip_nonfinite": "yes"}, r"`skip_nonfinite='yes'` must be a bool"),
         ({"warn_top_k": -1}, r"`warn_top_k=-1`"),

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lightning_stability.norms import (
+    clip_by_global_norm_,
     clip_coefficient,
     combine_norms,
     group_norms,
@@ -49,6 +50,37 @@ def test_clipping_matches_clip_grad_norm(norm_type: float) -> None:
     for p, g in zip(params, ours, strict=True):
         torch.testing.assert_close(g, p.grad)
     assert coef.item() < 1.0
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_the_one_clip_is_torchs_clip_grad_norm_bit_for_bit(norm_type: float) -> None:
+    grads = _grads(3)
+    params = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(params, max_norm=0.5, norm_type=norm_type)
+    ours = [g.clone() for g in grads]
+    coef = clip_by_global_norm_(ours, 0.5, norm_type=norm_type)
+    assert coef.item() < 1.0
+    assert all(torch.equal(g, p.grad) for p, g in zip(params, ours, strict=True))
+
+
+def test_gradient_clip_val_under_fused_clip_mixed_precision_is_lightnings_clip_bit_for_bit() -> None:
+    """``Trainer(gradient_clip_val)`` through the package's clip gives what Lightning's own plugin gives."""
+    from lightning.pytorch.plugins.precision import Precision
+
+    from lightning_stability.amp.callback import FusedClipMixedPrecision
+
+    grads = _grads(4)
+    results = []
+    for plugin in (Precision(), FusedClipMixedPrecision("16-mixed", "cpu")):
+        params = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        plugin.clip_grad_by_norm(torch.optim.SGD(params, lr=0.1), 0.5)
+        results.append([p.grad for p in params])
+    assert not torch.equal(results[0][0], grads[0])  # it clipped
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
 def test_no_clipping_below_threshold() -> None:

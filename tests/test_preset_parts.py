@@ -213,8 +213,8 @@ REACHES: dict[str, tuple[str, Any, dict[str, Any], Callable[[pl.Trainer], Any]]]
     "min_lr_ratio": ("gpt", 0.1, {}, lambda t: _schedule(t).min_lr_ratio),
     "lr_schedule": ("gpt", False, {}, lambda t: one(t, ScheduledLR) is not None),
     "precision": ("gpt", "32-true", {}, lambda t: t.precision),
-    "init_scale": ("175b", 1024.0, {}, lambda t: one(t, LossScaleTuner).scaler_kwargs["init_scale"]),
-    "hysteresis": ("175b", 3, {}, lambda t: one(t, LossScaleTuner).scaler_kwargs["hysteresis"]),
+    "init_scale": ("175b", 1024.0, {}, lambda t: one(t, LossScaleTuner).settings.init_scale),
+    "hysteresis": ("175b", 3, {}, lambda t: one(t, LossScaleTuner).settings.hysteresis),
     "accumulation": ("gpt", 3, {}, attr(GradientAccumulation, "steps")),
     "lr_scaling": ("under-1b", "sqrt", {}, attr(GradientAccumulation, "lr_scaling")),
     "effective_batch": ("gpt", 64, {}, lambda t: t.preset.effective_batch),  # the planner's input only

@@ -54,14 +54,6 @@ def test_callbacks_holds_every_callback() -> None:
         assert getattr(callbacks, name) is getattr(lightning_stability, name)
 
 
-@pytest.mark.parametrize("name", sorted(lightning_stability._MOVED))
-def test_a_moved_name_still_imports_and_says_where_it_went(name: str) -> None:
-    where, new = lightning_stability._MOVED[name]
-    with pytest.warns(FutureWarning, match=rf"import {new} from {re.escape(where)}"):
-        value = getattr(lightning_stability, name)
-    assert value is getattr(importlib.import_module(where), new)
-
-
 def test_an_unknown_name_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="no attribute 'GradientClipper'"):
         lightning_stability.GradientClipper  # noqa: B018

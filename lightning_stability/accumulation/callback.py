@@ -252,6 +252,7 @@ class GradientAccumulation(LedgerCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         if self._micro >= self._size:
             self._start_window(trainer, pl_module, batch_idx)
         self._micro += 1

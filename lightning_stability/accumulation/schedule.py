@@ -22,7 +22,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lightning_stability.errors import config_error
+from lightning_stability.errors import check_int, config_error
 
 __all__ = ["LR_SCALINGS", "AccumulationSchedule", "lr_scale", "parse_steps"]
 
@@ -54,8 +54,7 @@ def parse_steps(steps: int | Mapping[int, int]) -> tuple[list[int], list[int]]:
         schedule.setdefault(0, 1)
         keys = sorted(schedule)
         return keys, [schedule[k] for k in keys]
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise config_error("steps", steps, "must be an int >= 1 or a dict {update: factor}", "pass e.g. 4")
+    check_int("steps", steps, 1, "4, or a dict {update: factor} such as {0: 2, 1000: 4}")
     return [0], [steps]
 
 

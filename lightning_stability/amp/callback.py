@@ -8,7 +8,7 @@ the ledger. With the Trainer's clipping it also installs :class:`FusedClipMixedP
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
@@ -23,11 +23,12 @@ from lightning_stability.amp.diagnostics import (
     run_fit_start_checks,
 )
 from lightning_stability.amp.rule import ScaleRule
-from lightning_stability.amp.scaler import TunedGradScaler, check_scaler_arguments
-from lightning_stability.errors import StabilityConfigError, check_bool, config_error
-from lightning_stability.ledger import FlushValues, OptimizerRecord, StepLedger
+from lightning_stability.amp.scaler import ScalerSettings, TunedGradScaler
+from lightning_stability.errors import StabilityConfigError, check_bool, check_number, config_error
+from lightning_stability.ledger import OnHost, OptimizerRecord, StepLedger
 from lightning_stability.ledger.callback import LedgerCallback
 from lightning_stability.ledger.skips import unscale_if_deferred
+from lightning_stability.norms import clip_by_global_norm_
 
 _NEAR_FLOOR_BACKOFFS = 4  # "near the floor": at most this many backoffs above min_scale
 _K_SCALE = "stability/loss_scale"
@@ -141,26 +142,10 @@ class LossScaleTuner(LedgerCallback):
         fit_start_checks: bool = True,
     ) -> None:
         super().__init__(log_every_n_steps)
-        self.scaler_kwargs: dict[str, Any] = dict(
-            init_scale=init_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            hysteresis=hysteresis,
-            min_scale=min_scale,
-            consecutive_hysteresis=consecutive_hysteresis,
-            overflow_window=overflow_window,
-            auto_headroom=auto_headroom,
-        )
-        check_scaler_arguments(**self.scaler_kwargs)
+        self.settings = ScalerSettings.among(locals())
         if on_min_scale not in ("raise", "warn"):
             raise config_error("on_min_scale", on_min_scale, "is not 'raise' or 'warn'", "pass 'raise' or 'warn'")
-        if (
-            isinstance(max_overflow_rate, bool)
-            or not isinstance(max_overflow_rate, (int, float))
-            or not 0 < max_overflow_rate <= 1
-        ):
-            raise config_error("max_overflow_rate", max_overflow_rate, "must be a number in (0, 1]", "pass e.g. 0.05")
+        check_number("max_overflow_rate", max_overflow_rate, 0.0, 1.0, example="0.05", high_inclusive=True)
         check_bool("fit_start_checks", fit_start_checks)
         self.on_min_scale = on_min_scale
         self.max_overflow_rate = float(max_overflow_rate)
@@ -172,12 +157,12 @@ class LossScaleTuner(LedgerCallback):
         self._check_loss = False
         # per optimizer record, what a logging step's on_host needs: the scaler, its update count, the updates
         # the overflow rate covers, the step
-        self._at_flush: dict[int, tuple[TunedGradScaler, int, int, int]] = {}
+        self._at_flush: dict[int, _AtFlush] = {}
 
     one_instance_reason = "each would own the loss scale"
 
     def state_fields(self) -> dict[str, Any]:
-        return dict(self.scaler_kwargs)
+        return self.settings.as_arguments()  # this order makes the state key that checkpoints are matched by
 
     @property
     def scaler(self) -> TunedGradScaler | None:
@@ -201,7 +186,7 @@ class LossScaleTuner(LedgerCallback):
             return
         if current is not self._scaler:
             device = _compat.scaler_device(current, trainer.strategy.root_device.type)
-            self._scaler = TunedGradScaler(device, **self.scaler_kwargs)
+            self._scaler = self.settings.scaler(device)
             self._floor_hits_seen, self._warned = 0, False  # a checkpoint may restore both later
             plugin.scaler = self._scaler  # type: ignore[attr-defined]  # any plugin with a `scaler`
         if trainer.gradient_clip_val and type(plugin) is MixedPrecision:
@@ -229,32 +214,31 @@ class LossScaleTuner(LedgerCallback):
         # metric must keep the value it had after its own update.
         values = scaler.host_snapshot()
         scale, overflows, floor_hits = values if values is not None else scaler.snapshot().unbind(0)
-        self.record_metric(_K_SCALE, scale)
+        sent_scale = self.record_metric(_K_SCALE, scale)
         self.record_metric(_K_OVERFLOWS, overflows)
-        self.record_metric(_K_FLOOR, floor_hits)
+        sent_floor_hits = self.record_metric(_K_FLOOR, floor_hits)
         if not self.is_logging_step:
             return
-        self.record_metric(_K_RATE, scaler.overflow_rate())
+        sent_rate = self.record_metric(_K_RATE, scaler.overflow_rate())
         state = scaler.device_state()
-        if state is not None:  # back to the host with this step's one transfer (see TunedGradScaler.to_host)
-            self.to_host("state", state)
+        # back to the host with this step's one transfer (see TunedGradScaler.to_host)
+        sent_state = self.to_host(state) if state is not None else None
         covered = min(scaler.updates, scaler.overflow_window)
         record = ledger.record_of()
-        self._at_flush[record.index] = (scaler, scaler.updates, covered, record.steps)
+        self._at_flush[record.index] = _AtFlush(
+            scaler, scaler.updates, covered, record.steps, sent_state, sent_scale, sent_floor_hits, sent_rate
+        )
 
-    def on_host(self, trainer: pl.Trainer, record: OptimizerRecord, values: FlushValues) -> None:
+    def on_host(self, trainer: pl.Trainer, record: OptimizerRecord) -> None:
         """The scaler's state back to the host; the floor and struggling decisions, from the logging step's one
         transfer."""
         queued = self._at_flush.pop(record.index, None)
         if queued is None:
             return
-        scaler, updates, covered, step = queued
-        state = values.get("state")
-        if isinstance(state, list):
-            scaler.to_host(state, updates)
-        hits, scale, rate = values.get(_K_FLOOR), values.get(_K_SCALE), values.get(_K_RATE)
-        if not isinstance(hits, float) or not isinstance(scale, float) or not isinstance(rate, float):
-            return
+        scaler, covered, step = queued.scaler, queued.covered, queued.step
+        if queued.state is not None:
+            scaler.to_host(queued.state.numbers(), queued.updates)
+        hits, scale, rate = queued.floor_hits.number(), queued.scale.number(), queued.rate.number()
         rule, window = scaler.rule, scaler.overflow_window
         self._on_floor_hits(int(hits), rule, step)
         if self._warned:
@@ -329,6 +313,19 @@ class LossScaleTuner(LedgerCallback):
         return {"_scaler": None, "_error": None, "_at_flush": {}}
 
 
+class _AtFlush(NamedTuple):
+    """What a logging step's transfer brings back to ``LossScaleTuner.on_host``, with the scaler it is about."""
+
+    scaler: TunedGradScaler
+    updates: int  # the scaler's update count when its state was read
+    covered: int  # steps the overflow rate covers
+    step: int  # the optimizer step
+    state: OnHost | None  # the scaler's device state (None: on the host already)
+    scale: OnHost
+    floor_hits: OnHost
+    rate: OnHost
+
+
 class FusedClipMixedPrecision(MixedPrecision):
     """Lightning's ``MixedPrecision`` where ``Trainer(gradient_clip_val=...)`` works for fused optimizers too.
 
@@ -353,6 +350,12 @@ class FusedClipMixedPrecision(MixedPrecision):
             unscale_if_deferred(self.scaler, optimizer)
         # Skip MixedPrecision.clip_gradients (the fused-optimizer refusal): the gradients are unscaled now.
         Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        """Clip by the global norm with the package's one clip (``torch.nn.utils.clip_grad_norm_``'s coefficient)."""
+        grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
+        if grads:
+            clip_by_global_norm_(grads, float(clip_val))
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         own = type(self).__qualname__

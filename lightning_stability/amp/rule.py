@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from lightning_stability import _compat
-from lightning_stability.errors import check_int, config_error
+from lightning_stability.errors import check_bool, check_int, check_number
 
 FP16_MAX = 65504.0
 """The largest finite float16 value (IEEE 754 half precision: the fp16 range is ±65504)."""
@@ -49,10 +49,6 @@ AUTO_MAX_SCALE = 2.0**32
 AUTO_EMPTY_SCALE = 2.0**24
 """Automatic initial scale when every probed gradient was zero: at a probe scale of 1 nothing was
 at least fp16's smallest subnormal, 2**-24, so a scale of 2**24 keeps the largest gradient below 1."""
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -77,27 +73,15 @@ class ScaleRule:
     consecutive_hysteresis: bool = False
 
     def __post_init__(self) -> None:
-        if not _is_number(self.growth_factor) or not math.isfinite(self.growth_factor) or self.growth_factor <= 1:
-            raise config_error("growth_factor", self.growth_factor, "must be a finite number > 1", "pass e.g. 2.0")
-        if not _is_number(self.backoff_factor) or not 0 < self.backoff_factor < 1:
-            raise config_error("backoff_factor", self.backoff_factor, "must be a number in (0, 1)", "pass e.g. 0.5")
+        check_number("growth_factor", self.growth_factor, 1.0, example="2.0")
+        check_number("backoff_factor", self.backoff_factor, 0.0, 1.0, example="0.5")
         for name in ("growth_interval", "hysteresis"):
             value = getattr(self, name)
             example = "2000 (torch) or 1000 (Megatron-LM, DeepSpeed)" if name == "growth_interval" else "2"
             check_int(name, value, 1, example)
-        if self.min_scale is not None and (
-            not _is_number(self.min_scale) or not math.isfinite(self.min_scale) or self.min_scale <= 0
-        ):
-            raise config_error(
-                "min_scale",
-                self.min_scale,
-                "must be a positive, finite number or None",
-                "pass e.g. 1.0, or None",
-            )
-        if not isinstance(self.consecutive_hysteresis, bool):
-            raise config_error(
-                "consecutive_hysteresis", self.consecutive_hysteresis, "must be a bool", "pass True or False"
-            )
+        if self.min_scale is not None:
+            check_number("min_scale", self.min_scale, 0.0, example="1.0, or None")
+        check_bool("consecutive_hysteresis", self.consecutive_hysteresis)
 
 
 class ScaleState(NamedTuple):

@@ -8,14 +8,14 @@ are in :mod:`~lightning_stability.amp.state`.
 Each optimizer step has one overflow flag, the same on every rank: torch's unscale records one flag per device the
 gradients live on, :func:`combine_flags` makes them one 0-dim flag on the scale's device, and
 :func:`max_across_ranks` max-reduces it over a process group, so an inf in one rank's gradient (or one shard) makes
-every rank skip and back off alike. :func:`check_scaler_arguments` holds the argument checks, also run by
-``LossScaleTuner`` at construction.
+every rank skip and back off alike. :class:`ScalerSettings` holds the scaler's settings and their checks, the
+one definition ``TunedGradScaler`` and ``LossScaleTuner`` both take their arguments from.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from lightning_stability import _compat
 from lightning_stability.amp.rule import HostScaleState, ScaleRule
 from lightning_stability.amp.state import OverflowCounts, RuleState, ScaleProbe, overflow_read_on_host
-from lightning_stability.errors import check_bool, check_instance, check_int, config_error
+from lightning_stability.errors import check_bool, check_instance, check_int, check_number, config_error
 from lightning_stability.ledger.skips import has_votes_in_flags, restore_overflow_flags
 
 if TYPE_CHECKING:
@@ -98,17 +98,7 @@ class TunedGradScaler(torch.amp.GradScaler):
         if process_group is not None:
             check_instance("process_group", process_group, dist.ProcessGroup, "a ProcessGroup or None", "None")
         check_bool("enabled", enabled)
-        check_scaler_arguments(
-            init_scale,
-            growth_factor,
-            backoff_factor,
-            growth_interval,
-            hysteresis,
-            min_scale,
-            consecutive_hysteresis,
-            overflow_window,
-            auto_headroom,
-        )
+        settings = ScalerSettings.among(locals())  # the checks
         auto = init_scale == "auto"
         super().__init__(
             device,
@@ -118,11 +108,11 @@ class TunedGradScaler(torch.amp.GradScaler):
             growth_interval=growth_interval,
             enabled=enabled,
         )
-        self._hysteresis = hysteresis
-        self._min_scale = None if min_scale is None else float(min_scale)
-        self._consecutive_hysteresis = consecutive_hysteresis
-        self._overflow_window = overflow_window
-        self._auto_headroom = float(auto_headroom)
+        self._hysteresis = settings.hysteresis
+        self._min_scale = None if settings.min_scale is None else float(settings.min_scale)
+        self._consecutive_hysteresis = settings.consecutive_hysteresis
+        self._overflow_window = settings.overflow_window
+        self._auto_headroom = float(settings.auto_headroom)
         self.process_group = process_group
         self._probing = auto
         self._probe = ScaleProbe()
@@ -353,7 +343,7 @@ class TunedGradScaler(torch.amp.GradScaler):
         )
         updates = int(state_dict.get("updates", 0))
         fused = self._state.fused
-        self._state = RuleState(OverflowCounts.from_state(state_dict, self._overflow_window, updates), updates)
+        self._state = RuleState(OverflowCounts.from_state(state_dict, self._overflow_window), updates)
         if fused is not None:  # already running: rebuild the rule's state around torch's reloaded tensors
             self._init_device_state(fused.scale.device)
 
@@ -388,39 +378,44 @@ def max_across_ranks(flag: Tensor, group: ProcessGroup | None) -> Tensor:
 def _check_init_scale(init_scale: object, min_scale: object) -> None:
     if init_scale == "auto":
         return
-    if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)) or not math.isfinite(init_scale):
-        raise config_error("init_scale", init_scale, "is not a number or 'auto'", "pass e.g. 2.0**16, 32768 or 'auto'")
-    if init_scale <= 0:
-        raise config_error("init_scale", init_scale, "must be > 0", "pass e.g. 2.0**16, 32768 or 'auto'")
-    if isinstance(min_scale, (int, float)) and init_scale < min_scale:
+    scale = check_number("init_scale", init_scale, 0.0, example="2.0**16, 32768 or 'auto'")
+    if isinstance(min_scale, (int, float)) and scale < min_scale:
         raise config_error(
             "init_scale", init_scale, f"is below min_scale={min_scale}", "raise init_scale, or lower min_scale"
         )
 
 
-def _check_headroom(auto_headroom: object) -> None:
-    if (
-        isinstance(auto_headroom, bool)
-        or not isinstance(auto_headroom, (int, float))
-        or not math.isfinite(auto_headroom)
-        or auto_headroom < 1
-    ):
-        raise config_error("auto_headroom", auto_headroom, "must be a finite number >= 1", "pass e.g. 8.0")
+@dataclass(frozen=True)
+class ScalerSettings(ScaleRule):
+    """The settings of a :class:`TunedGradScaler`: the rule's (:class:`~lightning_stability.amp.rule.ScaleRule`)
+    and the scaler's own three, checked at construction. The one definition of the arguments ``TunedGradScaler``
+    and ``LossScaleTuner`` share (each is documented in :class:`TunedGradScaler`); ``LossScaleTuner`` holds one and
+    builds its scaler with :meth:`scaler`.
 
+    Raises:
+        StabilityConfigError: for a bad setting, naming it.
+    """
 
-def check_scaler_arguments(
-    init_scale: object,
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
-    hysteresis: int,
-    min_scale: float | None,
-    consecutive_hysteresis: bool,
-    overflow_window: object,
-    auto_headroom: object,
-) -> None:
-    """Every argument check of :class:`TunedGradScaler`, also run by ``LossScaleTuner`` at construction."""
-    ScaleRule(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, consecutive_hysteresis)
-    _check_init_scale(init_scale, min_scale)
-    check_int("overflow_window", overflow_window, 1, "1000")
-    _check_headroom(auto_headroom)
+    init_scale: float | Literal["auto"] = 2.0**16
+    overflow_window: int = 1000
+    auto_headroom: float = 8.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_init_scale(self.init_scale, self.min_scale)
+        check_int("overflow_window", self.overflow_window, 1, "1000")
+        check_number("auto_headroom", self.auto_headroom, 1.0, example="8.0", low_inclusive=True)
+
+    @classmethod
+    def among(cls, arguments: Mapping[str, Any]) -> ScalerSettings:
+        """The settings found among a constructor's ``arguments`` (its ``locals()``), checked."""
+        return cls(**{f.name: arguments[f.name] for f in fields(cls)})
+
+    def as_arguments(self) -> dict[str, Any]:
+        """The settings as keyword arguments, in the constructors' order (``init_scale`` first)."""
+        settings = asdict(self)
+        return {"init_scale": settings.pop("init_scale"), **settings}
+
+    def scaler(self, device: str) -> TunedGradScaler:
+        """A :class:`TunedGradScaler` on ``device`` with these settings."""
+        return TunedGradScaler(device, **self.as_arguments())

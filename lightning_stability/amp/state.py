@@ -274,22 +274,12 @@ class OverflowCounts:
         return self._ring.tolist()
 
     @classmethod
-    def from_state(cls, state_dict: dict[str, Any], window: int, updates: int) -> OverflowCounts:
-        """The ring saved in a scaler's state dict, or rebuilt from the totals (and overflow flags) of an older one."""
-        rows = window + 1
+    def from_state(cls, state_dict: dict[str, Any], window: int) -> OverflowCounts:
+        """The ring saved in a scaler's state dict; fresh counts for one saved by torch's ``GradScaler``."""
         counts = state_dict.get("overflow_counts")
-        if counts is not None and len(counts) == rows:
-            return cls(window, [[float(v) for v in row] for row in counts])
-        overflows, floor_hits = float(state_dict.get("overflow_steps", 0)), float(state_dict.get("floor_hits", 0))
-        ring = [[0.0, 0.0] for _ in range(rows)]
-        # an earlier version kept one 0/1 flag per update, update u in slot u % window
-        flags = state_dict.get("overflow_flags") or []
-        covered = min(updates, window)
-        for back in range(covered + 1):
-            ring[(updates - back) % rows] = [overflows, floor_hits]
-            if back < covered and len(flags) == window:
-                overflows -= float(flags[(updates - 1 - back) % window] != 0)
-        return cls(window, ring)
+        if counts is None:
+            return cls(window)
+        return cls(window, [[float(v) for v in row] for row in counts])
 
     def __getstate__(self) -> dict[str, Any]:
         return {"window": self.window, "_host": self.host_rows(), "on_host": True, "_ring": None, "_rows": ()}

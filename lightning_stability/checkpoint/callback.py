@@ -26,14 +26,13 @@ from lightning_stability.checkpoint.atomic import CheckpointError
 from lightning_stability.checkpoint.io import local_path
 from lightning_stability.checkpoint.preemption import PreemptionSignals, check_signals, default_signals
 from lightning_stability.checkpoint.ring import BEST, LAST, RING, Entry, HealthyCheckpoints
-from lightning_stability.errors import check_bool, config_error
+from lightning_stability.errors import check_bool, check_int, config_error
 from lightning_stability.ledger.step_ledger import StepLedger
 from lightning_stability.ledger.track import Outcome
 from lightning_stability.norms import local_tensor
 
 #: on a signal in an unhealthy state, the step boundaries tried before stopping without a save
 SIGNAL_DEFER_STEPS = 5
-_LOSS_Z, _GRAD_Z = "stability/loss_z", "stability/grad_norm_z"  # TrainingHealthMonitor's z-scores, every step
 
 
 class StableCheckpoint(ModelCheckpoint):
@@ -42,7 +41,8 @@ class StableCheckpoint(ModelCheckpoint):
 
     * **Healthy states only.** A due save (``every_n_train_steps``, ``every_n_epochs``, ``train_time_interval``,
       the end of training, a signal) waits for the next optimizer step whose update was applied, whose loss and
-      weights are finite and where ``TrainingHealthMonitor`` (if attached) flags no spike, and says so once.
+      weights are finite and that ``TrainingHealthMonitor`` (if attached) did not call a spike (its verdict in the
+      step ledger: a signal settled at a new level is not one), and says so once.
     * **A list of healthy checkpoints.** ``stable_checkpoints.json`` in ``dirpath`` lists the newest ``keep``;
       older ones are removed. ``ckpt_path="last"`` resolves to the newest listed one that passes
       :func:`~lightning_stability.checkpoint.atomic.verify_checkpoint` (or none: a fresh start), after taking back one a
@@ -134,8 +134,7 @@ class StableCheckpoint(ModelCheckpoint):
             enable_version_counter=enable_version_counter,
         )
         check_model_checkpoint_arguments(signals=signals, **lightning_args)
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise config_error("keep", keep, "must be an int >= 1", "pass e.g. keep=3 (the newest healthy checkpoints)")
+        check_int("keep", keep, 1, "keep=3 (the newest healthy checkpoints)")
         if save_weights_only:
             raise config_error(
                 "save_weights_only",
@@ -533,19 +532,18 @@ def state_problems(trainer: pl.Trainer, batch_loss: Tensor | None = None) -> lis
     """Why the state after the last optimizer step must not be saved (empty: it may), the same on every rank.
 
     Reads the step ledger's last outcome, the update's loss (the ledger's when a callback records it, else
-    ``batch_loss``), every weight (this rank's shards) and, if attached, ``TrainingHealthMonitor``'s z-scores;
+    ``batch_loss``), every weight (this rank's shards) and the ledger's health verdict (``StepLedger.health``,
+    written by ``TrainingHealthMonitor`` if attached: whether it called the last step it scored a spike);
     max-reduced over ranks with one all-reduce of four numbers. HOST SYNC: one read; call it only where a save
     is due (which syncs anyway).
     """
-    from lightning_stability.health.callback import TrainingHealthMonitor
-
     module = trainer.lightning_module
     params = [local_tensor(p.detach()) for p in module.parameters()]
     device = params[0].device if params else module.device
     ledger = StepLedger.of(trainer)
     outcome = ledger.outcome
     flags = [torch.as_tensor(outcome, device=device).reshape(()).float()]
-    loss = ledger.values.get("loss", batch_loss)
+    loss = ledger.step.loss if ledger.has_step and ledger.step.loss is not None else batch_loss
     flags.append(
         (~torch.isfinite(loss.detach().float())).any().to(device)
         if loss is not None
@@ -553,14 +551,8 @@ def state_problems(trainer: pl.Trainer, batch_loss: Tensor | None = None) -> lis
     )
     finite = [torch.isfinite(p).all() for p in params]
     flags.append(~torch.stack(finite).all() if finite else torch.zeros((), device=device, dtype=torch.bool))
-    monitors = [cb for cb in trainer.callbacks if isinstance(cb, TrainingHealthMonitor)]  # type: ignore[attr-defined]
-    spike = torch.zeros((), device=device, dtype=torch.bool)
-    if monitors:
-        metrics = trainer.callback_metrics
-        for key in (_LOSS_Z, _GRAD_Z):
-            if key in metrics:
-                spike = spike | (torch.as_tensor(metrics[key], device=device).float() > monitors[0].spike_z).any()
-    flags.append(spike)
+    verdict = ledger.health
+    flags.append(verdict.spike.to(device) if verdict is not None else torch.zeros((), device=device, dtype=torch.bool))
     values = torch.stack([f.float() for f in flags])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
@@ -573,5 +565,5 @@ def state_problems(trainer: pl.Trainer, batch_loss: Tensor | None = None) -> lis
     if weights_bad:
         problems.append("a weight is not finite")
     if spiked:
-        problems.append(f"TrainingHealthMonitor flags a spike (a z-score above spike_z={monitors[0].spike_z:g})")
+        problems.append("TrainingHealthMonitor flags a spike")
     return problems

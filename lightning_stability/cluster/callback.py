@@ -22,11 +22,9 @@ from lightning_stability.cluster.weight_hash import (
     replica_layout,
     weight_fingerprint,
 )
-from lightning_stability.errors import check_int, check_number, config_error
+from lightning_stability.errors import check_int, check_number
 from lightning_stability.grad_norm import gather_from_ranks
-from lightning_stability.ledger import FlushValues, LedgerCallback, OptimizerRecord, StepLedger
-
-_HASH = "hash@"  # to_host key prefix of a check's gathered fingerprints: "hash@<optimizer step>"
+from lightning_stability.ledger import LedgerCallback, OnHost, OptimizerRecord, StepLedger
 
 
 class ClusterHealthMonitor(LedgerCallback):
@@ -103,22 +101,24 @@ class ClusterHealthMonitor(LedgerCallback):
             check_number("straggler_factor", straggler_factor, 1.0, example="1.5 (or None to turn it off)")
         if weight_hash_every is not None:
             check_int("weight_hash_every", weight_hash_every, 1, "weight_hash_every=1000, or None for off")
-        if isinstance(straggler_min_gap_s, bool) or not isinstance(straggler_min_gap_s, (int, float)):
-            raise config_error("straggler_min_gap_s", straggler_min_gap_s, "is not a number", "pass e.g. 0.01")
-        if not (0.0 <= straggler_min_gap_s < math.inf):
-            raise config_error("straggler_min_gap_s", straggler_min_gap_s, "must be >= 0 and finite", "pass e.g. 0.01")
+        check_number("straggler_min_gap_s", straggler_min_gap_s, 0.0, example="0.01", low_inclusive=True)
         self.straggler_factor = None if straggler_factor is None else float(straggler_factor)
         self.weight_hash_every = weight_hash_every
         self.straggler_min_gap_s = float(straggler_min_gap_s)
         self._timer = StepTimer()
         self._layout: ReplicaLayout | None = None
-        self._pending: list[tuple[int, Tensor]] = []  # (optimizer step, gathered fingerprints) not yet read
+        self._pending: list[tuple[int, Tensor]] = []  # (optimizer step, gathered fingerprints) not yet sent
+        # sent on a logging step, read in on_host, per optimizer (record index): every rank's own time of the
+        # step; the checks' (optimizer step, gathered fingerprints)
+        self._sent_times: dict[int, OnHost] = {}
+        self._sent_hashes: dict[int, list[tuple[int, OnHost]]] = {}
         self._last_clean: int | None = None  # the last checked step at which every replica agreed
 
     # ------------------------------------------------------------------ setup
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._timer = StepTimer()
         self._pending, self._layout, self._last_clean = [], None, None
+        self._sent_times, self._sent_hashes = {}, {}
         if self.weight_hash_every is None:
             return
         strategy = trainer.strategy
@@ -137,6 +137,7 @@ class ClusterHealthMonitor(LedgerCallback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         self._timer.batch_start()
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
@@ -176,7 +177,8 @@ class ClusterHealthMonitor(LedgerCallback):
         # a fill from a host float (no host-to-device copy), on logging steps only
         value = math.nan if own is None else own
         mine = torch.full((), value, dtype=torch.float32, device=trainer.strategy.root_device)
-        self.to_host("rank_times", gather_from_ranks(mine) if trainer.world_size > 1 else mine.reshape(1))
+        times = gather_from_ranks(mine) if trainer.world_size > 1 else mine.reshape(1)
+        self._sent_times[ledger.record_of().index] = self.to_host(times)
 
     def after_step(self, trainer: pl.Trainer, ledger: StepLedger) -> None:
         if self._layout is None or self.weight_hash_every is None:
@@ -187,18 +189,19 @@ class ClusterHealthMonitor(LedgerCallback):
             fingerprint = weight_fingerprint(module.parameters(), trainer.strategy.root_device)
             self._pending.append((record.steps, gather_fingerprints(fingerprint)))
         if self.is_logging_step:
-            self._send_pending()
+            self._send_pending(ledger.record_of().index)
 
-    def _send_pending(self) -> None:
-        for step, gathered in self._pending:
-            self.to_host(f"{_HASH}{step}", gathered)
+    def _send_pending(self, index: int) -> None:
+        sent = self._sent_hashes.setdefault(index, [])
+        sent += [(step, self.to_host(gathered)) for step, gathered in self._pending]
         self._pending = []
 
     # ------------------------------------------------------------------ on the host
-    def on_host(self, trainer: pl.Trainer, record: OptimizerRecord, values: FlushValues) -> dict[str, float]:
+    def on_host(self, trainer: pl.Trainer, record: OptimizerRecord) -> dict[str, float]:
         extra: dict[str, float] = {}
-        times = values.get("rank_times")
-        if isinstance(times, list):
+        sent_times = self._sent_times.pop(record.index, None)
+        if sent_times is not None:
+            times = sent_times.numbers()
             figures = straggler_figures(times)
             if figures.slowest >= 0:
                 extra.update(
@@ -214,9 +217,10 @@ class ClusterHealthMonitor(LedgerCallback):
                     rank_zero_warn(
                         straggler_message(figures, factor, record.steps, len(times)), category=RuntimeWarning
                     )
-        checks = sorted((int(k[len(_HASH) :]), v) for k, v in values.items() if k.startswith(_HASH))
-        for step, flat in checks:
-            assert isinstance(flat, list) and self._layout is not None
+        checks = self._sent_hashes.pop(record.index, [])
+        for step, sent in checks:
+            assert self._layout is not None
+            flat = sent.numbers()
             prints = [flat[i : i + 2] for i in range(0, len(flat), 2)]
             differing = disagreeing_replicas(prints, self._layout)
             extra["stability/replicas_differing"] = float(len(differing))
@@ -252,9 +256,16 @@ class ClusterHealthMonitor(LedgerCallback):
         # a check run after the last logging step is read now, not lost
         if self._pending and trainer.optimizers:
             ledger = StepLedger.of(trainer)
-            ledger._select(trainer.optimizers[0])
-            self._send_pending()
-            ledger._flush()
+            ledger.select(trainer.optimizers[0])
+            self._send_pending(ledger.record_of().index)
+            ledger.flush()
 
     def transient_state(self) -> dict[str, Any]:
-        return {"_timer": StepTimer(), "_layout": None, "_pending": [], "_last_clean": None}
+        return {
+            "_timer": StepTimer(),
+            "_layout": None,
+            "_pending": [],
+            "_sent_times": {},
+            "_sent_hashes": {},
+            "_last_clean": None,
+        }

@@ -7,8 +7,9 @@ spike: warn, adaptive clip (ZClip), skip (OLMo-core), or rollback (PaLM).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -17,7 +18,6 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stability.checkpoint.atomic import CheckpointError, verify_checkpoint
-from lightning_stability.checkpoint.callback import StableCheckpoint
 from lightning_stability.errors import (
     StabilityConfigError,
     check_bool,
@@ -26,26 +26,26 @@ from lightning_stability.errors import (
     check_path,
     config_error,
 )
-from lightning_stability.grad_norm import GradientNormMonitor
-from lightning_stability.health.history import HealthHistory, HealthReporter
+from lightning_stability.health.history import HealthHistory, HealthReporter, HealthSent
 from lightning_stability.health.report_loggers import send_report
+from lightning_stability.health.responses import RESPONSES, Response
 from lightning_stability.health.rollback import HostFlag, Rollback, newest_clean_step, restore_checkpoint
 from lightning_stability.health.signals import UpdateSize, capacity, mean_over_ranks, peak_memory_over_ranks
 from lightning_stability.health.spike_stats import NEW_LEVEL_AFTER, IntervalMean, SpikeStats, zclip_threshold
-from lightning_stability.ledger import FlushValues, LedgerCallback, OptimizerRecord, Outcome, StepLedger, loss_scaler
+from lightning_stability.ledger import LedgerCallback, OnHost, OptimizerRecord, Outcome, StepLedger, loss_scaler
+from lightning_stability.ledger.gradients import StepGradients
+from lightning_stability.ledger.verdict import CheckpointRing, HealthVerdict
 from lightning_stability.norms import local_tensor, module_groups
 
-Response = Literal["warn", "clip", "skip", "rollback"]
 _LOSS, _GRAD = 0, 1
 
 
 class _Constants:
     """Device tensors the step reads and never writes (made once: no fill or copy per step)."""
 
-    def __init__(self, device: torch.device, fixed_clip: float) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.zero = torch.zeros((), device=device)
         self.nan = torch.full((1,), math.nan, device=device)
-        self.fixed_clip = torch.full((1,), fixed_clip, device=device)
         self.grad_only = torch.tensor([False, True], device=device)  # HOST DATA: once
 
 
@@ -71,6 +71,10 @@ class TrainingHealthMonitor(LedgerCallback):
       stops with :class:`TrainingDivergedError`. No host sync: the flag is copied to the host without waiting and
       read one step later (see ``lightning_stability.health.rollback``).
 
+    Its verdict of each step it scores (spike, new level, rollback pending) is data: a
+    :class:`~lightning_stability.ledger.verdict.HealthVerdict` in the step ledger (``StepLedger.of(trainer).health``),
+    which ``StableCheckpoint`` reads to defer a save, and whose flags the history and the report record.
+
     On logging steps it also measures the update-to-weight ratio ``‖Δθ‖/‖θ‖`` (total and per module, one
     transient copy of the local shard) and the peak memory (max over ranks), and warns when the peak nears
     the device's capacity. At the end of ``fit``, and when it ends in an exception, it writes the stability report
@@ -79,7 +83,8 @@ class TrainingHealthMonitor(LedgerCallback):
 
     Args:
         response: ``"warn"``, ``"clip"``, ``"skip"`` or ``"rollback"``.
-        spike_z: z-score above which a loss or gradient norm is a spike (OLMo-core's ``sigma_factor``, 6).
+        spike_z: z-score above which a loss or gradient norm is a spike, unless it has settled there (a new level;
+            OLMo-core's ``sigma_factor``, 6).
         clip_z: z-score above which ``"clip"`` clips the gradient (ZClip's ``z_thresh``, 2.5).
         alpha: EMA factor of the running statistics (ZClip, 0.97).
         warmup_steps: values that initialise the statistics before any spike is called (ZClip, 25).
@@ -160,9 +165,11 @@ class TrainingHealthMonitor(LedgerCallback):
         self._trainer: pl.Trainer | None = None
         self._interval = IntervalMean()  # the loss (and norm) over the logging interval
         self._const: _Constants | None = None
-        self._fixed_clip = math.nan
         self._row: int | None = None  # the open step's history row, its outcome set in after_step
+        self._grads: StepGradients | None = None  # the open step's gradients: their fixed clip read in after_step
         self._size: UpdateSize | None = None  # the update size, measured across the update on logging steps
+        self._sent_memory: OnHost | None = None  # a logging step's peak memory, read back in on_host
+        self._sent: dict[int, HealthSent] = {}  # per optimizer: what a logging step sent, read in on_host
 
     @property
     def history(self) -> HealthHistory:
@@ -193,9 +200,6 @@ class TrainingHealthMonitor(LedgerCallback):
         self._module_index = None
         device = pl_module.device
         self._log.capacity = capacity(device)
-        # the report draws GradientNormMonitor's fixed clip line when this monitor does not clip adaptively
-        fixed = [cb.max_norm for cb in trainer.callbacks if isinstance(cb, GradientNormMonitor)]  # type: ignore[attr-defined]
-        self._fixed_clip = float(fixed[0]) if fixed and fixed[0] is not None else math.nan
         self._const = None
         self._trainer = trainer
 
@@ -219,15 +223,15 @@ class TrainingHealthMonitor(LedgerCallback):
         if self.response == "rollback" and self._rollback_or_skip(trainer, ledger):
             # the rollback step or the data window after it: a host decision, no sync
             ledger.mark_skip(Outcome.SKIPPED_ROLLBACK, True)
-            row = self.history.add(ledger._label(), [], host, ledger.record_of().device)
+            row = self.history.add(ledger.step_label, [], host, ledger.record_of().device)
             self.history.set_outcome(row, int(Outcome.SKIPPED_ROLLBACK))
-            self._row, self._size = None, None
+            self._row, self._size, self._grads = None, None, None
             self.record_metric("stability/rollbacks", float(self.rollback.rollbacks))
             if self.is_logging_step:
                 self._on_logging_step(ledger)
             return
         grads = ledger.gradients()
-        loss = ledger.values.get("loss")
+        loss = ledger.step.loss
         const = self._constants(grads.total.device)
         if loss is None:  # the step's loss is not known: a placeholder the statistics skip; NaN in the history
             values = mean_over_ranks(torch.stack([const.zero, grads.total]))
@@ -239,7 +243,7 @@ class TrainingHealthMonitor(LedgerCallback):
             z, raw = scored.z, values
         spikes, include, deviation = scored.spikes, scored.include, scored.deviation
         ledger.mark_skip(Outcome.SKIPPED_NONFINITE, scored.nonfinite)  # never applied, whatever the response
-        threshold = const.fixed_clip
+        threshold = const.nan  # a fixed clip (GradientNormMonitor's) is a host value, read in after_step
         if self.response == "clip":
             mean, std = self.stats.mean_std(values.device)
             over = z[_GRAD] > self.clip_z
@@ -252,12 +256,16 @@ class TrainingHealthMonitor(LedgerCallback):
             self.record_metric("stability/clip_threshold", threshold[0])
         elif self.response in ("skip", "rollback"):
             ledger.mark_skip(Outcome.SKIPPED_SPIKE, spikes.any())
+        damaged: Tensor | bool = False
         if self.response == "rollback":
             # the damage got in when this step spiked on the weights of a spike whose update was skipped
             spiked, before = spikes.any(), self._spiked
             if isinstance(before, Tensor) or before:
-                self._damaged.send(spiked & before if isinstance(before, Tensor) else spiked)
+                damaged = spiked & before if isinstance(before, Tensor) else spiked
+                self._damaged.send(damaged)
             self._spiked = spiked
+        # the verdict, as data: StableCheckpoint reads it from the ledger, the history records its flags
+        verdict = ledger.health = HealthVerdict(scored.flags, spikes, damaged)
         self.stats.update(deviation, include, scored.run)
         # the loss's mean over the logging interval, every step so that EarlyStopping/ModelCheckpoint find it at
         # any epoch end (device ops, no sync)
@@ -278,9 +286,10 @@ class TrainingHealthMonitor(LedgerCallback):
         )
         lr_value = lr.reshape(1).float() if isinstance(lr, Tensor) else const.nan
         # the history's row: loss, grad norm, clip threshold, the two spike flags, LR, loss scale
-        parts = [raw, threshold, scored.flags, lr_value, scale]
-        self._row = self.history.add(ledger._label(), parts, host, values.device)
+        parts = [raw, threshold, verdict.flags, lr_value, scale]
+        self._row = self.history.add(ledger.step_label, parts, host, values.device)
         self._size = None
+        self._grads = grads if self.response != "clip" else None
         if self.is_logging_step:
             if grads.params:  # measured across the update: started here, finished in after_step
                 self._size = UpdateSize(grads.params, self._index_of(grads.params), len(self._log.names))
@@ -289,12 +298,22 @@ class TrainingHealthMonitor(LedgerCallback):
     def after_step(self, trainer: pl.Trainer, ledger: StepLedger) -> None:
         if self._row is not None:
             self.history.set_outcome(self._row, ledger.outcome)
-            self._row = None
-        if self._size is not None:
-            self._log.log_update_size(self, self._size)
+            # the report's clip line where this monitor does not clip: the fixed clip the step's gradients got
+            fixed = self._grads.fixed_threshold if self._grads is not None else None
+            if fixed is not None:
+                self.history.set_host(self._row, "clip_threshold", fixed)
+            self._row, self._grads = None, None
+        ratio, top = None, None
+        if self._size is not None:  # the update-to-weight ratio (total and the largest modules), after the update
+            total, largest = self._log.update_ratios(self._size)
+            ratio = self.record_metric("stability/update_ratio", total)
+            top = (self.to_host(largest[0]), self.to_host(largest[1])) if largest is not None else None
             self._size = None
         if self.is_logging_step:
-            self._log.send_rows(self)  # the rows since the last logging step ride this step's transfer
+            rows = self.history.pending()  # the rows since the last logging step ride this step's transfer
+            sent_rows = self.to_host(rows) if rows is not None else None
+            self._sent[ledger.record_of().index] = HealthSent(sent_rows, ratio, top, self._sent_memory)
+            self._sent_memory = None
 
     def _index_of(self, params: list[Tensor]) -> Tensor:
         """Each parameter's module index, on the device, for the parameters that have gradients this step (a
@@ -308,13 +327,13 @@ class TrainingHealthMonitor(LedgerCallback):
 
     def _constants(self, device: torch.device) -> _Constants:
         if self._const is None or self._const.zero.device != device:
-            self._const = _Constants(device, self._fixed_clip)
+            self._const = _Constants(device)
         return self._const
 
     def _rollback_or_skip(self, trainer: pl.Trainer, ledger: StepLedger) -> bool:
         """Under ``"rollback"``, before the step's update: roll back if the flag sent one step ago says the damage
         got in, or count down the skipped window; otherwise keep the snapshots. Whether the update is dropped."""
-        module, optimizers, step = trainer.lightning_module, trainer.optimizers, ledger._label()
+        module, optimizers, step = trainer.lightning_module, trainer.optimizers, ledger.step_label
         if self._damaged.read():  # HOST READ of a copy started a step ago: no wait for the device
             self._roll_back(ledger, step, end=False)
             return True
@@ -328,7 +347,7 @@ class TrainingHealthMonitor(LedgerCallback):
         trainer = ledger.trainer
         assert trainer is not None
         r, module, optimizers = self.rollback, trainer.lightning_module, trainer.optimizers
-        rings = [cb for cb in trainer.callbacks if isinstance(cb, StableCheckpoint)]  # type: ignore[attr-defined]
+        rings = [cb for cb in trainer.callbacks if isinstance(cb, CheckpointRing)]  # type: ignore[attr-defined]
         found, why_not = None, ""
         if not r.from_memory(step):
             found, why_not = self._checkpoint_before_damage(trainer, rings, step)
@@ -345,6 +364,8 @@ class TrainingHealthMonitor(LedgerCallback):
         else:
             raise r.diverged(step, why_not)
         self._spiked = False  # the next step is scored on the restored weights
+        if ledger.health is not None:  # the verdict stays the last scored step's, its rollback done
+            ledger.health = replace(ledger.health, rollback_pending=False)
         self._log.add_events([event])
         ledger.note(event)
         rank_zero_warn(f"TrainingHealthMonitor: {said}: {event['detail']}.")
@@ -358,7 +379,7 @@ class TrainingHealthMonitor(LedgerCallback):
                 )
 
     def _checkpoint_before_damage(
-        self, trainer: pl.Trainer, rings: list[StableCheckpoint], step: int
+        self, trainer: pl.Trainer, rings: list[CheckpointRing], step: int
     ) -> tuple[tuple[Path, int] | None, str]:
         """The newest healthy checkpoint saved before the damage and not rolled back to already, as ``(path,
         global step)``, chosen by rank 0 (the first that passes ``verify_checkpoint``) and broadcast; else
@@ -398,13 +419,13 @@ class TrainingHealthMonitor(LedgerCallback):
     def _on_logging_step(self, ledger: StepLedger) -> None:
         device = ledger.record_of().device
         memory = peak_memory_over_ranks(device)
-        self.record_metric("stability/memory_peak_gb", memory[0])
+        self._sent_memory = self.record_metric("stability/memory_peak_gb", memory[0])
         if device.type == "cuda":
             self.record_metric("stability/memory_reserved_gb", memory[1])
         self._interval.reset()  # its value for this interval was logged in on_step
 
-    def on_host(self, trainer: pl.Trainer, record: OptimizerRecord, values: FlushValues) -> dict[str, float]:
-        return self._log.read(values)
+    def on_host(self, trainer: pl.Trainer, record: OptimizerRecord) -> dict[str, float]:
+        return self._log.read(self._sent.pop(record.index, HealthSent(None, None, None, None)))
 
     # ------------------------------------------------------------------ end of fit, checkpoints
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -413,9 +434,9 @@ class TrainingHealthMonitor(LedgerCallback):
         self._log.take_rows(self.history.pending_on_host(), {})
         ledger = StepLedger.of(trainer)
         if self.response == "rollback" and self._damaged.read():
-            self._roll_back(ledger, ledger._label(), end=True)
+            self._roll_back(ledger, ledger.step_label, end=True)
         # the counter as it ends, also when the last rollback came after the last step that recorded it
-        ledger._log((("stability/rollbacks", float(self.rollback.rollbacks)),), False)
+        self.record_metric("stability/rollbacks", float(self.rollback.rollbacks), to_loggers=False)
         if self.report and trainer.is_global_zero:
             self.write_report(trainer)
 
@@ -472,7 +493,6 @@ class TrainingHealthMonitor(LedgerCallback):
         self.history.load_state_dict(state_dict.get("history", {}))
         self._log.load_events(state_dict.get("events", []), state_dict.get("events_dropped", 0))
         self.rollback.load_state_dict(state_dict.get("rollback", {}))
-        # a checkpoint of version 0.1 saved True for any spike not yet answered: it rolls back at the next step
         self._damaged.load(bool(state_dict.get("pending_rollback", False)))
         self._spiked = bool(state_dict.get("last_spike", False))
         self._interval.load_state_dict(state_dict.get("interval", {}))
@@ -485,10 +505,10 @@ class TrainingHealthMonitor(LedgerCallback):
             "_const": None,
             "_row": None,
             "_size": None,
+            "_grads": None,
+            "_sent_memory": None,
+            "_sent": {},
         }
-
-
-RESPONSES = ("warn", "clip", "skip", "rollback")
 
 
 def check_health_arguments(
@@ -508,10 +528,8 @@ def check_health_arguments(
     if response not in RESPONSES:
         raise config_error("response", response, "is not a response", f"pass one of {', '.join(RESPONSES)}")
     for name, value in (("spike_z", spike_z), ("clip_z", clip_z)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise config_error(name, value, "must be a number > 0", "pass e.g. 6.0 (spikes) or 2.5 (clip)")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < 1:
-        raise config_error("alpha", alpha, "must be in (0, 1)", "pass e.g. 0.97 (ZClip's default)")
+        check_number(name, value, 0.0, example="6.0 (spikes) or 2.5 (clip)", high_inclusive=True)
+    check_number("alpha", alpha, 0.0, 1.0, example="0.97 (ZClip's default)")
     check_int("warmup_steps", warmup_steps, 1, "25")
     if snapshot_every is not None:
         check_int("snapshot_every", snapshot_every, 1, "20, or None to scale it to the run")
@@ -525,9 +543,7 @@ def check_health_arguments(
     for name, value in (("max_rollbacks", max_rollbacks), ("top_modules", top_modules)):
         check_int(name, value, 0, "3 or 5")
     check_int("max_disk_rollbacks", max_disk_rollbacks, 0, "1, or 0 to stop instead of loading a checkpoint")
-    check_number("memory_warn_fraction", memory_warn_fraction, 0.0, example="0.9")
-    if memory_warn_fraction > 1:
-        raise config_error("memory_warn_fraction", memory_warn_fraction, "must be in (0, 1]", "pass e.g. 0.9")
+    check_number("memory_warn_fraction", memory_warn_fraction, 0.0, 1.0, example="0.9", high_inclusive=True)
 
 
 def _total_steps(trainer: pl.Trainer) -> int | None:

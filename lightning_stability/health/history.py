@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -22,8 +22,8 @@ from torch import Tensor
 
 from lightning_stability.health.signals import UpdateSize, memory_warning
 from lightning_stability.health.spike_stats import NEW_LEVEL_AFTER
-from lightning_stability.ledger.callback import LedgerCallback
-from lightning_stability.ledger.metrics import FlushValues
+from lightning_stability.ledger.metrics import OnHost
+from lightning_stability.ledger.verdict import NEW_LEVEL, SPIKE
 
 #: the device columns of a row, in order
 COLUMNS = ("loss", "grad_norm", "clip_threshold", "loss_spike", "grad_spike", "lr", "loss_scale", "outcome")
@@ -96,6 +96,11 @@ class HealthHistory:
             cell.copy_(outcome)
         else:
             cell.fill_(float(outcome))
+
+    def set_host(self, index: int, column: str, value: float) -> None:
+        """A value of row ``index`` known on the host (a fixed clip threshold): it takes the place of the column's
+        device value when the row reaches the host."""
+        self._host[index][column] = value
 
     def pending(self) -> Tensor | None:
         """The rows since the last :meth:`take`, flattened (a view: queue it for the transfer)."""
@@ -291,7 +296,7 @@ def _count(totals: dict[str, float], columns: dict[str, list[float]]) -> None:
         if math.isfinite(outcome) and outcome != 0:
             key = f"outcome_{int(outcome)}"
             totals[key] = totals.get(key, 0.0) + 1
-    spikes = sum(1 for v in columns["loss_spike"] if v == 1)
+    spikes = sum(1 for v in columns["loss_spike"] if v == SPIKE)
     if spikes:
         totals["loss_spikes"] = totals.get("loss_spikes", 0.0) + spikes
     for key, name, pick in (
@@ -316,6 +321,15 @@ _ACTIONS = {
 CALM_STEPS = 10
 
 
+class HealthSent(NamedTuple):
+    """What ``TrainingHealthMonitor`` sends on a logging step (one optimizer's), read in :meth:`HealthReporter.read`."""
+
+    rows: OnHost | None  # the history's rows since the last logging step
+    update_ratio: OnHost | None  # the update-to-weight ratio
+    top: tuple[OnHost, OnHost] | None  # the largest per-module update ratios, and their modules
+    memory_gb: OnHost | None  # the peak memory
+
+
 class HealthReporter:
     """The history of every step, the events (spikes, rollbacks), the warnings and the report.
 
@@ -337,38 +351,31 @@ class HealthReporter:
         self._memory_warned = False
 
     # ------------------------------------------------------------------ logging steps (device side: send)
-    def log_update_size(self, monitor: LedgerCallback, size: UpdateSize) -> None:
-        """Log the update-to-weight ratio (total and the ``top_modules`` largest), right after the update."""
+    def update_ratios(self, size: UpdateSize) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+        """The update-to-weight ratio, right after the update: the total, and the ``top_modules`` largest
+        per-module ratios with their module indices (``None`` when none are asked for)."""
         total, per_module = size.finish()
-        monitor.record_metric("stability/update_ratio", total)
         k = min(self.top_modules, per_module.numel())
-        if k:
-            top = torch.topk(torch.nan_to_num(per_module, nan=math.inf), k)
-            monitor.to_host("top_values", per_module[top.indices])
-            monitor.to_host("top_indices", top.indices)
-
-    def send_rows(self, monitor: LedgerCallback) -> None:
-        """The rows since the last logging step ride the step's one transfer."""
-        rows = self.history.pending()
-        if rows is not None:
-            monitor.to_host("rows", rows)
+        if not k:
+            return total, None
+        top = torch.topk(torch.nan_to_num(per_module, nan=math.inf), k)
+        return total, (per_module[top.indices], top.indices)
 
     # ------------------------------------------------------------------ logging steps (host side: read)
-    def read(self, values: FlushValues) -> dict[str, float]:
+    def read(self, sent: HealthSent) -> dict[str, float]:
         """Take a transfer's rows and metrics; returns the extra metrics to log (per-module update ratios, the
         skip rate)."""
         extra: dict[str, float] = {}
-        top_i, top_v = values.get("top_indices"), values.get("top_values")
-        if isinstance(top_i, list) and isinstance(top_v, list):
-            for i, v in zip(top_i, top_v, strict=True):
+        if sent.top is not None:
+            values, indices = sent.top[0].numbers(), sent.top[1].numbers()
+            for i, v in zip(indices, values, strict=True):
                 extra[f"stability/update_ratio/{self.names[int(i)]}"] = v
         sparse = {
-            key: value
-            for key, name in (("update_ratio", "stability/update_ratio"), ("memory_gb", "stability/memory_peak_gb"))
-            if isinstance(value := values.get(name), float)
+            key: value.number()
+            for key, value in (("update_ratio", sent.update_ratio), ("memory_gb", sent.memory_gb))
+            if value is not None
         }
-        rows = values.get("rows")
-        extra.update(self.take_rows(rows if isinstance(rows, list) else [], sparse))
+        extra.update(self.take_rows(sent.rows.numbers() if sent.rows is not None else [], sparse))
         self.check_memory(sparse.get("memory_gb"))
         return extra
 
@@ -376,7 +383,7 @@ class HealthReporter:
         """Append the transferred rows to the history and warn about their spikes; returns the skip rate."""
         taken = self.history.take(rows, sparse)
         self._note_new_levels(taken)
-        spikes = [int(row["step"]) for row in taken if row["loss_spike"] == 1 or row["grad_spike"] == 1]
+        spikes = [int(row["step"]) for row in taken if SPIKE in (row["loss_spike"], row["grad_spike"])]
         if spikes:
             action = _ACTIONS[self.response]
             self.add_events([{"step": step, "kind": "spike", "detail": action} for step in spikes])
@@ -394,9 +401,9 @@ class HealthReporter:
         for column, signal in (("loss_spike", "loss"), ("grad_spike", "gradient norm")):
             series = self.history.series[column]  # the taken rows are its tail
             before = series[: len(series) - len(taken)][-CALM_STEPS:]
-            calm = CALM_STEPS if 2.0 not in before else before[::-1].index(2.0)
+            calm = CALM_STEPS if NEW_LEVEL not in before else before[::-1].index(NEW_LEVEL)
             for row in taken:
-                if row[column] != 2:
+                if row[column] != NEW_LEVEL:
                     calm += 1
                     continue
                 if calm >= CALM_STEPS:

@@ -35,6 +35,7 @@ SKIP_REASONS: dict[int, tuple[str, str, str, str]] = {
     4: ("data_skip", "skipped: data after rollback", "D", "tab:gray"),
 }
 _DATA_SKIP = 4
+_SPIKE = 1  # the monitor's verdict in the history's spike columns (``ledger/verdict.py``: SPIKE); 2 is a new level
 _DENSE = ("loss", "grad_norm")  # series with a value on every step: NaN there means a diverged value
 _PANELS = ("loss", "grad_norm", "lr", "loss_scale", "update_ratio", "memory_gb")
 _ROLLBACK_COLOR = "tab:cyan"
@@ -64,7 +65,7 @@ def summarize(history: dict[str, list[float]], events: list[dict[str, Any]]) -> 
         "steps": steps,
         "final_loss": loss[-1] if loss else None,
         "min_loss": min(loss, default=None),
-        "loss_spikes": sum(v == 1 for v in _floats(history.get("loss_spike"))),
+        "loss_spikes": sum(v == _SPIKE for v in _floats(history.get("loss_spike"))),
         "skipped_steps": skipped,
         "rollbacks": sum(e.get("kind") == "rollback" for e in events),
         "max_grad_norm": max(grad, default=None),
@@ -201,7 +202,7 @@ def _draw(
             _band(ax, x, series, key, "tab:blue")
             if finite.any() and (y[finite] > 0).all() and y[finite].max() > 100 * y[finite].min():
                 ax.set_yscale("log")
-            spike = (series("loss_spike") == 1) & finite
+            spike = (series("loss_spike") == _SPIKE) & finite
             ax.plot(
                 x[spike],
                 y[spike],

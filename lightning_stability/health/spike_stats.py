@@ -95,8 +95,7 @@ class SpikeStats:
             if self._state is not None:
                 self._state = self._state.to(device)
             elif self._loaded is not None:
-                rows = _rows_of(self._loaded, self.warmup)
-                self._state = torch.tensor(rows, dtype=torch.float32, device=device)
+                self._state = torch.tensor(self._loaded, dtype=torch.float32, device=device)
                 self._inv_std(self._state[_MEAN], self._state[_VAR], self._state[_COUNT], self._state[_INV_STD])
             else:
                 self._state = torch.zeros(4, self.n, dtype=torch.float32, device=device)
@@ -202,21 +201,6 @@ class SpikeStats:
         rows = state.get("state")
         self._loaded, self._state = rows, None
         self._loaded_run, self._run = state.get("run"), None
-
-
-def _rows_of(rows: list[list[float]], warmup: int) -> list[list[float]]:
-    """The state rows from a checkpoint: this version's four, or the five of earlier checkpoints (mean, var,
-    count, and the warmup's sum and sum of squares; float64), whose warmup moments become Welford's. The caller
-    recomputes the ``1/(std + eps)`` row (a checkpoint from before the std's floor holds it without)."""
-    if len(rows) == 4:
-        return rows
-    mean, var, count, total, squares = rows
-    mean, var = list(mean), list(var)
-    for i, (n, s, q) in enumerate(zip(count, total, squares, strict=True)):
-        if 0 < n < warmup:
-            mean[i] = s / n
-            var[i] = max(q / n - mean[i] * mean[i], 0.0)
-    return [mean, var, list(count), [0.0] * len(count)]
 
 
 class IntervalMean:

@@ -12,7 +12,7 @@ from torch.optim import Optimizer
 from lightning_stability import _compat
 from lightning_stability.errors import StabilityConfigError, check_int
 from lightning_stability.ledger.gradients import forget_layouts
-from lightning_stability.ledger.metrics import FlushValues
+from lightning_stability.ledger.metrics import FlushValues, OnHost
 from lightning_stability.ledger.step_ledger import StepLedger
 from lightning_stability.ledger.track import OptimizerRecord
 
@@ -23,10 +23,10 @@ class LedgerCallback(Callback):
     A callback fills in (all optional):
 
     * :meth:`on_step`: its work on each optimizer step, before the update: read ``ledger.gradients()`` and
-      ``ledger.values``, vote with ``ledger.mark_skip(reason, flag)``, record metrics with :meth:`record_metric`;
+      ``ledger.step``, vote with ``ledger.mark_skip(reason, flag)``, record metrics with :meth:`record_metric`;
     * :meth:`after_step`: its work once the update was applied or skipped (``ledger.outcome`` says which);
-    * :meth:`on_host`: on logging steps, after the step's one device-to-host transfer: what it sent with
-      :meth:`to_host` (and its metrics) as host numbers, to warn or to log more;
+    * :meth:`on_host`: on logging steps, after the step's one device-to-host transfer: read what it sent with
+      :meth:`to_host` (and the metrics it recorded) as host numbers, to warn or to log more;
     * :meth:`on_setup` (its checks at ``setup("fit")``), :meth:`state_fields` (the settings that identify it in
       a checkpoint), and ``state_dict``/``load_state_dict`` as for any Lightning callback.
 
@@ -34,9 +34,8 @@ class LedgerCallback(Callback):
     to every callback), which knows whether the step logs; :attr:`is_logging_step` tells it too, for work worth
     doing on logging steps only.
 
-    Skip votes: the votes of all ``lightning_stability`` callbacks are enforced together, after the last of them
-    (in the Trainer's callback list) has run its ``on_step``, so that a step costs one host read of the votes at
-    most. A vote cast later (by a plain callback or the module) is enforced at once.
+    Skip votes: every vote cast before ``optimizer.step()`` (by any callback, in any order, or by the module) is
+    enforced together right before the update, at one host read of the votes at most (``ledger/step.py``).
 
     The template does the rest, the same way for every callback:
 
@@ -46,17 +45,19 @@ class LedgerCallback(Callback):
       does not pre-empt that message; afterwards it is the stable key that checkpoints use.
     * **Logging cadence.** ``log_every_n_steps`` (default: the Trainer's), by Lightning's own rule and step
       labels, so ``stability/`` metrics share rows with the module's ``self.log`` metrics.
-    * **Opening the step** in ``on_before_optimizer_step``; **closing** it at ``on_train_batch_end`` (when the
+    * **Hooking each optimizer** at ``on_train_batch_start``, before its first step; **opening the step** in
+      ``on_before_optimizer_step``; **closing** it at ``on_train_batch_end`` (when the
       loss scaler skipped ``optimizer.step()``, its post-hook never ran) and **flushing** the queued metrics
       in one transfer. Whichever callback gets there first does it; the calls are idempotent.
     * **The ledger in checkpoints**, once, under ``checkpoint["lightning_stability"]["ledger"]``.
 
-    Subclasses that override ``on_train_batch_end`` call ``super().on_train_batch_end(...)`` first.
+    Subclasses that override ``on_train_batch_start``, ``on_train_batch_end`` or ``on_before_backward`` call
+    ``super()`` in them.
     """
 
     #: Why two callbacks of this kind cannot share a Trainer (completes the one-instance error).
     one_instance_reason: ClassVar[str] = "each would write the same ledger entries and metrics"
-    #: Set to ``True`` to have ``ledger.values["loss"]`` in ``on_step``: the update's loss (the mean over its
+    #: Set to ``True`` to have ``ledger.step.loss`` in ``on_step``: the update's loss (the mean over its
     #: micro-batches, unscaled, on the device).
     needs_loss: ClassVar[bool] = False
 
@@ -67,7 +68,7 @@ class LedgerCallback(Callback):
         self._every_n = log_every_n_steps or 50
         self._state_key: str | None = None
         self._alone = False  # setup has checked that this is the only callback of its kind
-        self._last = True  # the last lightning_stability callback in the Trainer's list: enforces the votes
+        self._last = True  # the last lightning_stability callback in the Trainer's list: does the ledger's chores
         self._ledger: StepLedger | None = None
         self._logging = False  # the current step logs
         self._host_hooked: set[int] = set()  # records whose next flush runs on_host
@@ -89,10 +90,10 @@ class LedgerCallback(Callback):
     def after_step(self, trainer: pl.Trainer, ledger: StepLedger) -> None:
         """This callback's work once the step closed: the update was applied or skipped (``ledger.outcome``)."""
 
-    def on_host(self, trainer: pl.Trainer, record: OptimizerRecord, values: FlushValues) -> dict[str, float] | None:
-        """On a logging step after the transfer, once per optimizer that stepped: what this callback sent with
-        :meth:`to_host` (under its keys) and the optimizer's metrics, as floats (lists for vectors). Return extra
-        metrics to log, or ``None``."""
+    def on_host(self, trainer: pl.Trainer, record: OptimizerRecord) -> dict[str, float] | None:
+        """On a logging step after the transfer, once per optimizer (``record``) this callback recorded or sent
+        something for: the :class:`OnHost` values that :meth:`to_host` and :meth:`record_metric` returned hold
+        their host numbers now. Return extra metrics to log, or ``None``."""
         return None
 
     # ------------------------------------------------------------------ provided
@@ -101,29 +102,31 @@ class LedgerCallback(Callback):
         """Whether the current step logs (by this callback's ``log_every_n_steps``)."""
         return self._logging
 
-    def record_metric(self, key: str, value: Tensor | float) -> None:
+    def record_metric(self, key: str, value: Tensor | float, *, to_loggers: bool | None = None) -> OnHost:
         """Record a metric of the current step (``"stability/..."``).
 
         A scalar is in ``trainer.callback_metrics[key]`` at once, so ``ModelCheckpoint``/``EarlyStopping`` can
         monitor it (a device tensor stays on the device: nothing moves until a monitor reads it). On logging
         steps it also goes to every logger with the step's one transfer. With several optimizers the key ends
-        in ``/<optimizer>``.
+        in ``/<optimizer>``. ``to_loggers=False`` keeps it from the loggers (``None``: on logging steps).
+        Returns its host copy, readable in :meth:`on_host` when it went to the loggers.
         """
         ledger = self._ledger_now()
-        ledger._log(((key, value),), self._logging)
-        if self._logging:
+        send = self._logging if to_loggers is None else to_loggers
+        handle = ledger._log(((key, value),), send)
+        if send:
             self._hook_host(ledger)
+        return handle
 
-    def to_host(self, key: str, value: Tensor) -> None:
-        """Send ``value`` to the host with the step's transfer; :meth:`on_host` receives it under ``key``. Nothing
-        else sees it (keys are this callback's own). Call it on logging steps (:attr:`is_logging_step`) or after
-        training: on any other step it makes that step transfer too (a host sync)."""
+    def to_host(self, value: Tensor) -> OnHost:
+        """Send ``value`` to the host with the step's one transfer; read the returned :class:`OnHost` in
+        :meth:`on_host` (``.number()`` for a 0-dim tensor, ``.numbers()`` for a vector). Call it on logging steps
+        (:attr:`is_logging_step`) or after training: on any other step it makes that step transfer too (a host
+        sync)."""
         ledger = self._ledger_now()
-        ledger._log(((self._private(key), value),), True)
+        handle = ledger._send(value)
         self._hook_host(ledger)
-
-    def _private(self, key: str) -> str:
-        return f"_{self.kind().__name__}/{key}"
+        return handle
 
     def _ledger_now(self) -> StepLedger:
         if self._ledger is None:
@@ -140,11 +143,11 @@ class LedgerCallback(Callback):
 
     def _run_on_host(self, index: int, values: FlushValues) -> dict[str, float] | None:
         self._host_hooked.discard(index)
-        prefix = self._private("")
-        own = {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in values.items()}
-        mine = {k: v for k, v in own.items() if not k.startswith("_")}
         ledger = self._ledger_now()
-        return self.on_host(ledger.trainer, ledger._record_at(index), mine)  # type: ignore[arg-type]
+        trainer = ledger.trainer
+        if trainer is None:
+            return None
+        return self.on_host(trainer, ledger._record_at(index))
 
     @classmethod
     def kind(cls) -> type[LedgerCallback]:
@@ -182,7 +185,6 @@ class LedgerCallback(Callback):
         ours = [cb for cb in trainer.callbacks if isinstance(cb, LedgerCallback)]  # type: ignore[attr-defined]
         self._last = ours[-1] is self
         ledger = self._ledger = StepLedger.of(trainer)
-        ledger._callbacks_enforce = True
         if self.needs_loss:
             ledger._want_loss()
         self._host_hooked = set()
@@ -198,9 +200,12 @@ class LedgerCallback(Callback):
         self.on_step(trainer, ledger, optimizer)
         if self._has_after_step:
             ledger._on_close(lambda closed: self.after_step(trainer, closed))
-        if self._last:
-            # Every lightning_stability callback has voted: enforce the skip votes together (one read at most).
-            ledger._enforce_votes()
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._last:  # the optimizers' step hooks, in place before their first step (ledger/step.py)
+            StepLedger.of(trainer)._watch(trainer.optimizers)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self._last:  # one of our callbacks records the loss (if any callback asked for it)
@@ -211,7 +216,7 @@ class LedgerCallback(Callback):
     ) -> None:
         ledger = StepLedger.of(trainer)
         ledger.close_step()
-        ledger._flush()
+        ledger.flush()
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]

@@ -8,13 +8,14 @@ the gradients at the smallest one, as one clip to it would.
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_stability.norms import clip_coefficient, combine_norms, is_uniform, per_tensor_norms, scale_
+from lightning_stability.norms import clip_by_global_norm_, combine_norms, is_uniform, per_tensor_norms
 
 #: per optimizer: the ids of the parameters that had gradients on its last step, those parameters (held, so the
 #: ids stay theirs) and whether their gradients are uniform (``norms.is_uniform``): checked once per set, not
@@ -36,10 +37,12 @@ def _uniform(optimizer: Optimizer, key: tuple[int, ...], params: list[Tensor], g
 
 
 class ClipScale:
-    """The product of every clip coefficient applied to the open step's gradients so far (``None``: none)."""
+    """The product of every clip coefficient applied to the open step's gradients so far (``None``: none), and the
+    tightest threshold given as a host number (``inf``: none)."""
 
     def __init__(self) -> None:
         self.coef: Tensor | None = None
+        self.fixed = math.inf
 
 
 class StepGradients:
@@ -83,10 +86,16 @@ class StepGradients:
         """The product of the clip coefficients applied so far (1.0 when none)."""
         return 1.0 if self._clip.coef is None else self._clip.coef
 
+    @property
+    def fixed_threshold(self) -> float | None:
+        """The tightest threshold given as a host number that the step's gradients were clipped to so far, by any
+        callback (a fixed clip, such as ``GradientNormMonitor(max_norm)``); ``None``: none."""
+        return None if math.isinf(self._clip.fixed) else self._clip.fixed
+
     def clip_(self, threshold: float | Tensor) -> Tensor:
         """Scale the gradients so that their norm is at most ``threshold``; returns the coefficient applied."""
-        coef = clip_coefficient(self.current, threshold)  # type: ignore[arg-type]
-        if self.grads:
-            scale_(self.grads, coef, self._uniform)
+        if not isinstance(threshold, Tensor):
+            self._clip.fixed = min(self._clip.fixed, float(threshold))
+        coef = clip_by_global_norm_(self.grads, threshold, total=self.current, uniform=self._uniform)
         self._clip.coef = coef if self._clip.coef is None else self._clip.coef * coef
         return coef

@@ -25,10 +25,12 @@ from torch.optim import Optimizer
 
 from lightning_stability import _compat
 from lightning_stability.errors import check_instance
-from lightning_stability.ledger.gradients import ClipScale, StepGradients
-from lightning_stability.ledger.metrics import FlushHook, MetricQueue
-from lightning_stability.ledger.skips import Flag, SkipDecision, loss_scaler
+from lightning_stability.ledger.gradients import StepGradients
+from lightning_stability.ledger.metrics import FlushHook, MetricQueue, OnHost
+from lightning_stability.ledger.skips import Flag, loss_scaler
+from lightning_stability.ledger.step import OptimizerStep, enforce_before_update
 from lightning_stability.ledger.track import OptimizerRecord, Outcome, device_of, optimizer_names
+from lightning_stability.ledger.verdict import HealthVerdict
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -44,14 +46,18 @@ class StepLedger:
     For callbacks (from ``on_step`` and ``after_step`` of a
     :class:`~lightning_stability.ledger.callback.LedgerCallback`):
 
-    * :attr:`values`: the open step's values, e.g. ``values["grad_norm"]``, ``values["loss"]`` (tensors);
+    * :attr:`step`: the open step (``ledger/step.py``), e.g. ``step.loss``, ``step.grad_norm`` (tensors);
     * :meth:`gradients`: the open step's gradients and their global norm, computed once for all callbacks;
     * :meth:`mark_skip`: the one way to skip the update, with its reason;
+    * :attr:`step_label`: Lightning's step label of the current step (the x axis of ``self.log``);
     * :meth:`any_rank`: a flag made the same on every rank, for every decision that skips;
     * :meth:`record_of`: one optimizer's :class:`OptimizerRecord` (steps, outcome counts, window sums);
     * :attr:`outcome`: the outcome of the last closed step (read it in ``after_step``);
+    * :attr:`health`: ``TrainingHealthMonitor``'s :class:`~lightning_stability.ledger.verdict.HealthVerdict` of
+      the last step it scored (``None`` without one);
     * :attr:`events` / :meth:`note`: events of the run (rollbacks), saved in checkpoints;
-    * :attr:`published`: the last logged value of every metric, as host numbers.
+    * :attr:`published`: the last logged value of every metric, as host numbers;
+    * :meth:`select` and :meth:`flush`: after training, queue a last report under an optimizer, then send it.
 
     :meth:`open_step` and :meth:`close_step` are called by the callbacks' template (or by hand when the
     ledger is driven without a Trainer).
@@ -66,27 +72,21 @@ class StepLedger:
 
             check_instance("trainer", trainer, Trainer, "a lightning Trainer or None", "trainer (or StepLedger.of)")
         self._trainer_ref = weakref.ref(trainer) if trainer is not None else None
-        self.values: dict[str, Tensor] = {}
+        self._step: OptimizerStep | None = None  # the open step, or the last closed one
         self.outcome: Outcome | Tensor = Outcome.APPLIED
+        self.health: HealthVerdict | None = None  # written by TrainingHealthMonitor at each step it scores
         self.events: list[dict[str, Any]] = []  # rollbacks and other events, with their step labels
         self.published: dict[str, float] = {}  # the last logged value of every metric (host numbers)
         self._records: dict[int, OptimizerRecord] = {}
         self._loaded: dict[int, dict[str, Any]] = {}
         self._current: OptimizerRecord | None = None
         self._open: Optimizer | None = None
-        self._decision: SkipDecision | None = None  # the open step's skip decision
-        self._stepped = False  # the optimizer's step() ran for the open step
         self._several: bool | None = None  # _several_optimizers, as of the step open now (None between steps)
-        self._grads: dict[float, StepGradients] = {}  # the open step's gradient norms, by norm type
-        self._clip = ClipScale()  # the clips applied to the open step's gradients, shared by all norm types
         self._close_hooks: list[Callable[[StepLedger], None]] = []
         self._queue = MetricQueue()
-        # Set by the lightning_stability callbacks at setup: the last of them enforces the votes at the end of
-        # its hook. Without any, a vote is enforced at once (one host read per vote for a non-fused optimizer).
-        self._callbacks_enforce = False
         self._loss = StepLoss()
-        # id(optimizer) -> (weak reference, record index, hook handle); the reference tells a reused id apart
-        self._hooked: dict[int, tuple[weakref.ref[Optimizer], int, Any]] = {}
+        # id(optimizer) -> (weak reference, record index, hook handles); the reference tells a reused id apart
+        self._hooked: dict[int, tuple[weakref.ref[Optimizer], int, tuple[Any, Any]]] = {}
 
     # ------------------------------------------------------------------ lookup
     @classmethod
@@ -100,6 +100,19 @@ class StepLedger:
             ledger = cls._registry[trainer] = cls(trainer)
         StepLedger._last = weakref.ref(ledger)
         return ledger
+
+    @property
+    def step(self) -> OptimizerStep:
+        """The open optimizer step (``ledger/step.py``), or the last closed one: ``step.loss``, ``step.grad_norm``,
+        ``step.clip_coef``. Raises before the first step (:attr:`has_step`)."""
+        if self._step is None:
+            raise RuntimeError("ledger.step read before the first optimizer step; check ledger.has_step first")
+        return self._step
+
+    @property
+    def has_step(self) -> bool:
+        """Whether a step has opened (:attr:`step` can be read)."""
+        return self._step is not None
 
     @property
     def trainer(self) -> pl.Trainer | None:
@@ -140,12 +153,28 @@ class StepLedger:
         # named now, also when a metric logged before the first step made the record under a placeholder name
         record.name = names[index] if index < len(names) else type(optimizer).__name__
         record.place(device_of(optimizer))
-        handle = optimizer.register_step_post_hook(self._after_optimizer_step)
-        self._hooked[id(optimizer)] = (weakref.ref(optimizer), index, handle)
+        # Once per optimizer: the pre-hook enforces the step's votes right before the update, the post-hook
+        # closes the step (ledger/step.py, steps 8 and 10).
+        handles = (
+            optimizer.register_step_pre_hook(self._before_optimizer_step),
+            optimizer.register_step_post_hook(self._after_optimizer_step),
+        )
+        self._hooked[id(optimizer)] = (weakref.ref(optimizer), index, handles)
         return record
 
-    def _select(self, optimizer: Optimizer) -> OptimizerRecord:
-        """Make ``optimizer``'s record the current one between steps (e.g. to queue an end-of-run report)."""
+    def _watches(self, optimizer: Optimizer) -> bool:
+        hooked = self._hooked.get(id(optimizer))
+        return hooked is not None and hooked[0]() is optimizer
+
+    def _watch(self, optimizers: Iterable[Optimizer]) -> None:
+        """Hook ``optimizers`` before their first step (the template does it at ``on_train_batch_start``)."""
+        for optimizer in optimizers:
+            if not self._watches(optimizer):
+                self.record_of(optimizer)
+
+    def select(self, optimizer: Optimizer) -> OptimizerRecord:
+        """Between steps (after training): make ``optimizer``'s record the current one, so that the metrics a
+        callback records now are queued under it; :meth:`flush` sends them."""
         if self._open is None:
             self._current = self.record_of(optimizer)
         return self.record_of()
@@ -161,17 +190,16 @@ class StepLedger:
             return False
         if self._open is not None:
             self.close_step()
+        # An optimizer met first inside its own step() (no template callback hooked it before): its pre-hook
+        # runs from the next step on, so this step's votes are enforced as they come.
+        late = not self._watches(optimizer)
         record = self.record_of(optimizer)
         self._current, self._open = record, optimizer
         record.steps += 1
-        self.values, self._grads, self._clip = {}, {}, ClipScale()
-        self._stepped = False
-        loss = self._loss.take()
-        if loss is not None:
-            self.values["loss"] = loss
         trainer = self.trainer
         self._several = len(self._optimizers()) > 1
-        self._decision = SkipDecision(optimizer, loss_scaler(trainer) if trainer is not None else None, record.device)
+        scaler = loss_scaler(trainer) if trainer is not None else None
+        self._step = OptimizerStep(optimizer, record, scaler, self._loss.take(), enforce_each_vote=late)
         return True
 
     @property
@@ -180,7 +208,7 @@ class StepLedger:
         return self._open is not None
 
     def _want_loss(self) -> None:
-        """Make ``values["loss"]`` available from ``open_step`` on: the update's loss, the mean over its
+        """Make ``step.loss`` available from ``open_step`` on: the update's loss, the mean over its
         micro-batches, unscaled, on the device."""
         self._loss.enabled = True
 
@@ -201,14 +229,12 @@ class StepLedger:
 
         Clip them with ``gradients().clip_(threshold)``: clips by several callbacks leave the smallest threshold.
         """
-        if self._open is None:
+        if self._open is None or self._step is None:
             raise RuntimeError("gradients() called outside an optimizer step; call open_step(optimizer) first")
-        grads = self._grads.get(norm_type)
-        if grads is None:
-            grads = self._grads[norm_type] = StepGradients(self._open, norm_type, self._device, self._clip)
-        return grads
+        return self._step.gradients(norm_type)
 
-    def _label(self) -> int:
+    @property
+    def step_label(self) -> int:
         """Lightning's step label for the current step: ``self.log`` and ``LearningRateMonitor`` use it too."""
         trainer = self.trainer
         if trainer is not None:
@@ -222,7 +248,7 @@ class StepLedger:
             return False
         trainer = self.trainer
         # Lightning also logs the step on which the run is told to stop (`_LoggerConnector.should_update_logs`)
-        return (self._label() + 1) % every_n_steps == 0 or bool(trainer is not None and trainer.should_stop)
+        return (self.step_label + 1) % every_n_steps == 0 or bool(trainer is not None and trainer.should_stop)
 
     def note(self, event: dict[str, Any]) -> None:
         """Record an event of the run (e.g. a rollback: ``{"step": 120, "kind": "rollback", ...}``); saved in
@@ -241,13 +267,13 @@ class StepLedger:
     def mark_skip(self, reason: Outcome, flag: Flag, optimizer: Optimizer | None = None) -> None:
         """Skip the current update when ``flag`` (a host bool or a 0-dim device tensor) is true, and say why.
 
-        Any callback may vote, in any order; the update is skipped if any vote says so. Weights and optimizer
-        state are then left exactly as they were, and under fp16 the loss scale is not changed. The votes of the
-        ``lightning_stability`` callbacks are enforced together, once all of them have voted: one host read at
-        most, none under fp16 or with a fused optimizer. A vote from anywhere else (your own callback's hook,
-        the module's) is enforced at once. From a plain callback's ``on_before_optimizer_step``, pass that
-        hook's ``optimizer``: it opens the step if no ``lightning_stability`` callback has yet. The decision
-        must be the same on every rank: pass a flag from globally reduced values, or through :meth:`any_rank`.
+        Any callback may vote, in any order, and the module too; the update is skipped if any vote says so.
+        Weights and optimizer state are then left exactly as they were, and under fp16 the loss scale is not
+        changed. Every vote cast before ``optimizer.step()`` counts the same: they are enforced together right
+        before the update (``ledger/step.py``), at one host read at most, none under fp16 or with a fused
+        optimizer. From a plain callback's ``on_before_optimizer_step``, pass that hook's ``optimizer``: it opens
+        the step if no ``lightning_stability`` callback has yet. The decision must be the same on every rank:
+        pass a flag from globally reduced values, or through :meth:`any_rank`.
         """
         if optimizer is not None:
             self.open_step(optimizer)
@@ -256,19 +282,19 @@ class StepLedger:
                 "mark_skip() called outside an optimizer step. Fix: call it from `on_before_optimizer_step` and "
                 "pass that hook's optimizer: ledger.mark_skip(reason, flag, optimizer)."
             )
-        assert self._decision is not None
-        self._decision.vote(reason, flag)
-        if not self._callbacks_enforce:
-            self._decision.enforce()
+        assert self._step is not None
+        self._step.vote(reason, flag)
 
-    def _enforce_votes(self) -> None:
-        """Make the open step skip if any vote so far says so (see :meth:`mark_skip`)."""
-        if self._decision is not None:
-            self._decision.enforce()
+    def _before_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> Any:
+        return enforce_before_update(args, kwargs, lambda: self._enforce(optimizer))
+
+    def _enforce(self, optimizer: Optimizer) -> None:
+        if self._open is optimizer and self._step is not None:
+            self._step.enforce()
 
     def _after_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        if self._open is optimizer:
-            self._stepped = True
+        if self._open is optimizer and self._step is not None:
+            self._step.stepped = True
             self.close_step()
 
     def _on_close(self, hook: Callable[[StepLedger], None]) -> None:
@@ -280,9 +306,8 @@ class StepLedger:
         optimizer = self._open
         if optimizer is None:
             return
-        assert self._decision is not None
-        outcome = self._decision.outcome(self._stepped)
-        self._decision = None
+        assert self._step is not None
+        outcome = self._step.close()
         self.record_of().count(outcome)
         self.outcome = outcome
         self._open = None
@@ -292,19 +317,24 @@ class StepLedger:
         self._several = None  # read live between steps (another fit may have other optimizers)
 
     # ------------------------------------------------------------------ metrics
-    def _log(self, metrics: Iterable[tuple[str, Tensor | float]], to_loggers: bool) -> None:
+    def _log(self, metrics: Iterable[tuple[str, Tensor | float]], to_loggers: bool) -> OnHost:
         """Metrics of the current step (see ``LedgerCallback.record_metric``). A scalar goes into
         ``trainer.callback_metrics`` at once (a device tensor stays on the device); with ``to_loggers`` it is also
-        queued for the loggers. Keys starting with ``_`` are host values for flush hooks only."""
-        self._queue.route(self.trainer, self.record_of(), self._several_optimizers, metrics, to_loggers)
+        queued for the loggers. Returns the last one's host copy, filled by the next transfer."""
+        return self._queue.route(self.trainer, self.record_of(), self._several_optimizers, metrics, to_loggers)
+
+    def _send(self, value: Tensor) -> OnHost:
+        """``value`` to the host with the next transfer (see ``LedgerCallback.to_host``)."""
+        return self._queue.send(value)
 
     def _on_flush(self, hook: FlushHook) -> None:
         """Run ``hook(values)`` once at the next flush, with the current optimizer's queued values on the host
         (scalars as floats, vectors as lists); it may return extra metrics to log."""
         self._queue.add_hook(self.record_of().index, hook)
 
-    def _flush(self) -> dict[str, float]:
-        """Move every queued tensor of every optimizer to the host in one transfer and log the metrics.
+    def flush(self) -> dict[str, float]:
+        """Move every queued tensor of every optimizer to the host in one transfer and log the metrics (the
+        template does it at the end of each logging step; call it after training to send a last report).
 
         Returns them, under their final names. Scalar metrics also land in ``trainer.callback_metrics``, as
         0-dim views of the host copy, so a monitor reading them costs no further transfer.
@@ -312,7 +342,7 @@ class StepLedger:
         if not self._queue:
             return {}
         metrics = self._queue.publish(
-            self.trainer, self._device, self._record_at, self._several_optimizers, self._label()
+            self.trainer, self._device, self._record_at, self._several_optimizers, self.step_label
         )
         self.published.update(metrics)
         return metrics
@@ -324,8 +354,7 @@ class StepLedger:
         return {"version": 2, "tracks": {str(i): s for i, s in sorted(records.items())}, "events": list(self.events)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # version 1 held one optimizer's record
-        loaded = {int(i): s for i, s in state["tracks"].items()} if "tracks" in state else {0: state}
+        loaded = {int(i): s for i, s in state["tracks"].items()}
         for index, record in self._records.items():
             record.load_state_dict(loaded.pop(index, {}))
         self._loaded = loaded

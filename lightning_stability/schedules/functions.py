@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from lightning_stability.errors import check_length, check_ratio, config_error
+from lightning_stability.errors import check_int, check_length, check_number, check_ratio, config_error
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -95,8 +95,7 @@ def _decay(step: int, start: int, length: int, shape: str, min_lr_ratio: float) 
 
 def _phases(total_steps: int, warmup: float, decay: float | None) -> tuple[int, int, int]:
     """(warmup, constant, decay) step counts; ``decay=None`` means "everything after warmup"."""
-    if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
-        raise config_error("total_steps", total_steps, "must be an int >= 1", "pass the number of optimizer updates")
+    check_int("total_steps", total_steps, 1, "total_steps=10000 (the number of optimizer updates)")
     w = resolve_steps(warmup, total_steps, "warmup")
     if w > total_steps:
         raise config_error(
@@ -169,8 +168,7 @@ def _warmup_then_decay(step: int, total_steps: int, warmup: float, min_lr_ratio:
 
 def _check_step_args(gamma: float, every: float | None, milestones: Sequence[float], min_lr_ratio: float) -> None:
     check_floor(min_lr_ratio)
-    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 < gamma <= 1:
-        raise config_error("gamma", gamma, "must be in (0, 1]", "pass e.g. 0.1 (divide the LR by 10 at each drop)")
+    check_number("gamma", gamma, 0.0, 1.0, example="0.1 (divide the LR by 10 at each drop)", high_inclusive=True)
     if not isinstance(milestones, (list, tuple)):
         raise config_error(
             "milestones", milestones, "must be a list of update counts or fractions", "pass e.g. [1000, 2000]"

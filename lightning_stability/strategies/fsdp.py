@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Generator, Mapping
+from collections.abc import Collection, Generator, Mapping
 from concurrent.futures import Future
 from contextlib import contextmanager
 from datetime import timedelta
@@ -29,22 +29,18 @@ from lightning_stability.checkpoint.atomic import CheckpointError
 from lightning_stability.errors import StabilityConfigError, check_instance, config_error
 from lightning_stability.strategies import fsdp_checkpoint as ckpt
 from lightning_stability.strategies import fsdp_fairscale as fs
-from lightning_stability.strategies import fsdp_lightning as lightning
 from lightning_stability.strategies import fsdp_wrap as wrap
-from lightning_stability.strategies.fsdp_config import (
-    adopt_precision,
-    build_mesh,
-    check_device,
-    check_tensor_parallel_applied,
-    explain_flatten_parameters,
-    fsdp_mesh,
-    parse_arguments,
-)
+from lightning_stability.strategies.fsdp_backend import FSDP2Backend, FSDPBackend
+from lightning_stability.strategies.fsdp_config import adopt_precision, check_device, parse_arguments
 from lightning_stability.strategies.fsdp_precision import StableFSDPPrecision
+from lightning_stability.strategies.mesh import check_tensor_parallel_applied
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
+
+#: the backends, by the name ``backend=`` takes: the one dispatch (see ``fsdp_backend.py``)
+_BACKENDS: dict[str, type[FSDPBackend]] = {"native": FSDP2Backend, "fairscale": fs.FairScaleBackend}
 
 
 class StableFSDPStrategy(ParallelStrategy):
@@ -142,48 +138,34 @@ class StableFSDPStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
         **fairscale_kwargs: Any,
     ) -> None:
-        notes: list[str] = []
-        if backend == "native":  # Lightning FSDPStrategy's keywords (see strategies/fsdp_lightning.py)
-            notes = lightning.check_lightning_keywords(fairscale_kwargs)
-            if sharding_strategy is not None:
-                if sharding != "full" or reshard_after_forward is not True:
-                    raise config_error(
-                        "sharding_strategy",
-                        sharding_strategy,
-                        f"is given together with sharding={sharding!r}/reshard_after_forward={reshard_after_forward!r}",
-                        "pass one of them: FSDPStrategy's sharding_strategy, or this strategy's sharding and "
-                        "reshard_after_forward",
-                    )
-                sharding, reshard_after_forward = lightning.sharding_of(sharding_strategy)  # type: ignore[assignment]
-            auto_wrap_policy = lightning.wrap_policy(auto_wrap_policy)
-            if activation_checkpointing_policy is not None:
-                activation_checkpointing = lightning.checkpointing_of(
-                    activation_checkpointing, activation_checkpointing_policy
-                )
-            cpu_offload = lightning.cpu_offload_of(cpu_offload)
-            mixed_precision = lightning.mixed_precision_of(mixed_precision)
-        else:
-            for key, value in (
-                ("sharding_strategy", sharding_strategy),
-                ("activation_checkpointing_policy", activation_checkpointing_policy),
-            ):
-                if value is not None:
-                    raise config_error(key, value, "is an FSDPStrategy keyword, for backend='native'", "drop it")
-        self._cfg = parse_arguments(
+        kind = _BACKENDS.get(backend) if isinstance(backend, str) else None
+        if kind is None:
+            raise config_error("backend", backend, "is not a backend", "pass 'native' (FSDP2) or 'fairscale'")
+        arguments: dict[str, Any] = dict(
+            sharding=sharding,
+            reshard_after_forward=reshard_after_forward,
             auto_wrap_policy=auto_wrap_policy,
+            activation_checkpointing=activation_checkpointing,
+            cpu_offload=cpu_offload,
             mixed_precision=mixed_precision,
+        )
+        lightning_keywords = dict(
+            sharding_strategy=sharding_strategy, activation_checkpointing_policy=activation_checkpointing_policy
+        )
+        notes = kind.arguments(arguments, lightning_keywords, fairscale_kwargs)
+        for key in ("activation_checkpointing", "cpu_offload"):  # None (Lightning's default): off
+            arguments[key] = False if arguments[key] is None else arguments[key]
+        self._cfg = parse_arguments(
+            **arguments,
             reduce_dtype=reduce_dtype,
             flatten_parameters=flatten_parameters,
-            cpu_offload=bool(cpu_offload) if cpu_offload is None else cpu_offload,
-            reshard_after_forward=reshard_after_forward,
-            activation_checkpointing=False if activation_checkpointing is None else activation_checkpointing,
-            sharding=sharding,
             device_mesh=device_mesh,
             state_dict_type=state_dict_type,
             backend=backend,
             extra=fairscale_kwargs,
             tensor_parallel=tensor_parallel,
         )
+        self._backend = kind(self._cfg)
         if process_group_backend is not None:
             check_instance("process_group_backend", process_group_backend, str, "a backend name or None", "'nccl'")
         if timeout is not None:
@@ -200,7 +182,6 @@ class StableFSDPStrategy(ParallelStrategy):
         )
         if precision_plugin is not None:
             self.precision_plugin = precision_plugin
-        explain_flatten_parameters(self._cfg)
         if notes:
             rank_zero_info("StableFSDPStrategy: " + "; ".join(notes) + ".")
 
@@ -269,6 +250,7 @@ class StableFSDPStrategy(ParallelStrategy):
 
     def setup_environment(self) -> None:
         _compat.check_strategy_supported(self)
+        self._backend.check_device(self.root_device)
         check_device(self._cfg, self.root_device)
         super().setup_environment()
         reset_seed()
@@ -281,8 +263,8 @@ class StableFSDPStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _compat.init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        if self._cfg.backend == "native":
-            self._device_mesh = build_mesh(self._cfg, self.num_nodes, self.num_processes, self.root_device.type)
+        self._device_mesh = self._backend.mesh(self.num_nodes, self.num_processes, self.root_device.type)
+        if self._device_mesh is not None:
             assert self.lightning_module is not None
             _compat.set_module_device_mesh(self.lightning_module, self._device_mesh)  # for configure_model
 
@@ -304,65 +286,25 @@ class StableFSDPStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self._cfg.cpu_offload:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
-        if self._cfg.backend == "fairscale":
-            fs.refuse_shard_local_monitors(trainer)
 
     @property
     def gradients_are_local_shards(self) -> bool:
         """``True`` when gradients are flat local shards (FairScale) rather than DTensors."""
-        return self._cfg.backend == "fairscale"
+        return self._backend.gradients_are_local_shards
 
     def _wrap(self, module: pl.LightningModule) -> nn.Module:
-        precision, cfg = self.precision_plugin, self._cfg
+        precision = self.precision_plugin
         module = precision.convert_module(module)  # type: ignore[assignment]
-        plan = wrap.plan_wrapping(module, cfg.policy, cfg.activation_checkpointing, native=cfg.backend == "native")
-        if cfg.backend == "fairscale":
-            if not cfg.cpu_offload:
-                module.to(self.root_device)  # FairScale shards on the device the parameters are on
-            kwargs = fs.fairscale_kwargs(
-                param_dtype=precision.param_dtype,
-                reduce_dtype=cfg.reduce_dtype,
-                flatten_parameters=cfg.flatten_parameters,
-                cpu_offload=cfg.cpu_offload,
-                reshard_after_forward=cfg.reshard_after_forward,
-                extra=cfg.fairscale_kwargs,
-            )
-            root = fs.wrap_fairscale(module, plan, kwargs)
-            precision.clip_norm_fn = cast(Callable[[float], Any], root.clip_grad_norm_)
-            return root
-        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
-
-        half = precision.param_dtype is not None
-        root = wrap.shard_module(
-            module,
-            plan,
-            mesh=fsdp_mesh(cfg, self.device_mesh),
-            reshard_after_forward=cfg.reshard_after_forward,
-            block_policy=precision.mp_policy(),
-            # what the top-level units hand back to the LightningModule (logits for the loss) is fp32
-            unit_policy=precision.mp_policy(output_dtype=torch.float32 if half else None),
-            # the batch keeps its dtype (fp32 targets stay fp32); the units cast what they receive
-            root_policy=precision.mp_policy(cast_forward_inputs=False),
-            offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
-        )
-        _compat.materialize_distributed_module(root, self.root_device)
-        return root
+        return self._backend.wrap(module, precision, self.root_device, self._device_mesh)
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Accumulate gradients locally on non-final micro-batches: no reduce-scatter, no all-reduce."""
-        root = self._root
-        if root is None:
+        if self._root is None:
             yield
-        elif self._cfg.backend == "fairscale":
-            with root.no_sync():  # type: ignore[operator]
-                yield
         else:
-            root.set_requires_gradient_sync(False)  # type: ignore[operator]
-            try:
+            with self._backend.no_sync(self._root):
                 yield
-            finally:
-                root.set_requires_gradient_sync(True)  # type: ignore[operator]
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -397,23 +339,15 @@ class StableFSDPStrategy(ParallelStrategy):
         self.accelerator.teardown()
 
     # ------------------------------------------------------------------ checkpoints
-    @property
-    def _full(self) -> bool:
-        return self._cfg.state_dict_type == "full"
-
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.lightning_module is not None
-        if self._cfg.backend == "fairscale":
-            return fs.model_state(self._root)  # type: ignore[arg-type]
-        return ckpt.model_state(self.lightning_module, self._full)
+        return self._backend.model_state(self._root, self.lightning_module)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer.optimizer
         assert self.lightning_module is not None
-        if self._cfg.backend == "fairscale":
-            return fs.optimizer_state(self._root, optimizer)
-        return ckpt.optimizer_state(self.lightning_module, optimizer, self._full)
+        return self._backend.optimizer_state(self._root, self.lightning_module, optimizer)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Write the checkpoint into a hidden sibling of ``filepath``, then publish it with one rename (rank 0).
@@ -430,7 +364,7 @@ class StableFSDPStrategy(ParallelStrategy):
             )
         path, partial = self._start_save(Path(filepath))
         try:
-            ckpt.save(checkpoint, partial, full=self._full, is_global_zero=self.is_global_zero)
+            ckpt.save(checkpoint, partial, full=self._backend.one_file, is_global_zero=self.is_global_zero)
             error = None
         except Exception as err:
             error = f"{type(err).__name__}: {err}"
@@ -457,7 +391,7 @@ class StableFSDPStrategy(ParallelStrategy):
 
         path, partial = self._start_save(Path(filepath))
         zero = self.is_global_zero
-        if self._full or self._cfg.backend == "fairscale":
+        if self._backend.one_file:
             if not zero:
                 return []  # rank 0 writes the one file
             staged = saves.stage(checkpoint)
@@ -507,7 +441,7 @@ class StableFSDPStrategy(ParallelStrategy):
             if path.parent.resolve() not in self._cleaned_dirs:
                 atomic.clean_directory(path.parent)
                 self._cleaned_dirs.add(path.parent.resolve())
-            if not self._full:
+            if not self._backend.one_file:
                 atomic.partial_path(path, token).mkdir()
         except OSError as err:
             return str(path), token, f"{type(err).__name__}: {err}"
@@ -552,11 +486,7 @@ class StableFSDPStrategy(ParallelStrategy):
             raise CheckpointError(f"{first}{where}")
         module = self.lightning_module
         assert module is not None
-        if self._cfg.backend == "fairscale":
-            checkpoint: dict[str, Any] = torch.load(found, map_location="cpu", weights_only=False)
-            fs.load_full(self._root, self.optimizers, checkpoint, strict=module.strict_loading)
-            return checkpoint
-        return ckpt.load(found, module, self.optimizers, strict=module.strict_loading)
+        return self._backend.load(found, self._root, module, self.optimizers, strict=module.strict_loading)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         pass  # done in load_checkpoint, which knows the sharding

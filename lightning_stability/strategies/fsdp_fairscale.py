@@ -2,19 +2,31 @@
 
 FairScale needs CUDA streams, flattens each unit's parameters into one local shard (so gradients are
 plain tensors, not DTensors) and checkpoints whole state dicts gathered on every rank. The strategy
-uses it only on CUDA; checkpoints are ``full`` files. Checked by ``tests/gpu/test_fsdp_fairscale.py``.
+uses it only on CUDA; checkpoints are ``full`` files. :class:`FairScaleBackend` is the strategy's backend
+object for it (see :mod:`~lightning_stability.strategies.fsdp_backend`). Checked by
+``tests/gpu/test_fsdp_fairscale.py``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_stability.errors import StabilityConfigError, require_fairscale
-from lightning_stability.strategies.fsdp_wrap import ShardedRoot, WrapPlan
+from lightning_stability.errors import StabilityConfigError, config_error, require_fairscale
+from lightning_stability.strategies.fsdp_backend import FSDPBackend
+from lightning_stability.strategies.fsdp_wrap import ShardedRoot, WrapPlan, plan_wrapping
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_stability.strategies.fsdp_config import FSDPConfig
+    from lightning_stability.strategies.fsdp_precision import StableFSDPPrecision
 
 #: every keyword of ``fairscale.nn.FullyShardedDataParallel`` (FairScale 0.4.13)
 FAIRSCALE_KEYWORDS = frozenset(
@@ -54,6 +66,90 @@ NATIVE_EQUIVALENT = {
     "move_params_to_cpu": "pass `cpu_offload=True`",
     "move_grads_to_cpu": "pass `cpu_offload=True` (FSDP2 offloads parameters, gradients and optimizer state together)",
 }
+
+
+class FairScaleBackend(FSDPBackend):
+    """FairScale's FSDP, ``backend="fairscale"``: flat local shards, FairScale's own ``no_sync`` and
+    ``clip_grad_norm_``, full checkpoints gathered on every rank. CUDA only; no hybrid sharding, no tensor
+    parallelism."""
+
+    gradients_are_local_shards = True
+
+    def __init__(self, cfg: FSDPConfig) -> None:
+        super().__init__(cfg)
+        if cfg.tensor_parallel > 1:
+            raise config_error(
+                "tensor_parallel",
+                cfg.tensor_parallel,
+                "is not available with backend='fairscale'",
+                "use backend='native'",
+            )
+        if cfg.sharding == "hybrid":
+            raise config_error("sharding", cfg.sharding, "is not available with backend='fairscale'", "use 'full'")
+        if cfg.state_dict_type == "sharded":
+            raise config_error(
+                "state_dict_type",
+                cfg.state_dict_type,
+                "is not available with backend='fairscale' (its local shards load only at the same world size)",
+                "use 'full', or backend='native' to reshard",
+            )
+
+    @staticmethod
+    def arguments(arguments: dict[str, Any], lightning_keywords: dict[str, Any], extra: dict[str, Any]) -> list[str]:
+        """Lightning ``FSDPStrategy``'s keywords mean something to the native backend only: refused."""
+        for key, value in lightning_keywords.items():
+            if value is not None:
+                raise config_error(key, value, "is an FSDPStrategy keyword, for backend='native'", "drop it")
+        return []
+
+    def check_device(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise StabilityConfigError(
+                f"`backend='fairscale'` needs CUDA (FairScale's FSDP runs on CUDA streams), but this run's device is "
+                f"{device.type!r}. Fix: use the native backend, StableFSDPStrategy(backend='native') (PyTorch FSDP2), "
+                "which runs on CPU with gloo and on GPUs with NCCL."
+            )
+        require_fairscale("backend", "fairscale", "use the default backend='native' (PyTorch FSDP2)")
+
+    def wrap(
+        self, module: nn.Module, precision: StableFSDPPrecision, device: torch.device, mesh: DeviceMesh | None
+    ) -> nn.Module:
+        cfg = self.cfg
+        plan = plan_wrapping(module, cfg.policy, cfg.activation_checkpointing, native=False)
+        if not cfg.cpu_offload:
+            module.to(device)  # FairScale shards on the device the parameters are on
+        kwargs = fairscale_kwargs(
+            param_dtype=precision.param_dtype,
+            reduce_dtype=cfg.reduce_dtype,
+            flatten_parameters=cfg.flatten_parameters,
+            cpu_offload=cfg.cpu_offload,
+            reshard_after_forward=cfg.reshard_after_forward,
+            extra=cfg.fairscale_kwargs,
+        )
+        root = wrap_fairscale(module, plan, kwargs)
+        precision.clip_norm_fn = cast(Callable[[float], Any], root.clip_grad_norm_)  # gradient_clip_val clips here
+        return root
+
+    @contextmanager
+    def no_sync(self, root: nn.Module) -> Generator[None, None, None]:
+        with root.no_sync():  # type: ignore[operator]
+            yield
+
+    def model_state(self, root: nn.Module | None, module: nn.Module) -> dict[str, Any]:
+        assert root is not None
+        return model_state(root)
+
+    def optimizer_state(self, root: nn.Module | None, module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+        assert root is not None
+        return optimizer_state(root, optimizer)
+
+    def load(
+        self, path: Path, root: nn.Module | None, module: nn.Module, optimizers: list[Optimizer], strict: bool
+    ) -> dict[str, Any]:
+        assert root is not None
+        checkpoint: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
+        load_full(root, optimizers, checkpoint, strict=strict)
+        return checkpoint
 
 
 def fairscale_fsdp_class() -> Any:
@@ -124,16 +220,3 @@ def load_full(root: Any, optimizers: list[Optimizer], checkpoint: dict[str, Any]
     root.load_state_dict({f"module.{k}": v for k, v in checkpoint.pop("state_dict").items()}, strict=strict)
     for optimizer, osd in zip(optimizers, checkpoint.pop("optimizer_states", []), strict=False):
         optimizer.load_state_dict(root.get_shard_from_optim_state_dict(osd))
-
-
-def refuse_shard_local_monitors(trainer: Any) -> None:
-    """GradientNormMonitor would measure one rank's flat shard here, not the model's gradient."""
-    from lightning_stability.grad_norm import GradientNormMonitor
-
-    if any(isinstance(cb, GradientNormMonitor) for cb in trainer.callbacks):
-        raise StabilityConfigError(
-            "GradientNormMonitor cannot measure the global gradient norm under "
-            "StableFSDPStrategy(backend='fairscale'): FairScale's gradients are flat local shards. Fix: use "
-            "backend='native' (FSDP2), or clip with Trainer(gradient_clip_val=...), which calls FairScale's own "
-            "clip_grad_norm_."
-        )

@@ -235,3 +235,31 @@ def check_lightning_keywords(extra: dict[str, Any]) -> list[str]:
             continue
         notes.append(f"{key}={value!r}: no effect ({NO_EFFECT[key]})")
     return notes
+
+
+def translate(arguments: dict[str, Any], lightning_keywords: dict[str, Any], extra: dict[str, Any]) -> list[str]:
+    """FSDPStrategy's keywords as this strategy's, in place: ``arguments`` holds the strategy's ``sharding``,
+    ``reshard_after_forward``, ``auto_wrap_policy``, ``activation_checkpointing``, ``cpu_offload`` and
+    ``mixed_precision``; ``lightning_keywords`` FSDPStrategy's ``sharding_strategy`` and
+    ``activation_checkpointing_policy``; ``extra`` the keywords outside the signature (FSDPStrategy's are taken
+    out). Returns one note per keyword accepted without effect."""
+    notes = check_lightning_keywords(extra)
+    sharding_strategy = lightning_keywords.get("sharding_strategy")
+    if sharding_strategy is not None:
+        sharding, reshard = arguments["sharding"], arguments["reshard_after_forward"]
+        if sharding != "full" or reshard is not True:
+            raise config_error(
+                "sharding_strategy",
+                sharding_strategy,
+                f"is given together with sharding={sharding!r}/reshard_after_forward={reshard!r}",
+                "pass one of them: FSDPStrategy's sharding_strategy, or this strategy's sharding and "
+                "reshard_after_forward",
+            )
+        arguments["sharding"], arguments["reshard_after_forward"] = sharding_of(sharding_strategy)
+    arguments["auto_wrap_policy"] = wrap_policy(arguments["auto_wrap_policy"])
+    policy = lightning_keywords.get("activation_checkpointing_policy")
+    if policy is not None:
+        arguments["activation_checkpointing"] = checkpointing_of(arguments["activation_checkpointing"], policy)
+    arguments["cpu_offload"] = cpu_offload_of(arguments["cpu_offload"])
+    arguments["mixed_precision"] = mixed_precision_of(arguments["mixed_precision"])
+    return notes

@@ -21,7 +21,7 @@ from torch.optim import LBFGS, Optimizer
 from lightning_stability import _compat
 from lightning_stability.errors import StabilityConfigError, config_error
 from lightning_stability.ledger.skips import unscale_if_deferred
-from lightning_stability.norms import clip_coefficient, combine_norms, per_tensor_norms, scale_
+from lightning_stability.norms import clip_by_global_norm_
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -205,10 +205,8 @@ class StableFSDPPrecision(Precision):
             self.clip_norm_fn(float(clip_val))
             return
         grads = [p.grad for p in self.main_params(optimizer) if p.grad is not None]
-        if not grads:
-            return
-        total = combine_norms(per_tensor_norms(grads))
-        scale_(grads, clip_coefficient(total, float(clip_val)))
+        if grads:
+            clip_by_global_norm_(grads, float(clip_val))
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:

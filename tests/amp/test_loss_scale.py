@@ -452,29 +452,6 @@ def test_counts_and_rate_across_ring_laps_and_a_resume_mid_lap() -> None:
     assert resumed.scaler.state_dict() == driver.scaler.state_dict()
 
 
-def test_a_checkpoint_with_overflow_flags_of_an_earlier_version_loads_with_exact_counts_and_rate() -> None:
-    flags = [1, 1, 1, 1, 1, 0]
-    driver = _Driver(TunedGradScaler("cpu", init_scale=256.0, growth_interval=3, min_scale=64.0, overflow_window=4))
-    for flag in flags:
-        driver.step(bool(flag))
-    old = {k: v for k, v in driver.scaler.state_dict().items() if k != "overflow_counts"}
-    old["overflow_flags"] = [0.0] * 4  # the earlier format: update u's 0/1 flag in slot u % overflow_window
-    for u, flag in enumerate(flags):
-        old["overflow_flags"][u % 4] = float(flag)
-    loaded = _Driver(TunedGradScaler("cpu"))
-    loaded.scaler.load_state_dict(old)
-    for more in ([], [1, 0, 0, 1, 1, 1, 1]):
-        for d in (driver, loaded):
-            for flag in more:
-                d.step(bool(flag))
-        for name in ("overflow_steps", "floor_hits", "overflow_rate"):
-            mine, theirs = getattr(loaded.scaler, name), getattr(driver.scaler, name)
-            mine, theirs = (mine(), theirs()) if callable(mine) else (mine, theirs)
-            assert mine.item() == theirs.item(), (name, more)
-        assert loaded.scaler.get_scale() == driver.scaler.get_scale()
-    assert int(driver.scaler.overflow_steps) == 10 and int(driver.scaler.floor_hits) > 0  # type: ignore[attr-defined]
-
-
 def test_an_overflow_on_two_devices_is_one_overflow(monkeypatch: pytest.MonkeyPatch) -> None:
     """Gradients on two devices (e.g. CPU offload) that both overflow spend one unit of hysteresis, not two."""
     scaler = TunedGradScaler("cpu", init_scale=256.0, hysteresis=2)
@@ -513,7 +490,7 @@ def test_a_saved_scale_below_the_floor_starts_at_the_floor() -> None:
 
 def test_tuner_pickles_before_and_after_fit() -> None:
     tuner = LossScaleTuner(init_scale="auto")
-    assert pickle.loads(pickle.dumps(tuner)).scaler_kwargs == tuner.scaler_kwargs
+    assert pickle.loads(pickle.dumps(tuner)).settings == tuner.settings
     fit(TinyModule(), [tuner], max_steps=2)
     restored = pickle.loads(pickle.dumps(tuner))
     assert restored.scaler is None and restored.state_dict() == tuner.state_dict()
@@ -534,20 +511,20 @@ def test_two_tuners_are_refused_with_the_packages_own_message(second: dict[str, 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"init_scale": -1.0}, r"`init_scale=-1.0` must be > 0"),
-        ({"init_scale": "big"}, r"`init_scale='big'` is not a number or 'auto'"),
-        ({"init_scale": float("nan")}, r"`init_scale=nan` is not a number"),
-        ({"init_scale": True}, r"`init_scale=True` is not a number"),
+        ({"init_scale": -1.0}, r"`init_scale=-1.0` must be a finite number > 0"),
+        ({"init_scale": "big"}, r"`init_scale='big'` must be a finite number > 0.*or 'auto'"),
+        ({"init_scale": float("nan")}, r"`init_scale=nan` must be a finite number"),
+        ({"init_scale": True}, r"`init_scale=True` must be a finite number"),
         ({"init_scale": 0.5}, r"`init_scale=0.5` is below min_scale=1.0. Fix: raise init_scale, or lower min_scale"),
         ({"growth_factor": 0.5}, r"`growth_factor=0.5` must be a finite number > 1"),
-        ({"backoff_factor": 2}, r"`backoff_factor=2` must be a number in \(0, 1\)"),
+        ({"backoff_factor": 2}, r"`backoff_factor=2` must be a finite number in \(0.0, 1.0\)"),
         ({"growth_interval": 0}, r"`growth_interval=0` must be an int >= 1"),
         ({"hysteresis": 0}, r"`hysteresis=0` must be an int >= 1"),
-        ({"min_scale": -1}, r"`min_scale=-1` must be a positive"),
+        ({"min_scale": -1}, r"`min_scale=-1` must be a finite number > 0"),
         ({"on_min_scale": "stop"}, r"`on_min_scale='stop'` is not 'raise' or 'warn'"),
         ({"consecutive_hysteresis": "yes"}, r"`consecutive_hysteresis='yes'` must be a bool"),
         ({"overflow_window": 0}, r"`overflow_window=0` must be an int >= 1"),
-        ({"max_overflow_rate": 0}, r"`max_overflow_rate=0` must be a number in \(0, 1\]"),
+        ({"max_overflow_rate": 0}, r"`max_overflow_rate=0` must be a finite number in \(0.0, 1.0\]"),
         ({"max_overflow_rate": 1.5}, r"`max_overflow_rate=1.5`"),
         ({"auto_headroom": 0.5}, r"`auto_headroom=0.5` must be a finite number >= 1"),
         ({"log_every_n_steps": 0}, r"`log_every_n_steps=0` must be an int >= 1"),
@@ -564,3 +541,20 @@ def test_scaler_config_errors() -> None:
         TunedGradScaler("cpu", overflow_window=-3)
     with pytest.raises(StabilityConfigError, match=r"`hysteresis=1.5` must be an int >= 1"):
         TunedGradScaler("cpu", hysteresis=1.5)  # type: ignore[arg-type]
+
+
+def test_the_scaler_settings_are_one_definition_for_the_scaler_and_the_tuner() -> None:
+    """``TunedGradScaler`` and ``LossScaleTuner`` take the settings of ``ScalerSettings``, with its defaults."""
+    import dataclasses
+    import inspect
+
+    from lightning_stability.amp import ScalerSettings
+
+    defaults = {f.name: f.default for f in dataclasses.fields(ScalerSettings)}
+    for cls in (TunedGradScaler, LossScaleTuner):
+        parameters = inspect.signature(cls).parameters
+        assert {name: parameters[name].default for name in defaults} == defaults, cls
+    tuner = LossScaleTuner(init_scale="auto", hysteresis=3)
+    assert tuner.settings == ScalerSettings(init_scale="auto", hysteresis=3)
+    scaler = tuner.settings.scaler("cpu")
+    assert isinstance(scaler, TunedGradScaler) and scaler.probing and scaler.rule.hysteresis == 3

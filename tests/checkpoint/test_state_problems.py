@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from torch import Tensor
 
-from lightning_stability import AtomicCheckpointIO, GradientNormMonitor, StableCheckpoint
+from lightning_stability import AtomicCheckpointIO, GradientNormMonitor, StableCheckpoint, TrainingHealthMonitor
 from lightning_stability.checkpoint.callback import state_problems
 from lightning_stability.ledger.step_ledger import StepLedger
 from lightning_stability.ledger.track import Outcome
@@ -95,3 +96,62 @@ def test_a_skipped_update_alone_is_refused(tmp_path: Path) -> None:
     assert all(reasons.by_step[step] == [] for step in reasons.by_step if step != BAD + 1)
     # not saved at the skipped step; the next healthy one is
     assert steps_on_disk(tmp_path / "ckpts") == [s for s in range(1, BAD + 4) if s != BAD + 1]
+
+
+class LossSettlesHigher(TinyModule):
+    """The loss is 30 times higher from global step ``at`` on, for good: a new level, not a spike."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__(lr=0.01)
+        self.at = at
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * 30 if self.global_step >= self.at else loss
+
+
+class Verdicts(pl.Callback):
+    """By the step each optimizer step closed as: the monitor's verdict (spike, new level), the z-scores it logged
+    and whether the update was applied (host reads: tests only)."""
+
+    def __init__(self) -> None:
+        self.spike: dict[int, bool] = {}
+        self.new_level: dict[int, bool] = {}
+        self.z: dict[int, float] = {}
+        self.applied: dict[int, bool] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        ledger, step = StepLedger.of(trainer), trainer.global_step
+        assert ledger.health is not None
+        self.spike[step], self.new_level[step] = bool(ledger.health.spike), bool(ledger.health.new_level)
+        metrics = trainer.callback_metrics
+        self.z[step] = max(float(metrics["stability/loss_z"]), float(metrics["stability/grad_norm_z"]))
+        self.applied[step] = int(ledger.outcome) == Outcome.APPLIED
+
+
+def test_a_new_level_is_saved_as_soon_as_the_monitor_stops_calling_it_a_spike(tmp_path: Path) -> None:
+    """The loss settles 30x higher at step 40. The monitor calls the first steps above its threshold spikes (skipped,
+    not saved), then a new level: it trains on, and StableCheckpoint saves those steps too. Deciding "spike" again
+    from the logged z-scores (``z > spike_z``, as StableCheckpoint did before it read the verdict) would have
+    deferred every step of the new level although the monitor applied its updates."""
+    pl.seed_everything(0)
+    verdicts = Verdicts()
+    monitor = TrainingHealthMonitor(response="skip", warmup_steps=10, report=False)
+    ckpt = StableCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=1, keep=1000)
+    trainer = quiet_trainer(
+        max_steps=90, enable_checkpointing=True, plugins=[AtomicCheckpointIO()], callbacks=[monitor, verdicts, ckpt]
+    )
+    with pytest.warns(UserWarning, match="new level"):
+        trainer.fit(LossSettlesHigher(at=40))
+    saved = set(steps_on_disk(tmp_path / "ckpts"))
+    spikes = {s for s, spike in verdicts.spike.items() if spike}
+    level = {s for s, new in verdicts.new_level.items() if new and not verdicts.spike[s]}
+    over = {s for s, z in verdicts.z.items() if z > monitor.spike_z}  # the z-score rule
+    assert spikes and all(s > 40 for s in spikes), spikes
+    assert not spikes & saved  # a real spike is never saved
+    assert saved == {s for s in verdicts.applied if verdicts.applied[s] and s not in spikes}
+    # the new level's steps: above spike_z, applied by the monitor, and saved
+    assert level and level <= over, (level, over)
+    assert all(verdicts.applied[s] for s in level)
+    assert level <= saved, sorted(level - saved)
+    assert max(saved) == 90  # the run ends saving

@@ -215,8 +215,8 @@ def test_watchdog_settings_errors(kwargs: dict, match: str) -> None:
         ({"straggler_factor": "2"}, r"`straggler_factor='2'`"),
         ({"weight_hash_every": 0}, r"`weight_hash_every=0` must be an int >= 1.*weight_hash_every=1000"),
         ({"weight_hash_every": 2.0}, r"`weight_hash_every=2.0`"),
-        ({"straggler_min_gap_s": -1.0}, r"`straggler_min_gap_s=-1.0` must be >= 0"),
-        ({"straggler_min_gap_s": None}, r"`straggler_min_gap_s=None` is not a number"),
+        ({"straggler_min_gap_s": -1.0}, r"`straggler_min_gap_s=-1.0` must be a finite number >= 0"),
+        ({"straggler_min_gap_s": None}, r"`straggler_min_gap_s=None` must be a finite number"),
     ],
 )
 def test_argument_errors(kwargs: dict, match: str) -> None:

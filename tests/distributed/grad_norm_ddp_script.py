@@ -54,7 +54,7 @@ class Record(pl.Callback):
         self.state_before.append(self._state(trainer))
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, opt: Any) -> None:
-        self.norms.append(StepLedger.of(trainer).values["grad_norm"].item())
+        self.norms.append(StepLedger.of(trainer).step.grad_norm.item())
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         ledger = StepLedger.of(trainer)

@@ -482,7 +482,7 @@ def test_works_beside_gradient_norm_monitor_in_any_order() -> None:
     [
         ({"response": "panic"}, r"`response='panic'` is not a response"),
         ({"spike_z": 0}, r"`spike_z=0` must be a number > 0"),
-        ({"alpha": 1.0}, r"`alpha=1.0` must be in \(0, 1\)"),
+        ({"alpha": 1.0}, r"`alpha=1.0` must be a finite number in \(0.0, 1.0\)"),
         ({"skip_batches": -1}, r"`skip_batches=-1` must be an int >= 0"),
         ({"warmup_steps": 0}, r"warmup_steps"),
         ({"warmup_steps": 1}, r"`warmup_steps=1` must be >= 2"),
@@ -700,3 +700,63 @@ def test_a_step_without_a_known_loss_records_nan_not_the_placeholder() -> None:
     assert all(math.isnan(v) for v in mon.history.series["loss"])
     assert all(math.isfinite(v) for v in mon.history.series["grad_norm"])
     assert math.isnan(trainer.callback_metrics["stability/loss_z"].item())
+
+
+class VerdictLog(pl.Callback):
+    """The monitor's verdict of every step from the step ledger, by its step label (host reads: tests only)."""
+
+    def __init__(self) -> None:
+        self.flags: list[list[float]] = []
+        self.spike: list[bool] = []
+        self.pending: list[bool] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        verdict = StepLedger.of(trainer).health
+        assert verdict is not None
+        self.flags.append(verdict.flags.tolist())
+        self.spike.append(bool(verdict.spike))
+        self.pending.append(bool(verdict.rollback_pending))
+
+
+def test_the_verdict_in_the_ledger_is_what_the_history_and_the_report_record() -> None:
+    """One definition of a spike: the flags StableCheckpoint reads from the ledger are the history's, step by step,
+    and the steps called spikes are those the monitor skipped and the warning names."""
+    pl.seed_everything(0)
+    log = VerdictLog()
+    mon = monitor("skip", log_every_n_steps=4)
+    trainer = quiet_trainer(max_steps=16, callbacks=[mon, log])
+    with pytest.warns(UserWarning, match=rf"spike .* at step\(s\) \[{SPIKE}\]"):
+        trainer.fit(Spiky())
+    series = mon.history.series
+    assert log.flags == [[a, b] for a, b in zip(series["loss_spike"], series["grad_spike"], strict=True)]
+    assert [i for i, s in enumerate(log.spike) if s] == [SPIKE]
+    assert [i for i, o in enumerate(series["outcome"]) if o == Outcome.SKIPPED_SPIKE] == [SPIKE]
+    assert not any(log.pending)  # no rollback under "skip"
+
+
+def test_the_verdict_says_when_a_rollback_is_pending() -> None:
+    """Two spikes in a row under "rollback": the second one is on the weights the first left (its update was
+    skipped), so the damage is in: the verdict of that step says a rollback follows, and the next step rolls back."""
+    pl.seed_everything(0)
+    log = VerdictLog()
+    mon = monitor("rollback", log_every_n_steps=50)
+    trainer = quiet_trainer(max_steps=24, callbacks=[mon, log])
+    with pytest.warns(UserWarning, match="rollback 1/3"):
+        trainer.fit(Spiky(spike_at=(11, 12)))
+    assert [i for i, p in enumerate(log.pending) if p] == [12]
+    assert [e["step"] for e in mon.events if e["kind"] == "rollback"] == [13]
+
+
+@pytest.mark.parametrize("health_first", [True, False])
+def test_the_report_draws_the_fixed_clip_the_steps_were_clipped_to(health_first: bool) -> None:
+    """GradientNormMonitor's clip is read from each step's record (whichever of the two runs first), not from the
+    callback: the history's clip threshold is max_norm on every scored step; NaN without a fixed clip."""
+    pl.seed_everything(0)
+    mon, gnm = monitor("warn"), GradientNormMonitor(max_norm=0.5)
+    trainer = quiet_trainer(max_steps=8, callbacks=[mon, gnm] if health_first else [gnm, mon])
+    trainer.fit(Spiky(spike_at=()))
+    assert mon.history.series["clip_threshold"] == [0.5] * 8
+    pl.seed_everything(0)
+    alone = monitor("warn")
+    quiet_trainer(max_steps=8, callbacks=[alone]).fit(Spiky(spike_at=()))
+    assert all(math.isnan(t) for t in alone.history.series["clip_threshold"])

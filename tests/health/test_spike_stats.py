@@ -178,33 +178,6 @@ def test_a_checkpoint_keeps_the_run_of_spikes() -> None:
     assert resumed.state_dict() == stats.state_dict()
 
 
-@pytest.mark.parametrize("seen", [2, 6])
-def test_a_checkpoint_of_the_earlier_five_row_layout_continues_the_same(seen: int) -> None:
-    """Earlier versions kept float64 rows (mean, var, count, warmup sum, warmup sum of squares); loading one,
-    mid-warmup or after it, continues as the statistics that saw the same values."""
-    values = [1.0, 1.3, 0.7, 1.1, 0.95, 1.2, 1.05, 0.85, 1.15, 1.0]
-    fresh = SpikeStats(1, alpha=0.9, warmup=4)
-    feed(fresh, values[:seen])
-    mean, std = fresh.mean_std(torch.device("cpu"))
-    head = values[: min(seen, 4)]
-    old_rows = [
-        [mean.item() if seen >= 4 else 0.0],
-        [std.item() ** 2 if seen >= 4 else 0.0],
-        [float(seen)],
-        [sum(head)],
-        [sum(x * x for x in head)],
-    ]
-    loaded = SpikeStats(1, alpha=0.9, warmup=4)
-    loaded.load_state_dict({"alpha": 0.9, "warmup": 4, "state": old_rows})
-    feed(fresh, values[seen:])
-    feed(loaded, values[seen:])
-    for a, b in zip(fresh.mean_std(torch.device("cpu")), loaded.mean_std(torch.device("cpu")), strict=True):
-        assert a.item() == pytest.approx(b.item(), rel=1e-5)
-    assert fresh.zscore(torch.tensor([2.0]))[0].item() == pytest.approx(
-        loaded.zscore(torch.tensor([2.0]))[0].item(), rel=1e-4
-    )
-
-
 def test_interval_mean_counts_finite_values_and_restarts_at_reset() -> None:
     mean = IntervalMean()
     mean.add(torch.tensor([1.0, math.nan]), torch.tensor([True, False]))

@@ -11,33 +11,34 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_stability import WarmupConstantCosineLR
-from lightning_stability.ledger import FlushValues, LedgerCallback, OptimizerRecord, Outcome, StepLedger
+from lightning_stability.ledger import LedgerCallback, OnHost, OptimizerRecord, Outcome, StepLedger
 from tests.helpers import TinyModule, quiet_trainer
 
 
 class SkipHighLoss(LedgerCallback):
     """Skip every update whose loss is above ``max_loss``; count them."""
 
-    needs_loss = True  # ledger.values["loss"]: the update's loss, on the device
+    needs_loss = True  # ledger.step.loss: the update's loss, on the device
 
     def __init__(self, max_loss: float) -> None:
         super().__init__()
         self.max_loss = max_loss
         self.warned_at: list[int] = []
+        self.sent: OnHost | None = None
 
     def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: torch.optim.Optimizer) -> None:
-        too_high = ledger.any_rank(ledger.values["loss"] > self.max_loss)  # the same decision on every rank
+        too_high = ledger.any_rank(ledger.step.loss > self.max_loss)  # the same decision on every rank
         ledger.mark_skip(Outcome.SKIPPED_SPIKE, too_high)
         self.record_metric("stability/loss_too_high", too_high.float())
         if self.is_logging_step:
-            self.to_host("loss", ledger.values["loss"])
+            self.sent = self.to_host(ledger.step.loss)
 
     def after_step(self, trainer: pl.Trainer, ledger: StepLedger) -> None:
         self.record_metric("stability/high_loss_skips", ledger.record_of().counts[Outcome.SKIPPED_SPIKE])
 
-    def on_host(self, trainer: pl.Trainer, record: OptimizerRecord, values: FlushValues) -> dict[str, float]:
-        loss = values["loss"]
-        assert isinstance(loss, float)
+    def on_host(self, trainer: pl.Trainer, record: OptimizerRecord) -> dict[str, float]:
+        assert self.sent is not None
+        loss = self.sent.number()
         if loss > self.max_loss:
             self.warned_at.append(record.steps)
         return {"stability/loss_seen": loss}

@@ -58,6 +58,73 @@ def test_a_vote_counts_whatever_the_callback_order(optimizer: str, voter_first: 
     assert StepLedger.of(trainer).record_of().counts.tolist() == [4, 0, 0, 1, 0]
 
 
+class VotingModule(TinyModule):
+    """Votes to skip step BAD from the module's own ``on_before_optimizer_step``."""
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        bad = torch.full((), self.trainer.global_step == BAD)
+        StepLedger.of(self.trainer).mark_skip(Outcome.SKIPPED_SPIKE, bad, optimizer)
+
+
+class WeightsAndState(pl.Callback):
+    """Parameters and optimizer state (AdamW's moments and step counts) before and after each batch."""
+
+    def __init__(self) -> None:
+        self.before: list[list[torch.Tensor]] = []
+        self.after: list[list[torch.Tensor]] = []
+
+    @staticmethod
+    def _copy(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[torch.Tensor]:
+        state = trainer.optimizers[0].state
+        tensors = [p.detach().clone() for p in pl_module.parameters()]
+        for p in pl_module.parameters():
+            tensors += [v.detach().clone() for _, v in sorted(state.get(p, {}).items())]
+        return tensors
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.before.append(self._copy(trainer, pl_module))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.after.append(self._copy(trainer, pl_module))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])
+@pytest.mark.parametrize("where", ["callback_before", "callback_after", "module"])
+def test_a_vote_from_anywhere_before_the_update_skips_exactly(optimizer: str, where: str) -> None:
+    """A plain callback before or after the package's callbacks, or the module's hook: the same exact skip."""
+    snaps, state = Snapshots(), WeightsAndState()
+    ours = GradientNormMonitor(max_norm=1.0)
+    callbacks = {"callback_before": [Voter(), ours], "callback_after": [ours, Voter()], "module": [ours]}[where]
+    module = VotingModule(optimizer=optimizer) if where == "module" else TinyModule(optimizer=optimizer)
+    trainer = quiet_trainer(max_steps=5, callbacks=[*callbacks, snaps, state])
+    trainer.fit(module)
+    assert snaps.outcomes == [0, 0, int(Outcome.SKIPPED_SPIKE), 0, 0]
+    # weights, AdamW's moments and its step counts exactly as they were; the next step updates again
+    assert len(state.before[BAD]) > len(list(module.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(state.before[BAD], state.after[BAD], strict=True))
+    assert not torch.equal(state.before[BAD + 1][0], state.after[BAD + 1][0])
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])
+def test_votes_from_before_after_and_the_module_cost_one_host_read_together(optimizer: str) -> None:
+    """The monitor alone, then with a vote from a callback before it, one after it and the module's: the same
+    host syncs per step (one read of all the votes for AdamW, none for the fused one)."""
+    pl.seed_everything(0)
+    alone = count_syncs_per_step(
+        quiet_trainer(max_steps=4, log_every_n_steps=50, callbacks=[GradientNormMonitor()]),
+        TinyModule(optimizer=optimizer),
+    )
+    pl.seed_everything(0)
+    everywhere = count_syncs_per_step(
+        quiet_trainer(max_steps=4, log_every_n_steps=50, callbacks=[Voter(), GradientNormMonitor(), Voter()]),
+        VotingModule(optimizer=optimizer),
+    )
+    # (on the skipped step itself AdamW's own per-parameter syncs vanish: it leaves gradient-less params alone)
+    assert [n for i, n in enumerate(alone) if i != BAD] == [n for i, n in enumerate(everywhere) if i != BAD]
+    if optimizer == "adamw_fused":
+        assert alone == everywhere
+
+
 def test_votes_from_several_callbacks_cost_one_host_read_together() -> None:
     """Two voters and the monitor's non-finite vote on a non-fused optimizer: one read per step, not three."""
     pl.seed_everything(0)
@@ -132,7 +199,7 @@ class LossProbe(LedgerCallback):
     needs_loss = True
 
     def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Any) -> None:
-        self.losses.append(ledger.values["loss"].clone())
+        self.losses.append(ledger.step.loss.clone())
 
 
 class RecordsLosses(TinyModule):
@@ -295,3 +362,34 @@ def test_a_pickled_track_keeps_its_counts_consistent() -> None:
     copy.count(Outcome.SKIPPED_NONFINITE)
     assert copy.counts.tolist() == [1, 0, 1, 2, 0]
     assert int(copy.skipped_steps) == 3
+
+
+@pytest.mark.parametrize("call", ["no_closure", "closure_keyword", "closure_positional"])
+def test_a_vote_cast_inside_the_optimizers_closure_is_enforced_when_the_closure_returns(call: str) -> None:
+    """Lightning (outside fp16) runs backward and every `on_before_optimizer_step` hook inside the closure it passes
+    to `optimizer.step`, after torch ran the step pre-hooks: the pre-hook enforces once that closure returned."""
+    layer = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    ledger = StepLedger()
+    ledger._watch([optimizer])  # what the template does before the first step
+    x = torch.randn(8, 4)
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = layer(x).pow(2).mean()
+        loss.backward()
+        ledger.open_step(optimizer)  # as the first LedgerCallback's on_before_optimizer_step does
+        ledger.mark_skip(Outcome.SKIPPED_SPIKE, torch.ones((), dtype=torch.bool))
+        return loss
+
+    before = [p.detach().clone() for p in layer.parameters()]
+    if call == "no_closure":
+        closure()
+        optimizer.step()
+    elif call == "closure_keyword":
+        optimizer.step(closure=closure)
+    else:
+        optimizer.step(closure)
+    assert all(torch.equal(a, b) for a, b in zip(before, layer.parameters(), strict=True))
+    assert ledger.outcome is Outcome.SKIPPED_SPIKE
+    assert ledger.record_of(optimizer).counts.tolist() == [0, 0, 0, 1, 0]

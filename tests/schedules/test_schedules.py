@@ -146,7 +146,7 @@ def test_resolve_steps() -> None:
         (lambda: cosine(0, 100, warmup=-1), r"`warmup=-1` must be a fraction"),
         (lambda: cosine(0, 0), r"`total_steps=0` must be an int >= 1"),
         (lambda: linear(0, 10, min_lr_ratio=1.5), r"`min_lr_ratio=1.5` must be in \[0, 1\]"),
-        (lambda: step_decay(0, gamma=0.0, every=3), r"`gamma=0.0` must be in \(0, 1\]"),
+        (lambda: step_decay(0, gamma=0.0, every=3), r"`gamma=0.0` must be a finite number in \(0.0, 1.0\]"),
         (lambda: step_decay(0, gamma=0.5), r"`every/milestones=.*` must give exactly one"),
         (lambda: step_decay(0, gamma=0.5, every=2, milestones=[3]), r"must give exactly one"),
         (
@@ -165,7 +165,7 @@ def test_resolve_steps() -> None:
         (lambda: WarmupConstantCosineSchedule()(0, None), r"`total_steps=None` is needed"),
         (lambda: CosineSchedule(warmup=1.5), r"`warmup=1.5` is >= 1 but not a whole number"),
         (lambda: LinearSchedule(min_lr_ratio=-0.1), r"`min_lr_ratio=-0.1` must be in"),
-        (lambda: StepSchedule(gamma=2.0, every=10), r"`gamma=2.0` must be in"),
+        (lambda: StepSchedule(gamma=2.0, every=10), r"`gamma=2.0` must be a finite number in"),
         (lambda: StepSchedule(), r"must give exactly one"),
         (lambda: InverseSqrtSchedule(warmup=True), r"`warmup=True` must be a fraction"),
     ],

@@ -12,7 +12,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 
 from lightning_stability.errors import StabilityConfigError
-from lightning_stability.strategies import fsdp_config
+from lightning_stability.strategies import fsdp_backend, mesh
 from lightning_stability.strategies.fsdp import StableFSDPStrategy
 from lightning_stability.strategies.fsdp_checkpoint import index_keyed, name_keyed, optimizer_param_names
 from lightning_stability.strategies.fsdp_config import resolve_mixed_precision
@@ -97,7 +97,7 @@ def test_a_tensor_parallel_mesh_that_does_not_fit_the_world_names_the_argument(
 ) -> None:
     cfg = StableFSDPStrategy(**kwargs)._cfg
     with pytest.raises(StabilityConfigError, match=match):
-        fsdp_config.build_mesh(cfg, nodes, devices, "cpu")
+        mesh.build_mesh(cfg, nodes, devices, "cpu")
 
 
 def test_fairscale_backend_accepts_the_seeds_keywords_and_its_own() -> None:
@@ -109,7 +109,7 @@ def test_fairscale_backend_accepts_the_seeds_keywords_and_its_own() -> None:
 
 
 def test_seed_keywords_map_to_fsdp2_and_flatten_parameters_is_explained_once(caplog) -> None:
-    fsdp_config._FLATTEN_EXPLAINED = False
+    fsdp_backend._FLATTEN_EXPLAINED = False
     with caplog.at_level(logging.INFO):
         strategy = StableFSDPStrategy(mixed_precision=True, flatten_parameters=True, cpu_offload=True)
         StableFSDPStrategy(flatten_parameters=False)
@@ -307,3 +307,14 @@ def test_optimizer_state_rekeying_round_trip() -> None:
     fresh.load_state_dict(back)
     for i, state in by_index["state"].items():
         torch.testing.assert_close(fresh.state_dict()["state"][i]["exp_avg"], state["exp_avg"])
+
+
+def test_gradient_norm_monitor_refuses_fairscale_flat_shards_and_names_the_trainer_clip() -> None:
+    """The refusal is the callback's (it reads the strategy's ``gradients_are_local_shards``): strategies/ imports
+    no callback."""
+    from lightning_stability.grad_norm import GradientNormMonitor
+
+    trainer = quiet_trainer(strategy=StableFSDPStrategy(backend="fairscale"), devices=1)
+    assert trainer.strategy.gradients_are_local_shards and not StableFSDPStrategy().gradients_are_local_shards
+    with pytest.raises(StabilityConfigError, match=r"flat local shards.*backend='native'.*gradient_clip_val"):
+        GradientNormMonitor(max_norm=1.0).on_setup(trainer, TinyModule())

@@ -1,0 +1,254 @@
+"""One optimizer step, from unscale to update: where it is measured, where it is clipped, where it is skipped.
+
+:class:`OptimizerStep` is the open step of one optimizer; its methods are in the order the step runs. In full:
+
+==  ==========================================  ==============================================================
+ #  what happens                                where
+==  ==========================================  ==============================================================
+ 1  forward, backward of each micro-batch;      Lightning's loop; ``LedgerCallback.on_before_backward`` ->
+    the loss kept if a callback ``needs_loss``  ``step_ledger.StepLoss`` (Lightning's divisor, fp16 scale undone)
+ 2  fp16: the scaler unscales a non-fused       ``MixedPrecision`` / ``StableFSDPPrecision.optimizer_step``;
+    optimizer, one overflow flag per device     ``amp/scaler.py`` max-reduces the flag over the ranks
+ 3  **the step opens**: a fused optimizer is    :class:`OptimizerStep` ``__init__``, from ``StepLedger.open_step``
+    unscaled now; the scaler's decision kept    (the first ``LedgerCallback.on_before_optimizer_step``)
+ 4  **gradients measured**, once for all        :meth:`OptimizerStep.gradients` -> ``gradients.StepGradients``
+ 5  **clips**, each relative to the norm the    ``StepGradients.clip_`` -> ``norms.clip_by_global_norm_``:
+    ones before left (the tightest wins)        ``GradientNormMonitor(max_norm)``, ``TrainingHealthMonitor``'s
+                                                adaptive clip (ZClip)
+ 6  **votes** to skip: any callback, the        ``StepLedger.mark_skip`` -> :meth:`OptimizerStep.vote`
+    module's ``on_before_optimizer_step``
+ 7  ``Trainer(gradient_clip_val)``, after       ``StableFSDPPrecision.clip_grad_by_norm``,
+    every ``on_before_optimizer_step``          ``FusedClipMixedPrecision.clip_grad_by_norm`` ->
+                                                ``norms.clip_by_global_norm_``; Lightning's other plugins:
+                                                ``torch.nn.utils.clip_grad_norm_`` (the same coefficient);
+                                                ``backend="fairscale"``: FairScale's ``clip_grad_norm_``
+ 8  **votes enforced**, together, one host      :meth:`OptimizerStep.enforce` (the table there says how), from
+    read at most                                the optimizer's step pre-hook (:func:`enforce_before_update`)
+ 9  the update: ``optimizer.step()``, or not    torch
+    (the fp16 scaler calls it only without
+    overflow)
+10  **the outcome**: one :class:`Outcome`,      :meth:`OptimizerStep.close`, from the step post-hook (or
+    counted on the optimizer's record           ``on_train_batch_end`` when the scaler skipped the call)
+==  ==========================================  ==============================================================
+
+Where is a step skipped? At 8, and only there (under fp16 the scaler's own skip at 9 obeys the votes of 6).
+Where is it clipped? At 5 and 7; every clip of this package goes through one function, ``norms.clip_by_global_norm_``.
+
+The enforcement does not depend on where a vote came from: the pre-hook runs once per step after every
+``on_before_optimizer_step`` hook (the package's callbacks, yours, the module's) and Lightning's clip. Lightning
+runs those hooks inside the closure it passes to ``optimizer.step`` (except under fp16, where the scaler runs the
+closure first), and torch runs a step pre-hook before the optimizer calls its closure, so the pre-hook enforces
+after that closure returns; torch's optimizers read their gradients and ``found_inf`` only after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_stability.ledger.gradients import ClipScale, StepGradients
+from lightning_stability.ledger.skips import (
+    Flag,
+    add_to_scaler_decision,
+    drop_gradients,
+    either,
+    found_inf_is_safe,
+    read_votes_on_host,
+    scaler_found_inf,
+    set_found_inf,
+    supports_found_inf,
+    unscale_if_deferred,
+)
+from lightning_stability.ledger.track import OptimizerRecord, Outcome
+
+
+class OptimizerStep:
+    """The open step of one optimizer: its values, its gradients, its skip votes, its outcome.
+
+    Read in ``on_step`` (``ledger.step``): :attr:`loss`, :attr:`grad_norm`, :attr:`clip_coef` (0-dim device
+    tensors, or ``None`` when no callback provides them), :meth:`gradients`. The rest is driven by the ledger.
+
+    Args:
+        optimizer: the optimizer about to step.
+        record: its record in the ledger (where the outcome is counted, and its device).
+        scaler: the enabled fp16 ``GradScaler``, or ``None``.
+        loss: the update's loss (mean of its micro-batches, unscaled), when a callback asked for it.
+        enforce_each_vote: enforce every vote at once (the step pre-hook was registered too late for this step).
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        record: OptimizerRecord,
+        scaler: Any | None,
+        loss: Tensor | None = None,
+        enforce_each_vote: bool = False,
+    ) -> None:
+        self.optimizer, self.record, self.scaler = optimizer, record, scaler
+        #: the update's loss, unscaled, the mean over its micro-batches (with a callback that ``needs_loss``)
+        self.loss = loss
+        #: the global gradient norm before any clip (``GradientNormMonitor``)
+        self.grad_norm: Tensor | None = None
+        #: ``GradientNormMonitor``'s clip coefficient (with ``max_norm``)
+        self.clip_coef: Tensor | None = None
+        self.stepped = False  # optimizer.step() ran (its post-hook fired)
+        self._grads: dict[float, StepGradients] = {}
+        self._clip = ClipScale()  # every clip of this step, shared by all norm types
+        self._known: dict[Outcome, Flag] = {}  # reasons decided so far (host bools or device flags)
+        self._pending: dict[Outcome, Flag] = {}  # votes not yet enforced
+        self._folded: dict[Outcome, Flag] = {}  # votes added to the fp16 scaler's decision
+        self._enforced = enforce_each_vote  # once enforced, a later vote is enforced at once
+        self._found_inf_set = False  # `found_inf` is set on the optimizer (removed at close)
+        self._on_host = False  # the scaler decides this step on the host (non-fused optimizer)
+        self._host_overflow: Tensor | None = None  # its overflow flag, kept when a vote joined its decision
+        if scaler is None:
+            return
+        # 3. A fused optimizer would unscale inside step(): unscale now, so that callbacks see true gradients.
+        unscale_if_deferred(scaler, optimizer)
+        if supports_found_inf(optimizer):
+            found_inf = scaler_found_inf(scaler, optimizer)
+            if found_inf is not None:
+                self._known[Outcome.SKIPPED_SCALER] = found_inf
+        else:
+            # The scaler reads its overflow flag on the host itself and calls `optimizer.step()` only when it
+            # found none: whether the step post-hook ran is the outcome, known without another sync.
+            self._on_host = True
+
+    @property
+    def device(self) -> torch.device:
+        return self.record.device
+
+    # 4. ---------------------------------------------------------------- measure
+    def gradients(self, norm_type: float = 2.0) -> StepGradients:
+        """The step's gradients and their norms, computed once per norm type for every callback.
+
+        5. Clip with ``gradients(...).clip_(threshold)``: each clip is relative to the norm the earlier ones left.
+        """
+        grads = self._grads.get(norm_type)
+        if grads is None:
+            grads = self._grads[norm_type] = StepGradients(self.optimizer, norm_type, self.device, self._clip)
+        return grads
+
+    # 6. ---------------------------------------------------------------- vote
+    def vote(self, reason: Outcome, flag: Flag) -> None:
+        """Skip the step when ``flag`` (a host bool or a 0-dim device tensor) is true (``StepLedger.mark_skip``)."""
+        if reason is Outcome.APPLIED:
+            raise ValueError("Outcome.APPLIED is not a skip reason")
+        if reason is Outcome.SKIPPED_SCALER:
+            self._known[reason] = either(self._known.get(reason, False), flag)
+            return
+        scaler = self.scaler
+        if scaler is not None and isinstance(flag, Tensor):
+            overflow = scaler_found_inf(scaler, self.optimizer)
+            # Under fp16 a device vote joins the flags the scaler's step obeys (its update ignores them), now.
+            if add_to_scaler_decision(scaler, self.optimizer, flag):
+                self._folded[reason] = either(self._folded.get(reason, False), flag)
+                if self._on_host and self._host_overflow is None:
+                    self._host_overflow = overflow  # the gradients' own overflow, told apart from the votes
+                return
+        self._pending[reason] = either(self._pending.get(reason, False), flag)
+        if self._enforced:
+            self.enforce()
+
+    # 8. ---------------------------------------------------------------- enforce
+    def enforce(self) -> None:
+        """Make the update skip if any vote so far says so, leaving weights and optimizer state exactly as they were.
+
+        Runs right before the update (the step pre-hook), once for every vote of the step; a vote cast after it
+        is enforced at once.
+        """
+        self._enforced = True
+        if not self._pending:
+            return
+        votes, self._pending = self._pending, {}
+        device_votes = any(isinstance(v, Tensor) for v in votes.values())
+        # ===========================================  ======================================================
+        # the step                                     how the votes skip it
+        # ===========================================  ======================================================
+        # fp16 loss scaler                             device votes were added to the scaler's own flags at
+        #                                              the vote (6): its step() skips; host votes: dropped
+        #                                              gradients (below), no read
+        # fused Adam/AdamW/SGD, no scaler              ``optimizer.found_inf``: the kernel leaves params and
+        #                                              state alone; no read (a fused SGD with momentum before
+        #                                              its buffers exist: as below, ``found_inf_is_safe``)
+        # any other optimizer                          one host read of all the votes, then dropped gradients
+        #                                              (torch's optimizers leave a gradient-less param alone)
+        # ===========================================  ======================================================
+        fused = supports_found_inf(self.optimizer) and found_inf_is_safe(self.optimizer)
+        if device_votes and self.scaler is None and fused:
+            self._found_inf_set = set_found_inf(self.optimizer, votes, self.device, self._found_inf_set)
+            self._remember(votes)
+            return
+        if device_votes:
+            votes = read_votes_on_host(self.optimizer, votes, self.device)  # HOST SYNC, one for all votes
+        if any(votes.values()):
+            drop_gradients(self.optimizer)
+        self._remember(votes)
+
+    def _remember(self, votes: dict[Outcome, Flag]) -> None:
+        for reason, flag in votes.items():
+            self._known[reason] = either(self._known.get(reason, False), flag)
+
+    # 10. --------------------------------------------------------------- outcome
+    def close(self) -> Outcome | Tensor:
+        """The step's :class:`Outcome` (a tensor when decided on the device), once ``optimizer.step()`` ran or
+        the scaler skipped it (:attr:`stepped`). Removes ``found_inf`` from the optimizer."""
+        if self._found_inf_set:
+            del self.optimizer.found_inf  # type: ignore[attr-defined]
+            del self.optimizer.grad_scale  # type: ignore[attr-defined]
+            self._found_inf_set = False
+        known = dict(self._known)
+        for reason, flag in self._pending.items():  # never enforced: the scaler skipped the call to step()
+            known[reason] = either(known.get(reason, False), flag)
+        if self._on_host:
+            # The scaler stepped only without overflow and without a true vote: both known on the host.
+            if self.stepped:
+                folded: dict[Outcome, Flag] = {}
+            else:
+                folded = self._folded
+                # skipped by the overflow or by a vote: without a vote, surely the overflow
+                known[Outcome.SKIPPED_SCALER] = True if self._host_overflow is None else self._host_overflow
+        else:
+            folded = self._folded
+        for reason, flag in folded.items():
+            known[reason] = either(known.get(reason, False), flag)
+        outcome: Outcome | Tensor = Outcome.APPLIED
+        for reason in sorted(known, reverse=True):  # the lowest reason that applies wins
+            flag = known[reason]
+            if isinstance(flag, Tensor):
+                # scalars, not host-made tensors: on a GPU those would be blocking host-to-device copies
+                other = outcome if isinstance(outcome, Tensor) else int(outcome)
+                outcome = torch.where(flag.to(self.device, non_blocking=True).bool(), int(reason), other)
+            elif flag:
+                outcome = reason
+        return outcome
+
+
+def enforce_before_update(
+    args: tuple[Any, ...], kwargs: dict[str, Any], enforce: Callable[[], None]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The body of the optimizer step pre-hook: run ``enforce`` right before the update.
+
+    torch runs a step pre-hook before ``step()`` calls its closure, and Lightning (outside fp16) passes a closure
+    that runs backward, every ``on_before_optimizer_step`` hook and its own clip: then ``enforce`` runs when that
+    closure returns (the new ``args, kwargs`` carry the wrapped closure). Without a closure (the fp16 scaler ran
+    it already, manual calls) it runs now.
+    """
+    in_args = len(args) > 1 and args[1] is not None
+    closure = args[1] if in_args else kwargs.get("closure")
+    if closure is None:
+        enforce()
+        return None
+
+    def closure_then_enforce() -> Any:
+        result = closure()
+        enforce()
+        return result
+
+    if in_args:
+        return (args[0], closure_then_enforce, *args[2:]), kwargs
+    return args, {**kwargs, "closure": closure_then_enforce}
