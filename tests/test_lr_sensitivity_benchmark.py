@@ -34,13 +34,21 @@ def test_the_grid_is_six_log_spaced_lrs_from_1e_3_to_3e_1() -> None:
 def test_the_quick_run_prints_every_arm(capsys: pytest.CaptureFixture[str]) -> None:
     figures = lr_sensitivity.main(["--quick"])
     out = capsys.readouterr().out
-    assert set(figures) == {"bare", "preset"}
+    assert set(figures) == {"bare", "preset", "preset+early"}
     for name, s in figures.items():
         assert f"\n{name} " in out
         assert set(s["per_lr"]) == {1e-3, 0.3} and all(len(v) == 1 for v in s["per_lr"].values())
         assert s["sensitivity"] >= 0 and 0 <= s["skipped"] <= 1 and 0 <= s["spike_score"] <= 1
         assert math.isfinite(s["initial"]) and s["best"] <= s["initial"]
-    assert "preset+early    not built yet" in out
+    assert "held-out bigram loss" in out
+
+
+def test_the_bigram_loss_is_that_of_counted_character_pairs() -> None:
+    """A text that alternates two of three characters: 500 pairs 0->1 and 499 pairs 1->0, each count plus one."""
+    corpus = lr_sensitivity.Corpus(torch.tensor([0, 1] * 500), 3, 0.0, 0.0)
+    batch = torch.tensor([[0, 1, 0, 1, 0]])  # two pairs of each kind
+    expected = -(math.log(501 / 503) + math.log(500 / 502)) / 2
+    assert abs(lr_sensitivity.bigram_loss(corpus, batch) - expected) < 1e-6
 
 
 def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:

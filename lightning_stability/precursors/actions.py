@@ -201,6 +201,43 @@ def clip_updates_(
             p.mul_(c).add_(p0 * (1 - lr * weight_decay) * (1 - c))
 
 
+def rescale_adam_updates_(
+    optimizer: torch.optim.Optimizer,
+    params: Sequence[Tensor],
+    coefficients: Tensor,
+    lrs: Sequence[float | Tensor] | None = None,
+) -> None:
+    """Scale the Adam part of the update ``optimizer`` just applied to each of ``params`` by its coefficient, copy-free.
+
+    Right after an Adam(W) step, ``lr * m_hat / (sqrt(v_hat) + eps)`` recomputed from the state is the step torch
+    applied (decoupled weight decay aside): adding ``(1 - c)`` of it back leaves ``c`` of it, which is
+    :func:`clip_updates_` without a copy of the weights from before the step (the decay stays at the full LR).
+    ``coefficients``: ``(len(params),)`` on the device; a coefficient of 1 leaves its tensor alone, so a caller
+    passes 1 for a step that was skipped (the state then holds the previous step's moments). ``lrs``: each param
+    group's LR as the step used it (default: the groups' ``lr`` now; an LR schedule that sets the next step's LR
+    right after the step needs them). No host sync.
+
+    Raises:
+        StabilityConfigError: for ``amsgrad`` param groups (the denominator is the running max: not recomputed).
+    """
+    owner = {id(p): (i, g) for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    with torch.no_grad():
+        for p, c in zip(params, coefficients.unbind(), strict=True):
+            (index, group), state = owner[id(p)], optimizer.state.get(p, {})
+            if "exp_avg" not in state:
+                continue
+            if group.get("amsgrad", False):
+                raise config_error("amsgrad", True, "is not supported by the update rescaling", "use amsgrad=False")
+            beta1, beta2 = group["betas"]
+            step = torch.as_tensor(state["step"], dtype=torch.float32, device=p.device)
+            bc1 = 1 - torch.pow(float(beta1), step)
+            root_bc2 = (1 - torch.pow(float(beta2), step)).sqrt()
+            denom = (state["exp_avg_sq"].sqrt() / root_bc2.to(p.dtype)).add_(float(group["eps"]))
+            lr = group["lr"] if lrs is None else lrs[index]
+            back = (1 - c) * (lr if isinstance(lr, Tensor) else float(lr)) / bc1
+            p.add_(state["exp_avg"] / denom * back.to(p.dtype))
+
+
 # ---------------------------------------------------------------------------------------------- momentum reset
 def reset_moments_(optimizer: torch.optim.Optimizer, params: Sequence[Tensor]) -> int:
     """Zero the Adam moments (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``) of ``params``; ``step`` untouched.

@@ -20,6 +20,7 @@ over the mesh (:func:`lightning_stability.norms.per_tensor_norms`), so both figu
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,10 +51,11 @@ def is_adam_like(optimizer: torch.optim.Optimizer) -> bool:
     return all("betas" in g and "eps" in g for g in optimizer.param_groups)
 
 
-def adam_update_stats(optimizer: torch.optim.Optimizer) -> AdamUpdateStats:
+def adam_update_stats(optimizer: torch.optim.Optimizer, lrs: Sequence[float | Tensor] | None = None) -> AdamUpdateStats:
     """The update RMS and epsilon-dominated share of each tensor, from ``optimizer``'s state after its step.
 
-    Tensors without state yet (no step taken) are left out.
+    Tensors without state yet (no step taken) are left out. ``lrs``: each param group's LR as the step used it
+    (default: the groups' ``lr`` now; an LR schedule that sets the next step's LR right after the step needs them).
 
     Raises:
         StabilityConfigError: when ``optimizer`` is not Adam-like (:func:`is_adam_like`).
@@ -67,7 +69,7 @@ def adam_update_stats(optimizer: torch.optim.Optimizer) -> AdamUpdateStats:
     params: list[Tensor] = []
     rms: list[Tensor] = []
     share: list[Tensor] = []
-    for group in optimizer.param_groups:
+    for i, group in enumerate(optimizer.param_groups):
         have = [p for p in group["params"] if "exp_avg" in optimizer.state.get(p, {})]
         if not have:
             continue
@@ -89,7 +91,7 @@ def adam_update_stats(optimizer: torch.optim.Optimizer) -> AdamUpdateStats:
         share.append(per_tensor_norms(below, 1.0))
         _compat.foreach_add_scalar_(root_v, eps)  # torch's denominator sqrt(v_hat) + eps
         update = list(_compat.foreach_div(list(_compat.foreach_div([s["exp_avg"] for s in states], bc1)), root_v))
-        lr = group["lr"]
+        lr = group["lr"] if lrs is None else lrs[i]
         if isinstance(lr, Tensor):  # a tensor LR (capturable, or a schedule that writes tensors): no host read
             _compat.foreach_mul_(update, lr)
             lr = 1.0

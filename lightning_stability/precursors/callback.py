@@ -1,0 +1,529 @@
+"""PrecursorMonitor: what comes before a loss spike, logged as ``stability/...`` metrics, and opt-in early actions.
+
+Precursors (each on logging steps, in the step's one device-to-host transfer; nothing is computed on other steps
+unless an action needs it, and nothing is read on the host there):
+
+* ``stability/attention_logit_max`` and ``.../<module>``: the largest pre-softmax attention logit of the step, over
+  all heads, and per attention module (:class:`~lightning_stability.precursors.attention.AttentionLogits`);
+* ``stability/log_z`` and ``stability/log_z_drift``: the LM head's mean log-sum-exp and its drift from an EMA of
+  the measured values (:class:`~lightning_stability.precursors.logits.LogPartition`);
+* ``stability/adam_update_rms_max``: the largest RMS of a tensor's Adam step, and ``stability/adam_eps_share``: the
+  share of coordinates (over every tensor) where Adam's epsilon dominates the denominator
+  (:func:`~lightning_stability.precursors.adam.adam_update_stats`);
+* ``stability/adam_update_ratio`` and ``.../<layer>``: the applied Adam step's norm over the weights' norm, in
+  total and per layer (:mod:`~lightning_stability.precursors.update_ratio`; decoupled weight decay left out).
+
+Early actions (off by default; each runs on every step, on the device, without a host sync):
+
+* ``qk_clip=100.0``: Kimi K2's QK-clip after each optimizer step (:func:`~.actions.apply_qk_clip_`, ``alpha`` 0.5):
+  each head whose largest logit of the step passed ``tau`` has its query and key projections scaled so that it
+  falls back to ``tau``. The logits are max-reduced over ranks first, so every rank scales alike.
+* ``update_clip=1.0``: StableAdamW's per-tensor update clipping (:func:`~.actions.update_clip_coefficients`,
+  ``d = 1``) on top of the model's own Adam/AdamW.
+* ``lr_backoff=LRBackoff(...)``: while a precursor stays past its threshold, the Adam part of each applied update is
+  scaled down by ``factor`` per applied update (to ``floor`` at least); once it is back under, it recovers by
+  ``recovery`` per applied update, up to 1. Skipped updates leave it as it is (the applied-update clock). It
+  scales the update, not the param groups' ``lr`` (so an LR schedule goes on as it is).
+* ``reset_moments=True``: when ``TrainingHealthMonitor`` calls the step a spike and its update was applied anyway
+  (``response="warn"`` or ``"clip"``), the Adam moments of the tensors whose gradient RMS was more than
+  ``reset_ratio`` times the RMS Adam expected (``sqrt(v_hat)``) are zeroed, the step counts left alone (SPAM;
+  :func:`~.actions.reset_moments_`). Under ``"skip"`` a spike's gradient never reaches the moments.
+
+The update clipping and the back-off scale the update torch just applied, copy-free, from the optimizer's state
+(:func:`~.actions.rescale_adam_updates_`): Adam and AdamW without ``amsgrad``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_stability.errors import StabilityConfigError, check_bool, check_number, config_error
+from lightning_stability.ledger import LedgerCallback, StepLedger
+from lightning_stability.ledger.track import Outcome
+from lightning_stability.norms import per_tensor_norms
+from lightning_stability.precursors.actions import (
+    QK_CLIP_ALPHA,
+    QKProjection,
+    apply_qk_clip_,
+    qk_projection,
+    rescale_adam_updates_,
+    update_clip_coefficients,
+)
+from lightning_stability.precursors.adam import adam_update_stats, is_adam_like
+from lightning_stability.precursors.attention import AttentionLogits, attention_modules
+from lightning_stability.precursors.logits import LogPartition, find_head
+from lightning_stability.precursors.update_ratio import adam_update_norms, layer_groups, update_to_weight_ratios
+
+Signal = Literal["update_ratio", "attention_logit", "log_z_drift", "update_rms_jump"]
+SIGNALS: tuple[str, ...] = ("update_ratio", "attention_logit", "log_z_drift", "update_rms_jump")
+
+
+@dataclass(frozen=True)
+class LRBackoff:
+    """The LR back-off of :class:`PrecursorMonitor`: which precursor, its threshold, how fast down and back up.
+
+    Attributes:
+        signal: ``"update_ratio"``: the applied Adam step's norm over the weights' norm, all tensors together;
+            ``"attention_logit"``: the step's largest attention logit; ``"log_z_drift"``: ``|log Z - EMA|`` of the
+            LM head; ``"update_rms_jump"``: the Adam step's norm over its EMA (Marin saw it double before spikes).
+        threshold: past it, the update backs off (``update_ratio`` 0.02; for the others e.g. 100, 1.0, 2.0).
+        factor: the multiplier per applied update while past the threshold (0.5).
+        recovery: the multiplier per applied update once back under it, up to 1 (1.02: from 0.5 back to 1 in 35).
+        floor: the smallest multiplier (0.01).
+    """
+
+    signal: Signal = "update_ratio"
+    threshold: float = 0.02
+    factor: float = 0.5
+    recovery: float = 1.02
+    floor: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.signal not in SIGNALS:
+            raise config_error("signal", self.signal, "is not a precursor", f"pass one of {', '.join(SIGNALS)}")
+        check_number("threshold", self.threshold, example="0.02")
+        check_number("factor", self.factor, example="0.5")
+        check_number("floor", self.floor, example="0.01")
+        check_number("recovery", self.recovery, example="1.02")
+        if not self.floor <= self.factor < 1:
+            raise config_error("factor", self.factor, f"must be in [floor={self.floor}, 1)", "pass e.g. 0.5")
+        if self.recovery <= 1:
+            raise config_error("recovery", self.recovery, "must be > 1 (else it never recovers)", "pass e.g. 1.02")
+        if self.floor > 1:
+            raise config_error("floor", self.floor, "must be <= 1", "pass e.g. 0.01")
+
+
+class PrecursorMonitor(LedgerCallback):
+    """Logs the precursors of a loss spike on logging steps and, opt-in, acts on them early (see the module doc).
+
+    Args:
+        attention: measure the largest attention logit (``None``: where the model has an attention module
+            :class:`~.attention.AttentionLogits` knows; ``True``: required; ``False``: off).
+        log_partition: the LM head's module name; ``None``: the first of ``lm_head``, ``head``, ``output``, ...
+            found (none: not measured); ``False``: off.
+        qk_clip: QK-clip's ``tau`` (Kimi K2: 100.0), or ``None``: off.
+        qk_clip_alpha: the share of the clip on the queries (K2: 0.5).
+        update_clip: StableAdamW's threshold ``d`` on each tensor's update RMS (1.0), or ``None``: off.
+        lr_backoff: an :class:`LRBackoff`, or ``None``: off.
+        reset_moments: zero the moments of the tensors a spike hit (see the module doc).
+        reset_ratio: how far above Adam's expected RMS a tensor's gradient RMS must be to count as hit (10).
+        log_every_n_steps: default: the Trainer's.
+
+    Raises:
+        StabilityConfigError: for a bad argument; at setup, for an action the model or optimizer cannot take
+            (QK-clip without a known attention module, the Adam actions with another optimizer).
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[PrecursorMonitor(qk_clip=100.0, lr_backoff=LRBackoff())])
+    """
+
+    one_instance_reason = "each would act on the same updates and attention weights"
+
+    def __init__(
+        self,
+        attention: bool | None = None,
+        log_partition: str | bool | None = None,
+        qk_clip: float | None = None,
+        qk_clip_alpha: float = QK_CLIP_ALPHA,
+        update_clip: float | None = None,
+        lr_backoff: LRBackoff | None = None,
+        reset_moments: bool = False,
+        reset_ratio: float = 10.0,
+        log_every_n_steps: int | None = None,
+    ) -> None:
+        super().__init__(log_every_n_steps)
+        if attention is not None:
+            check_bool("attention", attention)
+        if log_partition is True:
+            log_partition = None
+        if log_partition is not None and log_partition is not False and not isinstance(log_partition, str):
+            raise config_error(
+                "log_partition", log_partition, "is not a module name", "pass e.g. 'lm_head', None or False"
+            )
+        if qk_clip is not None:
+            check_number("qk_clip", qk_clip, example="100.0 (Kimi K2's tau)")
+        if (
+            isinstance(qk_clip_alpha, bool)
+            or not isinstance(qk_clip_alpha, (int, float))
+            or not 0 <= qk_clip_alpha <= 1
+        ):
+            raise config_error("qk_clip_alpha", qk_clip_alpha, "must be in [0, 1]", "pass 0.5 (Kimi K2's)")
+        if update_clip is not None:
+            check_number("update_clip", update_clip, example="1.0 (StableAdamW's)")
+        if lr_backoff is not None and not isinstance(lr_backoff, LRBackoff):
+            raise config_error("lr_backoff", lr_backoff, "is not an LRBackoff", "pass LRBackoff() or None")
+        check_bool("reset_moments", reset_moments)
+        check_number("reset_ratio", reset_ratio, example="10.0")
+        self.attention, self.log_partition = attention, log_partition
+        self.qk_clip, self.qk_clip_alpha = qk_clip, float(qk_clip_alpha)
+        self.update_clip, self.lr_backoff = update_clip, lr_backoff
+        self.reset_moments, self.reset_ratio = reset_moments, float(reset_ratio)
+        #: the back-off multiplier (a device tensor once training; a float in checkpoints)
+        self.backoff: Tensor | float = 1.0
+        #: heads QK-clip scaled, and tensors whose moments were reset, since the start
+        self.clipped_heads: Tensor | float = 0.0
+        self.moment_resets: Tensor | float = 0.0
+        self._logits: AttentionLogits | None = None
+        self._projections: dict[str, QKProjection] = {}
+        self._log_z: LogPartition | None = None
+        self._log_z_state: dict[str, Any] = {}
+        self._rms_ema: Tensor | float | None = None
+        self._layers: tuple[tuple[int, ...], Tensor, list[str]] | None = None
+        self._open: _OpenStep | None = None
+        self._fresh = True  # the next batch starts an optimizer step
+        self._root_numel: tuple[tuple[int, ...], Tensor] | None = None
+
+    def state_fields(self) -> dict[str, Any]:
+        return {
+            "qk_clip": self.qk_clip,
+            "update_clip": self.update_clip,
+            "lr_backoff": None if self.lr_backoff is None else asdict(self.lr_backoff),
+            "reset_moments": self.reset_moments,
+        }
+
+    # ------------------------------------------------------------------ setup
+    def on_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        backoff = self.lr_backoff.signal if self.lr_backoff is not None else None
+        needs_attention = self.qk_clip is not None or backoff == "attention_logit"
+        if self.attention is False and needs_attention:
+            raise config_error(
+                "attention", False, "turns off what QK-clip or the attention back-off need", "leave attention=None"
+            )
+        known = dict(attention_modules(pl_module))
+        if self.attention is not False and (known or self.attention or needs_attention):
+            self._logits = AttentionLogits(pl_module)  # raises when none is known
+        if self.qk_clip is not None:
+            assert self._logits is not None
+            self._projections = {name: qk_projection(m) for name, m in self._logits.modules.items()}
+        if self.log_partition is not False:
+            if self.log_partition is None and backoff != "log_z_drift":
+                try:
+                    find_head(pl_module)
+                except StabilityConfigError:
+                    self.log_partition = False  # no LM head by the usual names: not measured
+            if self.log_partition is not False:
+                self._log_z = LogPartition(pl_module, self.log_partition or None)
+                if self._log_z_state:
+                    self._log_z.load_state_dict(self._log_z_state)
+        elif backoff == "log_z_drift":
+            raise config_error("log_partition", False, "turns off the back-off's signal", "leave log_partition=None")
+        self._set_active(False)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        adam_actions = self.update_clip is not None or self.lr_backoff is not None or self.reset_moments
+        for optimizer in trainer.optimizers:
+            if adam_actions and not is_adam_like(optimizer):
+                raise StabilityConfigError(
+                    f"PrecursorMonitor's update clipping, LR back-off and moment reset act on Adam's state; the "
+                    f"optimizer is {type(optimizer).__name__}. Fix: use torch.optim.Adam or AdamW, or leave "
+                    "update_clip, lr_backoff and reset_moments off."
+                )
+            if adam_actions and any(g.get("amsgrad", False) for g in optimizer.param_groups):
+                raise config_error("amsgrad", True, "is not supported by the Adam actions", "use amsgrad=False")
+        names = {id(p): n for n, p in pl_module.named_parameters()}
+        self._names = names
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._remove_hooks()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        if self._logits is not None:
+            self._logits.remove()
+            self._logits = None
+        if self._log_z is not None:
+            self._log_z_state = self._log_z.state_dict()
+            self._log_z.remove()
+            self._log_z = None
+
+    def _set_active(self, logging: bool) -> None:
+        signal = self.lr_backoff.signal if self.lr_backoff is not None else None
+        if self._logits is not None:
+            self._logits.active = logging or self.qk_clip is not None or signal == "attention_logit"
+        if self._log_z is not None:
+            self._log_z.active = logging or signal == "log_z_drift"
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        # the first micro-batch of an optimizer step: forget the last step's maxima, measure if this step logs
+        if self._fresh:
+            self._fresh = False
+            if self._logits is not None:
+                self._logits.reset()
+            self._set_active(StepLedger.of(trainer)._is_logging_step(self._every_n))
+
+    # ------------------------------------------------------------------ the step
+    def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer) -> None:
+        """Before the update: the coefficients of the update clipping and back-off, and the tensors a spike hit."""
+        open_step = self._open = _OpenStep(optimizer)
+        open_step.lrs = [g["lr"] for g in optimizer.param_groups]  # the step's (a schedule moves them after it)
+        if self.update_clip is None and self.lr_backoff is None and not self.reset_moments:
+            return
+        grads = ledger.gradients()
+        params = [p for p in grads.params if "exp_avg_sq" in optimizer.state.get(p, {})]
+        if not params:
+            return
+        open_step.params = params
+        device = grads.total.device
+        if self.update_clip is not None or self.lr_backoff is not None:
+            coef = torch.ones(len(params), device=device)
+            if self.update_clip is not None:
+                parts = []
+                for group in optimizer.param_groups:
+                    mine = {id(p) for p in group["params"]}
+                    ps = [p for p in params if id(p) in mine]
+                    if ps:
+                        states = [optimizer.state[p] for p in ps]
+                        parts.append(
+                            update_clip_coefficients(
+                                [p.grad for p in ps if p.grad is not None],
+                                [s["exp_avg_sq"] for s in states],
+                                [s["step"] for s in states],
+                                group["betas"][1],
+                                group["eps"],
+                                self.update_clip,
+                            ).to(device)
+                        )
+                coef = torch.cat(parts)
+                open_step.clip_coef = coef
+            if self.lr_backoff is not None:
+                coef = coef * self._backoff_tensor(device)
+            open_step.coef = coef
+        if self.reset_moments:
+            open_step.hit = self._hit_tensors(optimizer, params, device)
+
+    def _backoff_tensor(self, device: torch.device) -> Tensor:
+        backoff = self.backoff
+        if not isinstance(backoff, Tensor):
+            backoff = torch.full((), backoff, dtype=torch.float32, device=device)  # once (a fill, no copy)
+        elif backoff.device != device:
+            backoff = backoff.to(device)
+        self.backoff = backoff
+        return backoff
+
+    def _hit_tensors(self, optimizer: Optimizer, params: list[Tensor], device: torch.device) -> Tensor:
+        """Per tensor: its gradient RMS is more than ``reset_ratio`` times ``sqrt(v_hat)``'s RMS (before the step)."""
+        key = tuple(map(id, params))
+        if self._root_numel is None or self._root_numel[0] != key:
+            roots = [math.sqrt(p.numel()) for p in params]
+            self._root_numel = (key, torch.tensor(roots, device=device))  # HOST DATA: once per set of tensors
+        grad_rms = per_tensor_norms([p.grad for p in params]) / self._root_numel[1]  # type: ignore[misc]
+        expected = []
+        for p in params:
+            state = optimizer.state[p]
+            beta2 = next(g["betas"][1] for g in optimizer.param_groups if any(q is p for q in g["params"]))
+            step = torch.as_tensor(state["step"], dtype=torch.float32, device=device)
+            expected.append(state["exp_avg_sq"].float().mean().to(device) / (1 - torch.pow(float(beta2), step)))
+        return grad_rms > self.reset_ratio * torch.stack(expected).sqrt()
+
+    def after_step(self, trainer: pl.Trainer, ledger: StepLedger) -> None:
+        """After the update (applied or skipped): rescale it, QK-clip, reset hit moments, move the back-off."""
+        open_step, self._open, self._fresh = self._open, None, True
+        if open_step is None:
+            return
+        optimizer = open_step.optimizer
+        applied = _applied(ledger.outcome, self._device(trainer))
+        if open_step.coef is not None:
+            coef = torch.where(applied, open_step.coef, 1.0)
+            rescale_adam_updates_(optimizer, open_step.params, coef, open_step.lrs)
+        if self.reset_moments and open_step.hit is not None and ledger.health is not None:
+            hit = open_step.hit & ledger.health.spike.to(open_step.hit.device) & applied
+            keep = (~hit).to(torch.float32)
+            with torch.no_grad():
+                for p, k in zip(open_step.params, keep.unbind(), strict=True):
+                    state = optimizer.state[p]
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        state[key].mul_(k.to(state[key].dtype))
+            self.moment_resets = hit.sum().float() + self.moment_resets
+        maxima = self._attention_maxima()
+        if self.qk_clip is not None and maxima:
+            clipped = []
+            for name, projection in self._projections.items():
+                if name in maxima:
+                    eta = apply_qk_clip_(projection, maxima[name], self.qk_clip, self.qk_clip_alpha)
+                    clipped.append((eta < 1).sum())
+            if clipped:
+                self.clipped_heads = torch.stack(clipped).sum().float() + self.clipped_heads
+        log_z = self._log_z.end_step() if self._log_z is not None else None
+        stats = None
+        if self.is_logging_step or (
+            self.lr_backoff is not None and self.lr_backoff.signal in ("update_ratio", "update_rms_jump")
+        ):
+            stats = adam_update_stats(optimizer, open_step.lrs) if is_adam_like(optimizer) else None
+        signals = self._signals(open_step, stats, maxima, log_z)
+        if self.lr_backoff is not None:
+            self._move_backoff(signals.get(self.lr_backoff.signal), applied)
+        if self.is_logging_step:
+            self._record(open_step, stats, maxima, log_z, signals)
+
+    def _device(self, trainer: pl.Trainer) -> torch.device:
+        return trainer.lightning_module.device if trainer.lightning_module is not None else torch.device("cpu")
+
+    def _attention_maxima(self) -> dict[str, Tensor]:
+        """Each module's ``(heads,)`` maxima of the step, max-reduced over ranks (one all-reduce for all)."""
+        if self._logits is None or not self._logits.maxima:
+            return {}
+        maxima = self._logits.maxima
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            names = list(maxima)
+            flat = torch.cat([maxima[n] for n in names])
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+            sizes = [maxima[n].numel() for n in names]
+            maxima = dict(zip(names, flat.split(sizes), strict=True))
+        return maxima
+
+    def _signals(
+        self,
+        open_step: _OpenStep,
+        stats: Any,
+        maxima: dict[str, Tensor],
+        log_z: tuple[Tensor, Tensor] | None,
+    ) -> dict[str, Tensor]:
+        """The step's precursor values (device tensors), those that were measured."""
+        out: dict[str, Tensor] = {}
+        if maxima:
+            out["attention_logit"] = torch.stack([m.amax() for m in maxima.values()]).amax()
+        if log_z is not None:
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                both = torch.stack(log_z)
+                dist.all_reduce(both, op=dist.ReduceOp.SUM)
+                log_z = tuple((both / dist.get_world_size()).unbind())  # type: ignore[assignment]
+            out["log_z_drift"] = log_z[1].abs()
+        if stats is not None and stats.params:
+            norms = adam_update_norms(stats)
+            coef = self._coef_for(open_step, stats.params, norms.device)
+            applied = norms * coef
+            weights = per_tensor_norms([p.detach() for p in stats.params])
+            out["update_ratio"] = applied.norm() / weights.norm().clamp(min=torch.finfo(torch.float32).tiny)
+            out["_update_norms"] = applied
+            out["_weight_norms"] = weights
+            total = applied.norm()
+            ema = self._rms_ema
+            out["update_rms_jump"] = total / (ema if isinstance(ema, Tensor) else total)
+            self._rms_ema = total.detach().clone() if not isinstance(ema, Tensor) else ema.mul_(0.99).add_(0.01 * total)
+        return out
+
+    def _coef_for(self, open_step: _OpenStep, params: list[Tensor], device: torch.device) -> Tensor:
+        """The coefficient each of ``params`` was rescaled by this step (1 where none)."""
+        if open_step.coef is None:
+            return torch.ones(len(params), device=device)
+        index = {id(p): i for i, p in enumerate(open_step.params)}
+        ones = torch.ones((), device=device)
+        return torch.stack([open_step.coef[index[id(p)]] if id(p) in index else ones for p in params])
+
+    def _move_backoff(self, signal: Tensor | None, applied: Tensor) -> None:
+        """One tick of the back-off, on applied updates only."""
+        config = self.lr_backoff
+        if config is None or signal is None:
+            return
+        factor = self._backoff_tensor(signal.device)
+        past = signal > config.threshold
+        moved = torch.where(
+            past, (factor * config.factor).clamp(min=config.floor), (factor * config.recovery).clamp(max=1.0)
+        )
+        factor.copy_(torch.where(applied.to(signal.device), moved, factor))
+
+    def _record(
+        self,
+        open_step: _OpenStep,
+        stats: Any,
+        maxima: dict[str, Tensor],
+        log_z: tuple[Tensor, Tensor] | None,
+        signals: dict[str, Tensor],
+    ) -> None:
+        if maxima:
+            self.record_metric("stability/attention_logit_max", signals["attention_logit"])
+            for name, heads in maxima.items():
+                self.record_metric(f"stability/attention_logit_max/{name}", heads.amax())
+        if log_z is not None:
+            self.record_metric("stability/log_z", log_z[0])
+            self.record_metric("stability/log_z_drift", log_z[1])
+        if stats is not None and stats.params:
+            numel = torch.tensor([float(p.numel()) for p in stats.params], device=stats.eps_share.device)
+            self.record_metric("stability/adam_update_rms_max", stats.update_rms.max())
+            self.record_metric("stability/adam_eps_share", (stats.eps_share * numel).sum() / numel.sum())
+            self.record_metric("stability/adam_update_ratio", signals["update_ratio"])
+            index, layers = self._layer_index(stats.params, signals["_update_norms"].device)
+            ratios = update_to_weight_ratios(signals["_update_norms"], signals["_weight_norms"], index, len(layers))
+            for name, ratio in zip(layers, ratios.unbind(), strict=True):
+                self.record_metric(f"stability/adam_update_ratio/{name}", ratio)
+        if self.qk_clip is not None:
+            self.record_metric("stability/qk_clipped_heads", self.clipped_heads)
+        if open_step.clip_coef is not None:
+            self.record_metric("stability/update_clip_min", open_step.clip_coef.min())
+        if self.lr_backoff is not None:
+            self.record_metric("stability/lr_backoff", self.backoff)
+        if self.reset_moments:
+            self.record_metric("stability/moment_resets", self.moment_resets)
+
+    def _layer_index(self, params: list[Tensor], device: torch.device) -> tuple[Tensor, list[str]]:
+        key = tuple(map(id, params))
+        if self._layers is None or self._layers[0] != key:
+            index, layers = layer_groups([self._names.get(id(p), "?") for p in params])
+            self._layers = (key, torch.tensor(index, dtype=torch.int64, device=device), layers)  # HOST DATA: per set
+        return self._layers[1], self._layers[2]
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        log_z = self._log_z.state_dict() if self._log_z is not None else self._log_z_state
+        return {
+            "backoff": float(self.backoff),
+            "clipped_heads": float(self.clipped_heads),
+            "moment_resets": float(self.moment_resets),
+            "rms_ema": None if self._rms_ema is None else float(self._rms_ema),
+            "log_z": {k: (None if v is None else float(v)) for k, v in log_z.items()},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.backoff = float(state_dict.get("backoff", 1.0))
+        self.clipped_heads = float(state_dict.get("clipped_heads", 0.0))
+        self.moment_resets = float(state_dict.get("moment_resets", 0.0))
+        rms = state_dict.get("rms_ema")
+        self._rms_ema = None if rms is None else torch.tensor(float(rms))
+        ema = state_dict.get("log_z", {}).get("ema")
+        self._log_z_state = {"ema": None if ema is None else torch.tensor(float(ema))}
+        if self._log_z is not None:
+            self._log_z.load_state_dict(self._log_z_state)
+
+    def transient_state(self) -> dict[str, Any]:
+        return {
+            "_logits": None,
+            "_log_z": None,
+            "_open": None,
+            "_layers": None,
+            "_projections": {},
+            "_root_numel": None,
+            "_fresh": True,
+        }
+
+
+class _OpenStep:
+    """What :meth:`PrecursorMonitor.on_step` leaves for :meth:`PrecursorMonitor.after_step`."""
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        self.optimizer = optimizer
+        self.params: list[Tensor] = []
+        self.lrs: list[Any] = []  # the param groups' LRs as the step used them
+        self.coef: Tensor | None = None  # per tensor: the update clip times the back-off
+        self.clip_coef: Tensor | None = None  # per tensor: the update clip alone
+        self.hit: Tensor | None = None  # per tensor: its gradient spiked (moment reset)
+
+
+def _applied(outcome: Outcome | Tensor, device: torch.device) -> Tensor:
+    """0-dim bool on ``device``: the step's update was applied."""
+    if isinstance(outcome, Tensor):
+        return (outcome == int(Outcome.APPLIED)).to(device)
+    return torch.full((), outcome == Outcome.APPLIED, dtype=torch.bool, device=device)
