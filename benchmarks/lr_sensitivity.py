@@ -12,9 +12,10 @@ weights per seed:
   response="skip")``; the same optimizer and LR (only the callbacks differ). The "gpt" preset is the one for
   GPT-like decoders; fp32 because bf16 autocast on a CPU would change the arithmetic, not the callbacks.
   ``checkpoint=False``, ``watchdog=False`` and no end-of-fit report: they do not touch training.
-* **preset+early** -- the preset with ``PrecursorMonitor(qk_clip=100.0, lr_backoff=LRBackoff("update_ratio",
-  0.02))`` (``lightning_stability.precursors``): Kimi K2's QK-clip and an LR back-off while the applied update's
-  norm exceeds 2% of the weights' norm (x0.5 per applied update, back up x1.02 per update).
+* **preset+early** -- the preset with ``PrecursorMonitor(lr_backoff=LRBackoff("update_ratio", 0.02))``
+  (``lightning_stability.precursors``): while the applied update's norm exceeds 2% of the weights' norm, the
+  update backs off (x0.5 per applied update, back up x1.02 per update once under, floor 0.01).
+* **preset+early+qk** -- the same plus Kimi K2's QK-clip (``qk_clip=100.0``: tau 100, alpha 0.5).
 
 The task: a character-level LM on the demo's corpus (``lightning_stability.demo.model``: this package's frozen
 source text, 102 symbols), the first 90% of the text for training (``--batch`` random windows of ``--context``
@@ -42,8 +43,8 @@ Figures, per arm:
   over every run of the arm; no fault is injected in this benchmark, so every skip is a false alarm or a
   genuine divergence).
 
-Run: ``python -m benchmarks.lr_sensitivity`` (6 LRs x 3 seeds x 2 arms = 36 runs, ~10 s each on a 2-core machine
-with a load average of 3, so about 6 minutes; 17 minutes measured with a load average of 5 to 10),
+Run: ``python -m benchmarks.lr_sensitivity`` (6 LRs x 3 seeds x 4 arms = 72 runs, ~10 s each on a 2-core machine
+with a load average of 3, so about 12 minutes),
 ``--quick`` for a smoke run (2 LRs, 1 seed, a tiny model: seconds). ``--help`` lists every option.
 """
 
@@ -133,15 +134,19 @@ def preset_trainer(common: dict[str, Any]) -> pl.Trainer:
     return trainer
 
 
-def early_actions() -> PrecursorMonitor:
-    """The early actions the benchmark turns on: QK-clip (Kimi K2's tau 100, alpha 0.5) and the LR back-off on the
-    update-to-weight ratio (past 0.02: x0.5 per applied update, back up x1.02 per update, floor 0.01)."""
-    return PrecursorMonitor(qk_clip=100.0, lr_backoff=LRBackoff("update_ratio", 0.02))
+def early_actions(qk_clip: bool = False) -> PrecursorMonitor:
+    """The early actions of the ``preset+early`` arms: the LR back-off on the update-to-weight ratio (past 0.02:
+    x0.5 per applied update, back up x1.02 per update, floor 0.01), with Kimi K2's QK-clip (tau 100, alpha 0.5)
+    in ``preset+early+qk``."""
+    return PrecursorMonitor(qk_clip=100.0 if qk_clip else None, lr_backoff=LRBackoff("update_ratio", 0.02))
 
 
 def preset_early_trainer(common: dict[str, Any]) -> pl.Trainer:
-    common = {**common, "callbacks": [*common["callbacks"], early_actions()]}
-    return preset_trainer(common)
+    return preset_trainer({**common, "callbacks": [*common["callbacks"], early_actions()]})
+
+
+def preset_early_qk_trainer(common: dict[str, Any]) -> pl.Trainer:
+    return preset_trainer({**common, "callbacks": [*common["callbacks"], early_actions(qk_clip=True)]})
 
 
 #: Each arm's Trainer factory.
@@ -149,6 +154,7 @@ ARMS: dict[str, Callable[[dict[str, Any]], pl.Trainer]] = {
     "bare": bare_trainer,
     "preset": preset_trainer,
     "preset+early": preset_early_trainer,
+    "preset+early+qk": preset_early_qk_trainer,
 }
 
 

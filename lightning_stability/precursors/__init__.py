@@ -1,13 +1,16 @@
 """What comes before a loss spike, measured cheaply on the device, and the pure math of acting on it early.
 
-Pure parts (the Lightning callback that logs them through the ledger and runs the actions comes on top):
+The Lightning callback, :class:`PrecursorMonitor` (``callback``), logs them through the ledger as
+``stability/...`` metrics on logging steps and runs the opt-in early actions (QK-clip, update clipping, an LR
+back-off configured by :class:`LRBackoff`, a moment reset on a spike). Its pure parts:
 
 * ``attention``: :class:`AttentionLogits`, the largest pre-softmax attention logit per layer and head (forward
   hooks; ``nn.MultiheadAttention``, Hugging Face GPT-2/BERT/Llama/Mistral/Qwen), :func:`register_attention`.
 * ``logits``: :class:`LogPartition`, the LM head's mean log-sum-exp and its drift from an EMA.
 * ``adam``: :func:`adam_update_stats`, each tensor's Adam step RMS and epsilon-dominated share.
 * ``update_ratio``: per-layer update-to-weight ratios.
-* ``actions``: QK-clip, StableAdamW's update clipping, a momentum reset that leaves the step count alone.
+* ``actions``: QK-clip, StableAdamW's update clipping, a copy-free rescaling of the Adam update just applied, a
+  momentum reset that leaves the step count alone.
 * ``scores``: the stability benchmark's figures (LR sensitivity, spike score, the largest LR that trains).
 """
 
@@ -18,11 +21,13 @@ from lightning_stability.precursors.actions import (
     first_update_gain,
     qk_clip_factors,
     qk_projection,
+    rescale_adam_updates_,
     reset_moments_,
     update_clip_coefficients,
 )
 from lightning_stability.precursors.adam import AdamUpdateStats, adam_update_stats, is_adam_like
 from lightning_stability.precursors.attention import AttentionLogits, QueryKey, register_attention
+from lightning_stability.precursors.callback import LRBackoff, PrecursorMonitor
 from lightning_stability.precursors.logits import LogPartition, log_partition
 from lightning_stability.precursors.scores import lr_sensitivity, max_trainable_lr, spike_score
 from lightning_stability.precursors.update_ratio import adam_update_norms, layer_groups, update_to_weight_ratios
@@ -30,7 +35,9 @@ from lightning_stability.precursors.update_ratio import adam_update_norms, layer
 __all__ = [
     "AdamUpdateStats",
     "AttentionLogits",
+    "LRBackoff",
     "LogPartition",
+    "PrecursorMonitor",
     "QKProjection",
     "QueryKey",
     "adam_update_norms",
@@ -46,6 +53,7 @@ __all__ = [
     "qk_clip_factors",
     "qk_projection",
     "register_attention",
+    "rescale_adam_updates_",
     "reset_moments_",
     "spike_score",
     "update_clip_coefficients",

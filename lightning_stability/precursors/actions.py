@@ -46,7 +46,9 @@ QK_CLIP_TAU, QK_CLIP_ALPHA = 100.0, 0.5
 def qk_clip_factors(max_logits: Tensor, tau: float = QK_CLIP_TAU) -> Tensor:
     """``eta`` per head: ``tau / S`` where the max logit ``S > tau``, else 1 (so always in ``(0, 1]``)."""
     tau = check_number("tau", tau, example="100.0")
-    return tau / max_logits.float().clamp(min=tau)
+    logits = max_logits.float()
+    # `tau / logits.clamp(min=tau)` is not exactly 1 at the clamp (a double scalar over its float32 rounding)
+    return torch.where(logits > tau, tau / logits, torch.ones_like(logits))
 
 
 @dataclass
@@ -229,13 +231,13 @@ def rescale_adam_updates_(
             if group.get("amsgrad", False):
                 raise config_error("amsgrad", True, "is not supported by the update rescaling", "use amsgrad=False")
             beta1, beta2 = group["betas"]
-            step = torch.as_tensor(state["step"], dtype=torch.float32, device=p.device)
+            step = torch.as_tensor(state["step"], dtype=torch.float32)  # where torch keeps it: no copy
             bc1 = 1 - torch.pow(float(beta1), step)
             root_bc2 = (1 - torch.pow(float(beta2), step)).sqrt()
-            denom = (state["exp_avg_sq"].sqrt() / root_bc2.to(p.dtype)).add_(float(group["eps"]))
+            denom = (state["exp_avg_sq"].sqrt() / root_bc2).add_(float(group["eps"]))
             lr = group["lr"] if lrs is None else lrs[index]
             back = (1 - c) * (lr if isinstance(lr, Tensor) else float(lr)) / bc1
-            p.add_(state["exp_avg"] / denom * back.to(p.dtype))
+            p.add_((state["exp_avg"] / denom).mul_(back.to(p.device, p.dtype)))
 
 
 # ---------------------------------------------------------------------------------------------- momentum reset

@@ -318,15 +318,15 @@ class PrecursorMonitor(LedgerCallback):
         """Per tensor: its gradient RMS is more than ``reset_ratio`` times ``sqrt(v_hat)``'s RMS (before the step)."""
         key = tuple(map(id, params))
         if self._root_numel is None or self._root_numel[0] != key:
-            roots = [math.sqrt(p.numel()) for p in params]
-            self._root_numel = (key, torch.tensor(roots, device=device))  # HOST DATA: once per set of tensors
+            roots = [torch.full((), math.sqrt(p.numel()), device=device) for p in params]  # fills, no copies
+            self._root_numel = (key, torch.stack(roots))
         grad_rms = per_tensor_norms([p.grad for p in params]) / self._root_numel[1]  # type: ignore[misc]
         expected = []
         for p in params:
             state = optimizer.state[p]
             beta2 = next(g["betas"][1] for g in optimizer.param_groups if any(q is p for q in g["params"]))
-            step = torch.as_tensor(state["step"], dtype=torch.float32, device=device)
-            expected.append(state["exp_avg_sq"].float().mean().to(device) / (1 - torch.pow(float(beta2), step)))
+            step = torch.as_tensor(state["step"], dtype=torch.float32)  # where torch keeps it: no copy
+            expected.append(state["exp_avg_sq"].float().mean() / (1 - torch.pow(float(beta2), step)))
         return grad_rms > self.reset_ratio * torch.stack(expected).sqrt()
 
     def after_step(self, trainer: pl.Trainer, ledger: StepLedger) -> None:
@@ -412,6 +412,8 @@ class PrecursorMonitor(LedgerCallback):
             out["_weight_norms"] = weights
             total = applied.norm()
             ema = self._rms_ema
+            if isinstance(ema, Tensor) and ema.device != total.device:  # resumed: restored on the CPU
+                ema = self._rms_ema = ema.to(total.device)
             out["update_rms_jump"] = total / (ema if isinstance(ema, Tensor) else total)
             self._rms_ema = total.detach().clone() if not isinstance(ema, Tensor) else ema.mul_(0.99).add_(0.01 * total)
         return out
@@ -452,9 +454,10 @@ class PrecursorMonitor(LedgerCallback):
             self.record_metric("stability/log_z", log_z[0])
             self.record_metric("stability/log_z_drift", log_z[1])
         if stats is not None and stats.params:
-            numel = torch.tensor([float(p.numel()) for p in stats.params], device=stats.eps_share.device)
+            numel = [float(p.numel()) for p in stats.params]
+            share = (stats.eps_share * stats.eps_share.new_tensor(numel)).sum() / sum(numel)  # logging steps only
             self.record_metric("stability/adam_update_rms_max", stats.update_rms.max())
-            self.record_metric("stability/adam_eps_share", (stats.eps_share * numel).sum() / numel.sum())
+            self.record_metric("stability/adam_eps_share", share)
             self.record_metric("stability/adam_update_ratio", signals["update_ratio"])
             index, layers = self._layer_index(stats.params, signals["_update_norms"].device)
             ratios = update_to_weight_ratios(signals["_update_norms"], signals["_weight_norms"], index, len(layers))

@@ -33,6 +33,14 @@ def test_qk_clip_factors_by_hand() -> None:
         qk_clip_factors(s, 0.0)
 
 
+def test_heads_at_or_below_a_tau_float32_cannot_hold_are_left_exactly_alone() -> None:
+    tau = 0.1  # not a float32 number: the clamp rounds it, and tau over its rounding is not 1
+    s = torch.tensor([0.05, tau, 0.2])
+    eta = qk_clip_factors(s, tau)
+    assert eta[:2].tolist() == [1.0, 1.0]
+    assert eta[2].item() == pytest.approx(0.5)
+
+
 def maxima_after(model: nn.Module, run: Any) -> dict[str, Tensor]:
     logits = AttentionLogits(model)
     with torch.no_grad():

@@ -1,0 +1,345 @@
+"""PrecursorMonitor in real Lightning fits: its metrics, its host syncs, and each early action's invariant."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+
+from lightning_stability import TrainingHealthMonitor
+from lightning_stability.errors import StabilityConfigError
+from lightning_stability.ledger import Outcome, StepLedger
+from lightning_stability.precursors import AttentionLogits
+from lightning_stability.precursors.callback import LRBackoff, PrecursorMonitor
+from tests.helpers import count_host_data_per_step, count_syncs_per_step, quiet_trainer
+
+VOCAB, WIDTH, LENGTH = 12, 16, 9
+
+
+class TinyLM(pl.LightningModule):
+    """One pre-LN encoder layer with a causal mask and an LM head; ``scale`` multiplies the batch's loss at the
+    steps in ``spikes`` (a spike the health monitor sees)."""
+
+    def __init__(self, lr: float = 1e-2, weight_decay: float = 0.0, batches: int = 8, **optimizer: Any) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.block = nn.TransformerEncoderLayer(WIDTH, 2, 32, dropout=0.0, batch_first=True, norm_first=True)
+        self.lm_head = nn.Linear(WIDTH, VOCAB)
+        self.lr, self.weight_decay, self.batches, self.optimizer_kwargs = lr, weight_decay, batches, optimizer
+        self.spikes: dict[int, float] = {}
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+        return self.lm_head(self.block(self.embed(tokens), src_mask=mask, is_causal=True))
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        logits = self(batch[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+        return loss * self.spikes.get(self.trainer.global_step, 1.0)
+
+    def train_dataloader(self) -> DataLoader[Tensor]:
+        data = torch.randint(VOCAB, (4 * self.batches, LENGTH), generator=torch.Generator().manual_seed(0))
+        return DataLoader(data, batch_size=4)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay, **self.optimizer_kwargs)
+
+
+def fresh(seed: int = 0, **kwargs: Any) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM(**kwargs)
+
+
+class Snapshots(pl.Callback):
+    """The weights and the ledger's outcome after every batch (host copies: tests only)."""
+
+    def __init__(self) -> None:
+        self.weights: list[dict[str, Tensor]] = []
+        self.outcomes: list[int] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.weights.append({n: p.detach().clone() for n, p in pl_module.named_parameters()})
+        self.outcomes.append(int(StepLedger.of(trainer).outcome))
+
+
+class SkipAt(pl.Callback):
+    """Votes to skip the update of the given optimizer steps (as a health monitor would)."""
+
+    def __init__(self, steps: set[int]) -> None:
+        self.steps = steps
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if trainer.global_step in self.steps:
+            StepLedger.of(trainer).mark_skip(Outcome.SKIPPED_SPIKE, True, optimizer)
+
+
+# ---------------------------------------------------------------------------------------------- metrics, syncs
+def test_the_precursors_are_logged_on_logging_steps(tmp_path: Path) -> None:
+    trainer = quiet_trainer(
+        max_steps=8, log_every_n_steps=4, logger=CSVLogger(tmp_path), callbacks=[PrecursorMonitor()]
+    )
+    trainer.fit(fresh())
+    rows = (Path(trainer.logger.log_dir) / "metrics.csv").read_text().splitlines()  # type: ignore[union-attr]
+    header = rows[0].split(",")
+    for key in (
+        "stability/attention_logit_max",
+        "stability/attention_logit_max/block.self_attn",
+        "stability/log_z",
+        "stability/log_z_drift",
+        "stability/adam_update_rms_max",
+        "stability/adam_eps_share",
+        "stability/adam_update_ratio",
+        "stability/adam_update_ratio/block.linear1",  # no numbered blocks here: per module
+        "stability/adam_update_ratio/lm_head",
+    ):
+        assert key in header, key
+    logged = [dict(zip(header, r.split(","), strict=True)) for r in rows[1:]]
+    values = [float(r["stability/adam_update_ratio"]) for r in logged if r["stability/adam_update_ratio"]]
+    assert len(values) == 2 and all(0 < v < 1 for v in values)  # steps 4 and 8 (labels 3 and 7)
+
+
+def test_the_logged_max_attention_logit_is_the_one_the_model_computes(tmp_path: Path) -> None:
+    """At a logging step the metric equals the largest logit recomputed by AttentionLogits on the same batch."""
+    monitor = PrecursorMonitor(log_partition=False)
+    trainer = quiet_trainer(max_steps=1, log_every_n_steps=1, callbacks=[monitor])
+    module = fresh()
+    batch = next(iter(module.train_dataloader()))
+    reference = AttentionLogits(module)
+    with torch.no_grad():
+        module(batch[:, :-1])  # the weights before the step: the forward of step 1 sees these
+    expected = float(reference.per_layer().max())
+    reference.remove()
+    trainer.fit(module)
+    assert float(trainer.callback_metrics["stability/attention_logit_max"]) == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"qk_clip": 100.0, "update_clip": 1.0, "lr_backoff": LRBackoff(), "reset_moments": True},
+    ],
+    ids=["monitor", "every-action"],
+)
+def test_no_host_sync_is_added_to_any_step(options: dict[str, Any]) -> None:
+    """Counted against a fit without the monitor, step by step, logging steps (every 4th) included: the one
+    transfer of a logging step carries the precursors too."""
+    health = {"callbacks": [TrainingHealthMonitor(report=False)]}
+    bare = count_syncs_per_step(quiet_trainer(max_steps=8, log_every_n_steps=4, **health), fresh())
+    monitor = PrecursorMonitor(**options)
+    callbacks = [TrainingHealthMonitor(report=False), monitor]
+    watched = count_syncs_per_step(quiet_trainer(max_steps=8, log_every_n_steps=4, callbacks=callbacks), fresh())
+    assert watched == bare
+
+
+def test_no_tensor_is_made_from_host_data_on_non_logging_steps() -> None:
+    """On a GPU such a tensor is a blocking copy; after the first step none is made on a step that does not log."""
+    bare = count_host_data_per_step(quiet_trainer(max_steps=7, log_every_n_steps=4), fresh())
+    monitor = PrecursorMonitor(qk_clip=100.0, update_clip=1.0, lr_backoff=LRBackoff(), reset_moments=True)
+    watched = count_host_data_per_step(quiet_trainer(max_steps=7, log_every_n_steps=4, callbacks=[monitor]), fresh())
+    non_logging = [i for i in range(1, 7) if (i + 1) % 4 != 0]
+    assert [watched[i] for i in non_logging] == [bare[i] for i in non_logging]
+
+
+# ---------------------------------------------------------------------------------------------- QK-clip
+def test_qk_clip_brings_each_heads_largest_logit_back_to_tau() -> None:
+    """With lr=0 the step changes nothing but the clip: on the same batch, every head above tau ends at tau."""
+    module = fresh(lr=0.0, batches=1)
+    batch = next(iter(module.train_dataloader()))[:, :-1]
+    logits = AttentionLogits(module)
+    with torch.no_grad():
+        module(batch)
+    before = logits.maxima["block.self_attn"].clone()
+    tau = float(before.min() + before.max()) / 2  # one head above, one below
+    trainer = quiet_trainer(max_steps=1, log_every_n_steps=1, callbacks=[PrecursorMonitor(qk_clip=tau)])
+    trainer.fit(module)
+    logits.reset()
+    module.train()  # the layer's inference fast path would bypass self_attn
+    with torch.no_grad():
+        module(batch)
+    after = logits.maxima["block.self_attn"]
+    above = before > tau
+    assert bool(above.any()) and not bool(above.all())
+    torch.testing.assert_close(after[above], torch.full_like(after[above], tau), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after[~above], before[~above])
+    assert float(trainer.callback_metrics["stability/qk_clipped_heads"]) == float(above.sum())
+
+
+# ---------------------------------------------------------------------------------------------- update scaling
+def test_the_backoff_halves_the_adam_update_and_the_skip_keeps_it_where_it_was() -> None:
+    """A threshold every update passes: the first update is Adam's own (no state yet), each later applied one is
+    scaled by 0.5 more (decoupled decay at the full LR), and a skipped step moves neither the weights nor the
+    back-off (the applied-update clock)."""
+    backoff = LRBackoff("update_ratio", threshold=1e-12, factor=0.5, floor=0.01)
+    steps, skipped = 5, {3}
+    monitored = Snapshots()
+    monitor = PrecursorMonitor(attention=False, log_partition=False, lr_backoff=backoff)
+    quiet_trainer(max_steps=steps, callbacks=[SkipAt(skipped), monitor, monitored]).fit(fresh(weight_decay=0.1))
+    plain = Snapshots()
+    quiet_trainer(max_steps=steps, callbacks=[SkipAt(skipped), plain]).fit(fresh(weight_decay=0.1))
+    assert monitored.outcomes == [0, 0, 0, int(Outcome.SKIPPED_SPIKE), 0]
+    # the weights agree up to the first scaled update (step 2): Adam's own first update
+    for name, w in plain.weights[0].items():
+        torch.testing.assert_close(monitored.weights[0][name], w)
+    # step 2 from the same weights and state: the monitor's update is half of AdamW's, decay aside
+    lr, wd = 1e-2, 0.1
+    for name, w in plain.weights[1].items():
+        w0 = plain.weights[0][name]
+        decayed = w0 * (1 - lr * wd)
+        torch.testing.assert_close(monitored.weights[1][name] - decayed, 0.5 * (w - decayed), rtol=1e-4, atol=1e-7)
+    for name, w in monitored.weights[2].items():  # the skipped step: nothing moved
+        torch.testing.assert_close(monitored.weights[3][name], w, rtol=0, atol=0)
+    # four applied updates, each past the threshold (the skipped one does not count)
+    assert float(monitor.backoff) == pytest.approx(0.5**4)
+
+
+def test_the_backoff_recovers_once_the_signal_is_back_under_its_threshold() -> None:
+    monitor = PrecursorMonitor(
+        attention=False, log_partition=False, lr_backoff=LRBackoff("update_ratio", 1e9, recovery=1.2)
+    )
+    monitor.backoff = 0.2  # as if backed off before (a resumed checkpoint's value)
+    quiet_trainer(max_steps=4, callbacks=[monitor]).fit(fresh())
+    assert float(monitor.backoff) == pytest.approx(0.2 * 1.2**4)  # one tick per applied update
+
+
+def test_update_clipping_scales_each_tensor_by_stableadamws_coefficient() -> None:
+    """Against the pure math: the coefficient from the gradients and the state before step 2, applied to the
+    update AdamW took from the same weights."""
+    from lightning_stability.precursors.actions import update_clip_coefficients
+
+    class Record(pl.Callback):
+        def __init__(self) -> None:
+            self.coefficients: list[Tensor] = []
+
+        def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+            params = [p for p in pl_module.parameters() if "exp_avg_sq" in optimizer.state.get(p, {})]
+            if params:
+                states = [optimizer.state[p] for p in params]
+                self.coefficients.append(
+                    update_clip_coefficients(
+                        [p.grad for p in params],
+                        [s["exp_avg_sq"] for s in states],
+                        [s["step"] for s in states],
+                        0.999,
+                        1e-8,
+                    )
+                )
+
+    record, monitored = Record(), Snapshots()
+    monitor = PrecursorMonitor(attention=False, log_partition=False, update_clip=1.0)
+    quiet_trainer(max_steps=2, callbacks=[record, monitor, monitored]).fit(fresh(lr=0.05))
+    plain = Snapshots()
+    quiet_trainer(max_steps=2, callbacks=[plain]).fit(fresh(lr=0.05))
+    (coefficients,) = record.coefficients
+    assert float(coefficients.min()) < 1  # the second step of Adam is clipped somewhere (RMS > 1)
+    for c, (name, w) in zip(coefficients.tolist(), plain.weights[1].items(), strict=True):
+        w0 = plain.weights[0][name]
+        torch.testing.assert_close(monitored.weights[1][name] - w0, c * (w - w0), rtol=1e-4, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------- moment reset
+def test_a_spike_that_got_in_resets_the_hit_tensors_moments_and_leaves_the_step_count() -> None:
+    """Under response="warn" a spike's update is applied: right after it, the moments of the tensors its gradient
+    hit are zero (the spike's contribution with them), and every step count is still the number of updates."""
+    module = fresh(batches=33)
+    module.spikes = {32: 1e4}  # the last step
+    monitor = PrecursorMonitor(attention=False, log_partition=False, reset_moments=True)
+    health = TrainingHealthMonitor(response="warn", report=False)
+    with pytest.warns(UserWarning, match="spike"):
+        quiet_trainer(max_steps=33, callbacks=[health, monitor]).fit(module)
+    assert [e["step"] for e in health.events if e["kind"] == "spike"] == [32]
+    optimizer = module.trainer.optimizers[0]
+    states = [optimizer.state[p] for p in module.parameters()]
+    zeroed = [s for s in states if not s["exp_avg"].any() and not s["exp_avg_sq"].any()]
+    assert len(zeroed) == float(monitor.moment_resets) >= 1
+    assert {int(s["step"]) for s in states} == {33}
+
+
+def test_without_a_spike_no_moment_is_reset() -> None:
+    monitor = PrecursorMonitor(attention=False, log_partition=False, reset_moments=True)
+    quiet_trainer(max_steps=30, callbacks=[TrainingHealthMonitor(response="warn", report=False), monitor]).fit(
+        fresh(batches=30)
+    )
+    assert float(monitor.moment_resets) == 0
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def test_a_resumed_fit_continues_the_backoff_and_the_drift(tmp_path: Path) -> None:
+    """Straight through 9 steps, or 6 then a resume from the checkpoint: the same back-off, clip count, log Z
+    average and weights."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    backoff = LRBackoff("update_ratio", threshold=0.005)
+
+    def monitor() -> PrecursorMonitor:
+        return PrecursorMonitor(qk_clip=0.3, lr_backoff=backoff, log_every_n_steps=2)
+
+    straight = monitor()
+    module = fresh(batches=3)
+    quiet_trainer(max_steps=9, callbacks=[straight]).fit(module)
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=6, save_top_k=-1)
+    quiet_trainer(max_steps=6, callbacks=[monitor(), ckpt], enable_checkpointing=True).fit(fresh(batches=3))
+    resumed = monitor()
+    again = fresh(batches=3)
+    quiet_trainer(max_steps=9, callbacks=[resumed]).fit(again, ckpt_path=tmp_path / "epoch=1-step=6.ckpt")
+    assert float(straight.backoff) < 1 and float(straight.clipped_heads) > 0
+    assert float(resumed.backoff) == pytest.approx(float(straight.backoff))
+    assert float(resumed.clipped_heads) == float(straight.clipped_heads)
+    assert resumed.state_dict()["log_z"] == pytest.approx(straight.state_dict()["log_z"])
+    for (name, a), b in zip(module.named_parameters(), again.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: PrecursorMonitor(qk_clip=-1.0), "qk_clip"),
+        (lambda: PrecursorMonitor(qk_clip_alpha=1.5), "qk_clip_alpha"),
+        (lambda: PrecursorMonitor(update_clip=0), "update_clip"),
+        (lambda: PrecursorMonitor(lr_backoff="yes"), "lr_backoff"),  # type: ignore[arg-type]
+        (lambda: PrecursorMonitor(log_partition=3), "log_partition"),  # type: ignore[arg-type]
+        (lambda: LRBackoff("loss"), "signal"),
+        (lambda: LRBackoff(factor=1.0), "factor"),
+        (lambda: LRBackoff(recovery=0.9), "recovery"),
+    ],
+)
+def test_bad_arguments_are_refused_with_the_fix(make: Any, match: str) -> None:
+    with pytest.raises(StabilityConfigError, match=match):
+        make()
+
+
+def test_the_adam_actions_refuse_another_optimizer() -> None:
+    class SGDLM(TinyLM):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    with pytest.raises(StabilityConfigError, match="SGD"):
+        quiet_trainer(max_steps=1, callbacks=[PrecursorMonitor(lr_backoff=LRBackoff())]).fit(SGDLM())
+
+
+def test_qk_clip_needs_a_known_attention_module() -> None:
+    class MLP(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm_head = nn.Linear(4, 3)
+
+        def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+            return self.lm_head(batch).square().mean()
+
+        def train_dataloader(self) -> DataLoader[Tensor]:
+            return DataLoader(torch.randn(8, 4), batch_size=4)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters())
+
+    quiet_trainer(max_steps=2, callbacks=[PrecursorMonitor()]).fit(MLP())  # measuring: what there is
+    with pytest.raises(StabilityConfigError, match="register"):
+        quiet_trainer(max_steps=1, callbacks=[PrecursorMonitor(qk_clip=100.0)]).fit(MLP())
