@@ -42,6 +42,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -115,6 +116,9 @@ class PrecursorMonitor(LedgerCallback):
         lr_backoff: an :class:`LRBackoff`, or ``None``: off.
         reset_moments: zero the moments of the tensors a spike hit (see the module doc).
         reset_ratio: how far above Adam's expected RMS a tensor's gradient RMS must be to count as hit (10).
+        other_optimizers: with an optimizer the Adam actions cannot act on (not Adam-like, or ``amsgrad``):
+            ``"error"`` (at fit start), or ``"warn"``: they are off for that fit, the precursors still logged (what
+            a preset uses, not knowing the model's optimizer).
         log_every_n_steps: default: the Trainer's.
 
     Raises:
@@ -138,6 +142,7 @@ class PrecursorMonitor(LedgerCallback):
         lr_backoff: LRBackoff | None = None,
         reset_moments: bool = False,
         reset_ratio: float = 10.0,
+        other_optimizers: Literal["error", "warn"] = "error",
         log_every_n_steps: int | None = None,
     ) -> None:
         super().__init__(log_every_n_steps)
@@ -163,6 +168,10 @@ class PrecursorMonitor(LedgerCallback):
             raise config_error("lr_backoff", lr_backoff, "is not an LRBackoff", "pass LRBackoff() or None")
         check_bool("reset_moments", reset_moments)
         check_number("reset_ratio", reset_ratio, example="10.0")
+        if other_optimizers not in ("error", "warn"):
+            raise config_error("other_optimizers", other_optimizers, "is not a choice", "pass 'error' or 'warn'")
+        self.other_optimizers = other_optimizers
+        self._adam_actions = False  # the Adam actions act in this fit (set at fit start)
         self.attention, self.log_partition = attention, log_partition
         self.qk_clip, self.qk_clip_alpha = qk_clip, float(qk_clip_alpha)
         self.update_clip, self.lr_backoff = update_clip, lr_backoff
@@ -219,16 +228,22 @@ class PrecursorMonitor(LedgerCallback):
         self._set_active(False)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        adam_actions = self.update_clip is not None or self.lr_backoff is not None or self.reset_moments
-        for optimizer in trainer.optimizers:
-            if adam_actions and not is_adam_like(optimizer):
+        self._adam_actions = self.update_clip is not None or self.lr_backoff is not None or self.reset_moments
+        for optimizer in trainer.optimizers if self._adam_actions else []:
+            why = ""
+            if not is_adam_like(optimizer):
+                why = f"the optimizer is {type(optimizer).__name__}"
+            elif any(g.get("amsgrad", False) for g in optimizer.param_groups):
+                why = "the optimizer uses amsgrad=True (its denominator is a running max)"
+            if why and self.other_optimizers == "warn":
+                rank_zero_warn(f"PrecursorMonitor: the update clipping, LR back-off and moment reset are off: {why}.")
+                self._adam_actions = False
+            elif why:
                 raise StabilityConfigError(
-                    f"PrecursorMonitor's update clipping, LR back-off and moment reset act on Adam's state; the "
-                    f"optimizer is {type(optimizer).__name__}. Fix: use torch.optim.Adam or AdamW, or leave "
-                    "update_clip, lr_backoff and reset_moments off."
+                    f"PrecursorMonitor's update clipping, LR back-off and moment reset act on Adam's state; {why}. "
+                    "Fix: use torch.optim.Adam or AdamW (amsgrad=False), leave update_clip, lr_backoff and "
+                    "reset_moments off, or pass other_optimizers='warn' to turn them off for such a fit."
                 )
-            if adam_actions and any(g.get("amsgrad", False) for g in optimizer.param_groups):
-                raise config_error("amsgrad", True, "is not supported by the Adam actions", "use amsgrad=False")
         names = {id(p): n for n, p in pl_module.named_parameters()}
         self._names = names
 
@@ -270,7 +285,7 @@ class PrecursorMonitor(LedgerCallback):
         """Before the update: the coefficients of the update clipping and back-off, and the tensors a spike hit."""
         open_step = self._open = _OpenStep(optimizer)
         open_step.lrs = [g["lr"] for g in optimizer.param_groups]  # the step's (a schedule moves them after it)
-        if self.update_clip is None and self.lr_backoff is None and not self.reset_moments:
+        if not self._adam_actions:
             return
         grads = ledger.gradients()
         params = [p for p in grads.params if "exp_avg_sq" in optimizer.state.get(p, {})]

@@ -305,6 +305,7 @@ def test_a_resumed_fit_continues_the_backoff_and_the_drift(tmp_path: Path) -> No
         (lambda: PrecursorMonitor(update_clip=0), "update_clip"),
         (lambda: PrecursorMonitor(lr_backoff="yes"), "lr_backoff"),  # type: ignore[arg-type]
         (lambda: PrecursorMonitor(log_partition=3), "log_partition"),  # type: ignore[arg-type]
+        (lambda: PrecursorMonitor(other_optimizers="ignore"), "other_optimizers"),  # type: ignore[arg-type]
         (lambda: LRBackoff("loss"), "signal"),
         (lambda: LRBackoff(factor=1.0), "factor"),
         (lambda: LRBackoff(recovery=0.9), "recovery"),
@@ -323,6 +324,13 @@ def test_the_adam_actions_refuse_another_optimizer() -> None:
     torch.manual_seed(0)
     with pytest.raises(StabilityConfigError, match="SGD"):
         quiet_trainer(max_steps=1, callbacks=[PrecursorMonitor(lr_backoff=LRBackoff())]).fit(SGDLM())
+    # what a preset uses: the actions off for this fit, the precursors still logged
+    monitor = PrecursorMonitor(lr_backoff=LRBackoff(threshold=1e-12), other_optimizers="warn")
+    trainer = quiet_trainer(max_steps=4, log_every_n_steps=2, callbacks=[monitor])
+    with pytest.warns(UserWarning, match="off: the optimizer is SGD"):
+        trainer.fit(SGDLM())
+    assert float(monitor.backoff) == 1.0
+    assert "stability/attention_logit_max" in trainer.callback_metrics
 
 
 def test_qk_clip_needs_a_known_attention_module() -> None:
