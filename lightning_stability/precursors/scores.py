@@ -9,7 +9,7 @@
   steps whose value is more than ``sigmas`` standard deviations above the rolling mean of the ``window`` steps
   before it.
 * :func:`max_trainable_lr` -- the largest LR of a grid at which every seed trains, "trains" being an explicit
-  threshold the caller chooses (the benchmark's: the final loss finite and below the corpus's unigram loss).
+  threshold the caller chooses (the benchmark's: the final loss finite and below the held-out bigram loss).
 """
 
 from __future__ import annotations
