@@ -259,7 +259,7 @@ def table(arms: Sequence[Arm], args: argparse.Namespace, threshold: float, unigr
         f"trains: every seed's final eval loss finite and < {threshold:.3f} (held-out bigram loss; < unigram: "
         f"{unigram:.3f}); spike score: share of steps > 6 std above the rolling mean of the {args.spike_window} before",
         "",
-        f"{'arm':<14}{'LR sens.':>10}{'best':>8}{'max LR trained':>16}{'< unigram':>11}{'spike score':>13}"
+        f"{'arm':<16}{'LR sens.':>10}{'best':>8}{'max LR trained':>16}{'< unigram':>11}{'spike score':>13}"
         f"{'skipped':>10}",
     ]
     per_lr: list[str] = []
@@ -270,12 +270,12 @@ def table(arms: Sequence[Arm], args: argparse.Namespace, threshold: float, unigr
         max_lr = "none" if s["max_lr"] is None else f"{s['max_lr']:g}"
         loose = "none" if s["max_lr_unigram"] is None else f"{s['max_lr_unigram']:g}"
         lines.append(
-            f"{arm.name:<14}{s['sensitivity']:>10.3f}{s['best']:>8.3f}{max_lr:>16}{loose:>11}{s['spike_score']:>13.4f}"
+            f"{arm.name:<16}{s['sensitivity']:>10.3f}{s['best']:>8.3f}{max_lr:>16}{loose:>11}{s['spike_score']:>13.4f}"
             f"{s['skipped']:>10.2%}"
         )
         for lr, finals in s["per_lr"].items():
             shown = " ".join(f"{x:.3f}" if math.isfinite(x) else "nan/inf" for x in finals)
-            per_lr.append(f"{arm.name:<14}{lr:>8g}   {shown}")
+            per_lr.append(f"{arm.name:<16}{lr:>8g}   {shown}")
     if not per_lr:
         return lines
     return [*lines, "", f"final eval loss per seed (initial loss {min(initials):.3f}-{max(initials):.3f}):", *per_lr]
