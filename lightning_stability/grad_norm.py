@@ -14,12 +14,12 @@ from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stability.amp.diagnostics import fp16_without_scaler_problem
+from lightning_stability.cluster.weight_hash import gather_from_ranks, keeps_plain_parameters_equal, replica_layout
 from lightning_stability.errors import (
     StabilityConfigError,
     check_bool,
@@ -162,8 +162,6 @@ class GradientNormMonitor(LedgerCallback):
         self._layers = {}
         self._replica_groups = None
         if self.check_replicas and trainer.world_size > 1:
-            from lightning_stability.cluster.weight_hash import keeps_plain_parameters_equal, replica_layout
-
             layout = replica_layout(
                 list(pl_module.parameters()), trainer.world_size, keeps_plain_parameters_equal(trainer.strategy)
             )
@@ -367,14 +365,6 @@ class _Layers:
         """The per-module norms of the remembered step."""
         assert self.bad_snapshot is not None
         return group_norms(self.bad_snapshot, self.index, len(self.names), norm_type)
-
-
-def gather_from_ranks(value: Tensor) -> Tensor:
-    """Every rank's ``value`` (0-dim), gathered into a vector on every rank: one small all-gather."""
-    world = dist.get_world_size()
-    out = torch.empty(world, dtype=torch.float32, device=value.device)
-    dist.all_gather_into_tensor(out, value.detach().to(torch.float32).reshape(1))
-    return out
 
 
 def warn_disagreeing_replicas(

@@ -42,7 +42,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import torch
@@ -59,6 +59,16 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.staging import AsyncStager
 
 _PENDING, _DONE, _FAILED = 0, 1, 2
+
+
+@runtime_checkable
+class ShardedAsyncSaver(Protocol):
+    """A strategy that writes its own sharded checkpoints in the background (``StableFSDPStrategy``): every rank
+    copies its shards now and hands back its background work."""
+
+    def save_checkpoint_async(
+        self, checkpoint: dict[str, Any], filepath: Path, saves: AsyncSaves
+    ) -> list[Future[None]]: ...
 
 
 @dataclass
@@ -97,10 +107,8 @@ class AsyncSaves:
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: pl.Trainer) -> None:
         """Check the strategy can save asynchronously and atomically; create the gloo groups (every rank)."""
-        from lightning_stability.strategies.fsdp import StableFSDPStrategy
-
         strategy = trainer.strategy
-        if isinstance(strategy, StableFSDPStrategy):
+        if isinstance(strategy, ShardedAsyncSaver):
             if dist.is_available() and dist.is_initialized() and self.dcp_group is None:
                 self.dcp_group = dist.new_group(backend="gloo")
         elif not isinstance(strategy, SingleDeviceStrategy | DDPStrategy) or not isinstance(
@@ -163,12 +171,10 @@ class AsyncSaves:
     def start(self, trainer: pl.Trainer, path: Path, kind: str) -> None:
         """Every rank, where a synchronous save would write: build the checkpoint, copy it, hand the write to the
         background. The previous save must be finished (:meth:`wait`)."""
-        from lightning_stability.strategies.fsdp import StableFSDPStrategy
-
         assert self.pending is None, "a save is still in flight"
         checkpoint = _compat.dump_checkpoint(trainer)
         strategy = trainer.strategy
-        if isinstance(strategy, StableFSDPStrategy):
+        if isinstance(strategy, ShardedAsyncSaver):
             futures = strategy.save_checkpoint_async(checkpoint, path, self)
         else:
             futures = []

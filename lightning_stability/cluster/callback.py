@@ -18,12 +18,12 @@ from lightning_stability.cluster.weight_hash import (
     ReplicaLayout,
     disagreeing_replicas,
     gather_fingerprints,
+    gather_from_ranks,
     keeps_plain_parameters_equal,
     replica_layout,
     weight_fingerprint,
 )
 from lightning_stability.errors import check_int, check_number
-from lightning_stability.grad_norm import gather_from_ranks
 from lightning_stability.ledger import LedgerCallback, OnHost, OptimizerRecord, StepLedger
 
 

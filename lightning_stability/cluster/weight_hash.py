@@ -207,3 +207,11 @@ def disagreeing_replicas(fingerprints: Sequence[Sequence[float]], layout: Replic
             if p != reference:
                 found[rank] = members
     return found
+
+
+def gather_from_ranks(value: Tensor) -> Tensor:
+    """Every rank's ``value`` (0-dim), gathered into a vector on every rank: one small all-gather."""
+    world = dist.get_world_size()
+    out = torch.empty(world, dtype=torch.float32, device=value.device)
+    dist.all_gather_into_tensor(out, value.detach().to(torch.float32).reshape(1))
+    return out

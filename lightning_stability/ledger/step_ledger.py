@@ -296,6 +296,15 @@ class StepLedger:
         if self._open is optimizer and self._step is not None:
             self._step.stepped = True
             self.close_step()
+            return
+        if self._open is None:
+            # An update no callback opened a step for (no LedgerCallback; a plain callback voted on an earlier
+            # step, which hooked this optimizer): it ran without a vote. Counted, so that `outcome` and the
+            # counts describe the last update, not the last vote (StableCheckpoint reads `outcome`).
+            record = self.record_of(optimizer)
+            record.steps += 1
+            record.count(Outcome.APPLIED)
+            self.outcome = Outcome.APPLIED
 
     def _on_close(self, hook: Callable[[StepLedger], None]) -> None:
         """Run ``hook(ledger)`` once when the current step closes (after the optimizer step)."""

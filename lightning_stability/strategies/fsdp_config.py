@@ -5,18 +5,14 @@ from __future__ import annotations
 import difflib
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_stability.errors import StabilityConfigError, check_bool, check_int, config_error
-from lightning_stability.strategies import fsdp_fairscale as fs
 from lightning_stability.strategies import fsdp_wrap as wrap
 from lightning_stability.strategies.fsdp_precision import PRECISIONS, StableFSDPPrecision
-
-if TYPE_CHECKING:
-    pass
 
 KEYWORDS = (
     "auto_wrap_policy",
@@ -34,6 +30,45 @@ KEYWORDS = (
     "timeout",
 )
 _HALF = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}
+
+#: every keyword of ``fairscale.nn.FullyShardedDataParallel`` (FairScale 0.4.13)
+FAIRSCALE_KEYWORDS = frozenset(
+    {
+        "process_group",
+        "process_group_reduce_scatter",
+        "reshard_after_forward",
+        "disable_reshard_on_root",
+        "mixed_precision",
+        "fp32_reduce_scatter",
+        "flatten_parameters",
+        "move_params_to_cpu",
+        "compute_dtype",
+        "buffer_dtype",
+        "move_grads_to_cpu",
+        "bucket_cap_mb",
+        "compute_device",
+        "no_broadcast_optim_state",
+        "state_dict_device",
+        "clear_autocast_cache",
+        "force_input_to_fp32",
+        "verbose",
+        "cpu_offload",
+        "state_dict_on_rank_0_only",
+        "gradient_predivide_factor",
+        "allow_reset_parameters",
+    }
+)
+
+#: what each FairScale-only keyword becomes under the native (FSDP2) backend
+NATIVE_EQUIVALENT = {
+    "bucket_cap_mb": "FSDP2 reduce-scatters each wrapped unit's gradients in one collective, so the unit is "
+    "the bucket: size buckets with `auto_wrap_policy` (e.g. a parameter count)",
+    "fp32_reduce_scatter": "gradients are reduced in fp32 by default: see `reduce_dtype`",
+    "compute_dtype": "pass `mixed_precision='bf16-mixed'` or `'16-mixed'`",
+    "buffer_dtype": "buffers follow the compute dtype of their unit: see `mixed_precision`",
+    "move_params_to_cpu": "pass `cpu_offload=True`",
+    "move_grads_to_cpu": "pass `cpu_offload=True` (FSDP2 offloads parameters, gradients and optimizer state together)",
+}
 
 
 def resolve_mixed_precision(value: Any) -> tuple[str | None, Any]:
@@ -64,17 +99,17 @@ def resolve_mixed_precision(value: Any) -> tuple[str | None, Any]:
 def check_extra_keywords(backend: str, extra: dict[str, Any]) -> None:
     """Keywords outside the signature: FairScale's own (only with ``backend='fairscale'``) or typos."""
     for key in extra:
-        if backend == "fairscale" and key in fs.FAIRSCALE_KEYWORDS:
+        if backend == "fairscale" and key in FAIRSCALE_KEYWORDS:
             continue
-        if key in fs.FAIRSCALE_KEYWORDS:
-            fix = fs.NATIVE_EQUIVALENT.get(key, "drop it (it has no FSDP2 equivalent)")
+        if key in FAIRSCALE_KEYWORDS:
+            fix = NATIVE_EQUIVALENT.get(key, "drop it (it has no FSDP2 equivalent)")
             raise config_error(
                 key,
                 extra[key],
                 "is a FairScale keyword with no meaning for backend='native'",
                 f"{fix}; or pass backend='fairscale'",
             )
-        close = difflib.get_close_matches(key, [*KEYWORDS, *sorted(fs.FAIRSCALE_KEYWORDS)], n=1)
+        close = difflib.get_close_matches(key, [*KEYWORDS, *sorted(FAIRSCALE_KEYWORDS)], n=1)
         hint = f"did you mean `{close[0]}`?" if close else "see the StableFSDPStrategy docstring for its keywords"
         raise config_error(key, extra[key], "is not a keyword of StableFSDPStrategy", hint)
 

@@ -28,45 +28,6 @@ if TYPE_CHECKING:
     from lightning_stability.strategies.fsdp_config import FSDPConfig
     from lightning_stability.strategies.fsdp_precision import StableFSDPPrecision
 
-#: every keyword of ``fairscale.nn.FullyShardedDataParallel`` (FairScale 0.4.13)
-FAIRSCALE_KEYWORDS = frozenset(
-    {
-        "process_group",
-        "process_group_reduce_scatter",
-        "reshard_after_forward",
-        "disable_reshard_on_root",
-        "mixed_precision",
-        "fp32_reduce_scatter",
-        "flatten_parameters",
-        "move_params_to_cpu",
-        "compute_dtype",
-        "buffer_dtype",
-        "move_grads_to_cpu",
-        "bucket_cap_mb",
-        "compute_device",
-        "no_broadcast_optim_state",
-        "state_dict_device",
-        "clear_autocast_cache",
-        "force_input_to_fp32",
-        "verbose",
-        "cpu_offload",
-        "state_dict_on_rank_0_only",
-        "gradient_predivide_factor",
-        "allow_reset_parameters",
-    }
-)
-
-#: what each FairScale-only keyword becomes under the native (FSDP2) backend
-NATIVE_EQUIVALENT = {
-    "bucket_cap_mb": "FSDP2 reduce-scatters each wrapped unit's gradients in one collective, so the unit is "
-    "the bucket: size buckets with `auto_wrap_policy` (e.g. a parameter count)",
-    "fp32_reduce_scatter": "gradients are reduced in fp32 by default: see `reduce_dtype`",
-    "compute_dtype": "pass `mixed_precision='bf16-mixed'` or `'16-mixed'`",
-    "buffer_dtype": "buffers follow the compute dtype of their unit: see `mixed_precision`",
-    "move_params_to_cpu": "pass `cpu_offload=True`",
-    "move_grads_to_cpu": "pass `cpu_offload=True` (FSDP2 offloads parameters, gradients and optimizer state together)",
-}
-
 
 class FairScaleBackend(FSDPBackend):
     """FairScale's FSDP, ``backend="fairscale"``: flat local shards, FairScale's own ``no_sync`` and

@@ -82,3 +82,32 @@ def test_a_users_skip_callback_skips_exactly_the_high_loss_steps(tmp_path: Path)
     logger.save()
     logged = (Path(logger.log_dir) / "metrics.csv").read_text()
     assert "stability/loss_seen" in logged and "stability/loss_too_high" in logged
+
+
+class _VoteOnce(pl.Callback):
+    """A plain Lightning callback (no LedgerCallback anywhere in the Trainer) that votes to skip one step."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:  # type: ignore[no-untyped-def]
+        if trainer.global_step == self.at:
+            StepLedger.of(trainer).mark_skip(Outcome.SKIPPED_SPIKE, True, optimizer)
+
+
+def test_a_plain_callbacks_vote_leaves_the_ledger_describing_the_last_update(tmp_path: Path) -> None:
+    """Without any LedgerCallback, a plain callback's one vote skips that update only: the updates after it are
+    counted as applied, so StableCheckpoint (which reads the ledger's outcome) saves again at the next due step
+    instead of taking every later state for one after a skipped update."""
+    from lightning_stability import StableCheckpoint
+
+    checkpoint = StableCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, keep=10)
+    trainer = quiet_trainer(max_steps=10, callbacks=[_VoteOnce(at=3), checkpoint], enable_checkpointing=True)
+    trainer.fit(TinyModule())
+    ledger = StepLedger.of(trainer)
+    assert ledger.outcome is Outcome.APPLIED
+    counts = ledger.record_of().counts.tolist()
+    assert counts[Outcome.SKIPPED_SPIKE] == 1
+    assert counts[Outcome.APPLIED] == 6  # steps 4..9, after the vote hooked the optimizer
+    saved = sorted(int(p.stem.split("step=")[1]) for p in (tmp_path / "ckpt").glob("*.ckpt"))
+    assert saved == [2, 5, 6, 8, 10], saved  # step 4's save waited for the next applied update (5)
