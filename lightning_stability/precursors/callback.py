@@ -201,6 +201,13 @@ class PrecursorMonitor(LedgerCallback):
 
     # ------------------------------------------------------------------ setup
     def on_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.world_size > 1:
+            # per-rank attention logits, DTensor shards under FSDP2/TP: not yet reduced and tested across ranks
+            raise StabilityConfigError(
+                f"PrecursorMonitor runs in single-process fits only for now; this Trainer has {trainer.world_size} "
+                f"processes ({type(trainer.strategy).__name__}): its metrics and actions are not yet made exact "
+                "across ranks. Fix: remove PrecursorMonitor from this fit's callbacks (or run it on one device)."
+            )
         backoff = self.lr_backoff.signal if self.lr_backoff is not None else None
         needs_attention = self.qk_clip is not None or backoff == "attention_logit"
         if self.attention is False and needs_attention:

@@ -351,3 +351,15 @@ def test_qk_clip_needs_a_known_attention_module() -> None:
     quiet_trainer(max_steps=2, callbacks=[PrecursorMonitor()]).fit(MLP())  # measuring: what there is
     with pytest.raises(StabilityConfigError, match="register"):
         quiet_trainer(max_steps=1, callbacks=[PrecursorMonitor(qk_clip=100.0)]).fit(MLP())
+
+
+def test_a_multi_process_fit_is_refused_at_setup() -> None:
+    """Its metrics and actions are not yet made exact across ranks: a DDP (or any multi-process) fit is refused
+    at setup, naming the fix, rather than logging one rank's attention logits as the model's."""
+    monitor = PrecursorMonitor()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", callbacks=[monitor], logger=False, enable_progress_bar=False
+    )
+    assert trainer.world_size == 2
+    with pytest.raises(StabilityConfigError, match=r"single-process fits only.*2 processes \(DDPStrategy\).*Fix"):
+        monitor.setup(trainer, fresh(), "fit")
