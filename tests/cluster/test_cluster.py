@@ -259,7 +259,10 @@ def test_one_process_logs_its_own_figures_and_says_the_hash_check_is_off(caplog:
         == metrics["stability/rank_time_median"]
         == metrics["stability/rank_time_max"]
     )
-    assert 0.0 < float(metrics["stability/rank_time_max"]) < float(metrics["stability/step_time"])
+    # both positive host times; not compared with each other: the own-time window ends with the logging step
+    # itself, the step-time window one step earlier, so one slow step on a loaded machine can put either above
+    assert 0.0 < float(metrics["stability/rank_time_max"]) < math.inf
+    assert 0.0 < float(metrics["stability/step_time"]) < math.inf
     assert "stability/replicas_differing" not in metrics
 
 
