@@ -196,7 +196,7 @@ class LedgerCallback(Callback):
     ) -> None:
         ledger = self._ledger = StepLedger.of(trainer)
         ledger.open_step(optimizer)
-        self._logging = ledger._is_logging_step(self._every_n)
+        self._logging = ledger.is_logging_step(self._every_n)
         self.on_step(trainer, ledger, optimizer)
         if self._has_after_step:
             ledger._on_close(lambda closed: self.after_step(trainer, closed))

@@ -241,7 +241,7 @@ class StepLedger:
             return _compat.batches_that_stepped(trainer)
         return max(self.record_of().steps - 1, 0)
 
-    def _is_logging_step(self, every_n_steps: int) -> bool:
+    def is_logging_step(self, every_n_steps: int) -> bool:
         """Whether the current step logs by Lightning's rule for ``log_every_n_steps`` (0: never; the step on
         which the run is told to stop logs too)."""
         if every_n_steps <= 0:

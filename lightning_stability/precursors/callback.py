@@ -285,7 +285,7 @@ class PrecursorMonitor(LedgerCallback):
             self._fresh = False
             if self._logits is not None:
                 self._logits.reset()
-            self._set_active(StepLedger.of(trainer)._is_logging_step(self._every_n))
+            self._set_active(StepLedger.of(trainer).is_logging_step(self._every_n))
 
     # ------------------------------------------------------------------ the step
     def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer) -> None:
@@ -336,13 +336,17 @@ class PrecursorMonitor(LedgerCallback):
         self.backoff = backoff
         return backoff
 
-    def _hit_tensors(self, optimizer: Optimizer, params: list[Tensor], device: torch.device) -> Tensor:
-        """Per tensor: its gradient RMS is more than ``reset_ratio`` times ``sqrt(v_hat)``'s RMS (before the step)."""
+    def _roots(self, params: list[Tensor], device: torch.device) -> Tensor:
+        """``(n,)``: each tensor's ``sqrt(numel)`` (RMS <-> norm), built once per set of tensors."""
         key = tuple(map(id, params))
         if self._root_numel is None or self._root_numel[0] != key:
             roots = [torch.full((), math.sqrt(p.numel()), device=device) for p in params]  # fills, no copies
             self._root_numel = (key, torch.stack(roots))
-        grad_rms = per_tensor_norms([p.grad for p in params]) / self._root_numel[1]  # type: ignore[misc]
+        return self._root_numel[1]
+
+    def _hit_tensors(self, optimizer: Optimizer, params: list[Tensor], device: torch.device) -> Tensor:
+        """Per tensor: its gradient RMS is more than ``reset_ratio`` times ``sqrt(v_hat)``'s RMS (before the step)."""
+        grad_rms = per_tensor_norms([p.grad for p in params]) / self._roots(params, device)  # type: ignore[misc]
         expected = []
         for p in params:
             state = optimizer.state[p]
@@ -425,7 +429,7 @@ class PrecursorMonitor(LedgerCallback):
                 log_z = tuple((both / dist.get_world_size()).unbind())  # type: ignore[assignment]
             out["log_z_drift"] = log_z[1].abs()
         if stats is not None and stats.params:
-            norms = adam_update_norms(stats)
+            norms = adam_update_norms(stats, self._roots(stats.params, stats.update_rms.device))
             coef = self._coef_for(open_step, stats.params, norms.device)
             applied = norms * coef
             weights = per_tensor_norms([p.detach() for p in stats.params])
@@ -444,6 +448,8 @@ class PrecursorMonitor(LedgerCallback):
         """The coefficient each of ``params`` was rescaled by this step (1 where none)."""
         if open_step.coef is None:
             return torch.ones(len(params), device=device)
+        if len(params) == len(open_step.params) and all(p is q for p, q in zip(params, open_step.params, strict=True)):
+            return open_step.coef  # the same tensors in the same order: no gather
         index = {id(p): i for i, p in enumerate(open_step.params)}
         ones = torch.ones((), device=device)
         return torch.stack([open_step.coef[index[id(p)]] if id(p) in index else ones for p in params])

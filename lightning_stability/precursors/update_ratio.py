@@ -50,10 +50,13 @@ def update_to_weight_ratios(update_norms: Tensor, weight_norms: Tensor, index: T
     return updates / weights.clamp(min=torch.finfo(torch.float32).tiny)
 
 
-def adam_update_norms(stats: AdamUpdateStats) -> Tensor:
-    """``(n,)``: each tensor's Adam step norm, ``update_rms * sqrt(numel)``."""
+def adam_update_norms(stats: AdamUpdateStats, roots: Tensor | None = None) -> Tensor:
+    """``(n,)``: each tensor's Adam step norm, ``update_rms * sqrt(numel)``. ``roots``: the ``sqrt(numel)`` of
+    ``stats.params`` on the device, when the caller keeps them (built here otherwise)."""
     if not stats.params:
         return stats.update_rms
-    return stats.update_rms * torch.stack(
-        [torch.full((), math.sqrt(p.numel()), device=stats.update_rms.device) for p in stats.params]
-    )
+    if roots is None:
+        roots = torch.stack(
+            [torch.full((), math.sqrt(p.numel()), device=stats.update_rms.device) for p in stats.params]
+        )
+    return stats.update_rms * roots
