@@ -236,6 +236,15 @@ class PrecursorMonitor(LedgerCallback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._adam_actions = self.update_clip is not None or self.lr_backoff is not None or self.reset_moments
+        if len(trainer.optimizers) > 1 and (self._adam_actions or self.qk_clip is not None):
+            # one back-off factor and one QK-clip per step of the module: with several optimizers each would act
+            # once per optimizer step (QK-clip twice on the same maxima), not once per update of the module
+            raise StabilityConfigError(
+                f"PrecursorMonitor's early actions (qk_clip, update_clip, lr_backoff, reset_moments) act once per "
+                f"update of the whole module; this module has {len(trainer.optimizers)} optimizers. Fix: leave the "
+                "actions off for this fit (PrecursorMonitor() still logs the precursors per optimizer), or train "
+                "with one optimizer."
+            )
         for optimizer in trainer.optimizers if self._adam_actions else []:
             why = ""
             if not is_adam_like(optimizer):

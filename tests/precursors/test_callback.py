@@ -363,3 +363,35 @@ def test_a_multi_process_fit_is_refused_at_setup() -> None:
     assert trainer.world_size == 2
     with pytest.raises(StabilityConfigError, match=r"single-process fits only.*2 processes \(DDPStrategy\).*Fix"):
         monitor.setup(trainer, fresh(), "fit")
+
+
+class TwoOptimizerLM(TinyLM):
+    """The same model trained by two AdamWs (manual optimization): each optimizer steps once per batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> None:  # type: ignore[override]
+        loss = super().training_step(batch, batch_idx)
+        first, second = self.optimizers()  # type: ignore[misc]
+        first.zero_grad()
+        second.zero_grad()
+        self.manual_backward(loss)
+        first.step()
+        second.step()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:  # type: ignore[override]
+        params = list(self.parameters())
+        return [torch.optim.AdamW(params[:2]), torch.optim.AdamW(params[2:])]
+
+
+def test_the_actions_refuse_several_optimizers_and_the_precursors_log_per_optimizer() -> None:
+    """Each action acts once per update of the module (QK-clip on the step's maxima, one back-off factor): with
+    two optimizers it would act twice per batch, so it is refused at fit start; measuring alone works."""
+    torch.manual_seed(0)
+    with pytest.raises(StabilityConfigError, match=r"2 optimizers.*Fix"):
+        quiet_trainer(max_steps=2, callbacks=[PrecursorMonitor(lr_backoff=LRBackoff())]).fit(TwoOptimizerLM())
+    trainer = quiet_trainer(max_steps=8, log_every_n_steps=2, callbacks=[PrecursorMonitor()])
+    trainer.fit(TwoOptimizerLM())
+    assert {"stability/adam_update_ratio/AdamW", "stability/adam_update_ratio/AdamW-1"} <= set(trainer.callback_metrics)
