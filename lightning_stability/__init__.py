@@ -46,6 +46,11 @@ _EXPORTS = {
     "verify_checkpoint": "lightning_stability.checkpoint.atomic",
     # the cheap checks of a sick cluster
     "ClusterHealthMonitor": "lightning_stability.cluster.callback",
+    # spike precursors and the early actions
+    "PrecursorMonitor": "lightning_stability.precursors.callback",
+    "LRBackoff": "lightning_stability.precursors.callback",
+    "QueryKey": "lightning_stability.precursors.attention",
+    "register_attention": "lightning_stability.precursors.attention",
     "WatchdogSettings": "lightning_stability.cluster.watchdog",
     "watchdog_environment": "lightning_stability.cluster.watchdog",
     "watchdog_settings": "lightning_stability.cluster.watchdog",
@@ -114,6 +119,8 @@ if TYPE_CHECKING:
         advise_tensor_parallel,
         plan_memory,
     )
+    from lightning_stability.precursors.attention import QueryKey, register_attention
+    from lightning_stability.precursors.callback import LRBackoff, PrecursorMonitor
     from lightning_stability.presets import Preset, describe_preset, list_presets
     from lightning_stability.progress import StabilityProgressBar, StabilityRichProgressBar
     from lightning_stability.schedules.callback import ScheduledLR, WarmupConstantCosineLR

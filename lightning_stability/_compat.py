@@ -243,6 +243,14 @@ def foreach_mul_(tensors: list[Tensor], scalar: Tensor) -> None:
     torch._foreach_mul_(tensors, scalar)
 
 
+def dtensor_global_offset(tensor: Tensor) -> tuple[int, ...]:
+    """Where a ``DTensor``'s local shard starts in the whole tensor, per dim (torch's own sharding arithmetic,
+    uneven shards included; ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``)."""
+    compute = _private("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset")
+    _, offset = compute(tensor.shape, tensor.device_mesh, tensor.placements)  # type: ignore[attr-defined]
+    return tuple(offset)
+
+
 def sparse_values(tensor: Tensor) -> Tensor:
     """The stored values of a sparse COO tensor, without coalescing (a view, no copy)."""
     return tensor._values()

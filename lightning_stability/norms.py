@@ -146,6 +146,29 @@ def per_tensor_norms(tensors: Sequence[Tensor], norm_type: float = 2.0, uniform:
     return torch.stack(ordered)
 
 
+def per_tensor_norms_of_parts(parts: Sequence[Tensor], wholes: Sequence[Tensor], norm_type: float = 2.0) -> Tensor:
+    """:func:`per_tensor_norms` of tensors computed shard by shard: ``parts[i]`` is this rank's part of a tensor laid
+    out like ``wholes[i]`` (a ``DTensor``'s local shard, or for a plain tensor the whole tensor). The norms are
+    those of the whole tensors, reduced over the shards as :func:`per_tensor_norms` reduces ``wholes``.
+    """
+    if not any(is_dtensor(w) for w in wholes):
+        return per_tensor_norms(parts, norm_type)
+    laid_out = [
+        DTensor.from_local(
+            part,
+            whole.device_mesh,  # type: ignore[attr-defined]
+            whole.placements,  # type: ignore[attr-defined]
+            run_check=False,
+            shape=whole.shape,
+            stride=whole.stride(),
+        )
+        if is_dtensor(whole)
+        else part
+        for part, whole in zip(parts, wholes, strict=True)
+    ]
+    return per_tensor_norms(laid_out, norm_type)
+
+
 def combine_norms(norms: Tensor, norm_type: float = 2.0) -> Tensor:
     """The norm of a concatenation, from the norms of its parts."""
     if norms.numel() == 0:

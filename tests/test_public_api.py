@@ -18,6 +18,7 @@ CALLBACKS = {
     "GradientAccumulation",
     "GradientNormMonitor",
     "LossScaleTuner",
+    "PrecursorMonitor",
     "ScheduledLR",
     "TrainingHealthMonitor",
     "WarmupConstantCosineLR",

@@ -6,6 +6,7 @@ from lightning_stability.amp.callback import LossScaleTuner
 from lightning_stability.cluster.callback import ClusterHealthMonitor
 from lightning_stability.grad_norm import GradientNormMonitor
 from lightning_stability.health.callback import TrainingHealthMonitor
+from lightning_stability.precursors.callback import PrecursorMonitor
 from lightning_stability.schedules.callback import ScheduledLR, WarmupConstantCosineLR
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "GradientAccumulation",
     "GradientNormMonitor",
     "LossScaleTuner",
+    "PrecursorMonitor",
     "ScheduledLR",
     "TrainingHealthMonitor",
     "WarmupConstantCosineLR",

@@ -15,6 +15,7 @@ back-off configured by :class:`LRBackoff`, a moment reset on a spike). Its pure 
 """
 
 from lightning_stability.precursors.actions import (
+    HeadBlocks,
     QKProjection,
     apply_qk_clip_,
     clip_updates_,
@@ -23,6 +24,7 @@ from lightning_stability.precursors.actions import (
     qk_projection,
     rescale_adam_updates_,
     reset_moments_,
+    scale_heads_,
     update_clip_coefficients,
 )
 from lightning_stability.precursors.adam import AdamUpdateStats, adam_update_stats, is_adam_like
@@ -35,6 +37,7 @@ from lightning_stability.precursors.update_ratio import adam_update_norms, layer
 __all__ = [
     "AdamUpdateStats",
     "AttentionLogits",
+    "HeadBlocks",
     "LRBackoff",
     "LogPartition",
     "PrecursorMonitor",
@@ -55,6 +58,7 @@ __all__ = [
     "register_attention",
     "rescale_adam_updates_",
     "reset_moments_",
+    "scale_heads_",
     "spike_score",
     "update_clip_coefficients",
     "update_to_weight_ratios",

@@ -30,13 +30,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from lightning_stability import _compat
 from lightning_stability.errors import StabilityConfigError, check_number, config_error
-from lightning_stability.norms import per_tensor_norms
+from lightning_stability.norms import is_dtensor, local_tensor, per_tensor_norms_of_parts
 
 #: Kimi K2's threshold on the max attention logit, and its split of the clip between W_q and W_k.
 QK_CLIP_TAU, QK_CLIP_ALPHA = 100.0, 0.5
@@ -51,25 +52,40 @@ def qk_clip_factors(max_logits: Tensor, tau: float = QK_CLIP_TAU) -> Tensor:
     return torch.where(logits > tau, tau / logits, torch.ones_like(logits))
 
 
+class HeadBlocks(NamedTuple):
+    """Consecutive blocks of ``head_dim`` along ``axis`` of ``tensor``, one per head, from index ``start``.
+
+    ``tensor`` is the whole parameter (a plain tensor, or an FSDP2 ``DTensor``: each rank then scales the blocks
+    its shard holds), so a packed projection (q | k | v in one weight) names the same tensor with another ``start``.
+    """
+
+    tensor: Tensor
+    axis: int
+    start: int
+
+
 @dataclass
 class QKProjection:
     """Where a module's query and key projections are, head by head.
 
     Attributes:
-        query: the tensors holding the query projection (weights, bias), each with the axis along which its
-            ``heads`` blocks of ``head_dim`` lie: ``(tensor, axis)``.
+        query: the :class:`HeadBlocks` of the query projection (its weight, and its bias if any): ``heads`` blocks.
         key: the same for the key projection, over ``kv_heads`` blocks.
         heads: query heads; ``kv_heads``: key heads (fewer under grouped-query attention).
+        head_dim: each head's width (the length of one block).
     """
 
-    query: list[tuple[Tensor, int]]
-    key: list[tuple[Tensor, int]]
+    query: list[HeadBlocks]
+    key: list[HeadBlocks]
     heads: int
     kv_heads: int
+    head_dim: int
 
 
 def qk_projection(module: nn.Module) -> QKProjection:
     """The query and key projections of a known attention module (see :mod:`.attention`).
+
+    Build it after a strategy has sharded the module (FSDP2 replaces its parameters).
 
     Raises:
         StabilityConfigError: for a module QK-clip cannot rescale (unknown, or with q/k norms that would undo it).
@@ -79,27 +95,27 @@ def qk_projection(module: nn.Module) -> QKProjection:
     if isinstance(module, nn.MultiheadAttention):
         e, h = module.embed_dim, module.num_heads
         if module.in_proj_weight is not None:
-            query = [(module.in_proj_weight[:e], 0)]
-            key = [(module.in_proj_weight[e : 2 * e], 0)]
+            query, key = [HeadBlocks(module.in_proj_weight, 0, 0)], [HeadBlocks(module.in_proj_weight, 0, e)]
         else:
-            query, key = [(module.q_proj_weight, 0)], [(module.k_proj_weight, 0)]
+            query, key = [HeadBlocks(module.q_proj_weight, 0, 0)], [HeadBlocks(module.k_proj_weight, 0, 0)]
         if module.in_proj_bias is not None:
-            query.append((module.in_proj_bias[:e], 0))
-            key.append((module.in_proj_bias[e : 2 * e], 0))
-        return QKProjection(query, key, h, h)
+            query.append(HeadBlocks(module.in_proj_bias, 0, 0))
+            key.append(HeadBlocks(module.in_proj_bias, 0, e))
+        return QKProjection(query, key, h, h, e // h)
     if name == "GPT2Attention":  # Conv1D: weight (in, 3 * embed), q | k | v along the columns
-        e, c_attn = m.embed_dim, m.c_attn  # type: ignore[attr-defined]
+        e, c_attn, h = m.embed_dim, m.c_attn, m.num_heads  # type: ignore[attr-defined]
         weight, bias = c_attn.weight, c_attn.bias
-        query = [(weight[:, :e], 1), (bias[:e], 0)]
-        key = [(weight[:, e : 2 * e], 1), (bias[e : 2 * e], 0)]
-        return QKProjection(query, key, m.num_heads, m.num_heads)  # type: ignore[attr-defined]
+        query = [HeadBlocks(weight, 1, 0), HeadBlocks(bias, 0, 0)]
+        key = [HeadBlocks(weight, 1, e), HeadBlocks(bias, 0, e)]
+        return QKProjection(query, key, h, h, e // h)
     if name == "BertSelfAttention":
-        h = m.num_attention_heads  # type: ignore[attr-defined]
-        return QKProjection(_linear(m.query), _linear(m.key), h, h)  # type: ignore[attr-defined]
+        h, d = m.num_attention_heads, m.attention_head_size  # type: ignore[attr-defined]
+        return QKProjection(_linear(m.query), _linear(m.key), h, h, d)  # type: ignore[attr-defined]
     if name in ("LlamaAttention", "MistralAttention", "Qwen2Attention"):
-        heads = m.q_proj.out_features // m.head_dim  # type: ignore[attr-defined]
-        kv_heads = m.k_proj.out_features // m.head_dim  # type: ignore[attr-defined]
-        return QKProjection(_linear(m.q_proj), _linear(m.k_proj), heads, kv_heads)  # type: ignore[attr-defined]
+        d = m.head_dim  # type: ignore[attr-defined]
+        heads = m.q_proj.out_features // d  # type: ignore[attr-defined]
+        kv_heads = m.k_proj.out_features // d  # type: ignore[attr-defined]
+        return QKProjection(_linear(m.q_proj), _linear(m.k_proj), heads, kv_heads, d)  # type: ignore[attr-defined]
     if hasattr(module, "q_norm") or hasattr(module, "k_norm"):
         raise config_error(
             "module",
@@ -113,16 +129,28 @@ def qk_projection(module: nn.Module) -> QKProjection:
     )
 
 
-def _linear(linear: nn.Linear) -> list[tuple[Tensor, int]]:
-    return [(linear.weight, 0)] + ([(linear.bias, 0)] if linear.bias is not None else [])
+def _linear(linear: nn.Linear) -> list[HeadBlocks]:
+    return [HeadBlocks(linear.weight, 0, 0)] + ([HeadBlocks(linear.bias, 0, 0)] if linear.bias is not None else [])
 
 
-def _scale_heads_(tensor: Tensor, axis: int, factors: Tensor) -> None:
-    """Multiply block ``h`` of ``tensor`` along ``axis`` (``len(factors)`` equal blocks) by ``factors[h]``."""
-    blocks = tensor.unflatten(axis, (factors.numel(), -1))
-    shape = [1] * blocks.dim()
-    shape[axis] = factors.numel()
-    blocks.mul_(factors.to(tensor.dtype).view(shape))
+def scale_heads_(blocks: HeadBlocks, factors: Tensor, head_dim: int) -> None:
+    """Multiply block ``h`` of ``blocks`` by ``factors[h]``, in place, on the part of the tensor this rank holds.
+
+    A ``DTensor`` is scaled on its local shard, over the blocks (or parts of blocks) that shard holds: an
+    element-wise product, so the whole tensor ends as if it had been scaled whole. No collective, no host sync.
+    """
+    tensor, axis, start = blocks
+    local, first = tensor, 0
+    if is_dtensor(tensor):
+        local, first = local_tensor(tensor), _compat.dtensor_global_offset(tensor)[axis]
+    end = start + factors.numel() * head_dim  # the blocks span [start, end) along axis; the shard [first, last)
+    lo, hi = max(start, first), min(end, first + local.shape[axis])
+    if lo >= hi:
+        return
+    per_index = factors.to(local.dtype).repeat_interleave(head_dim)[lo - start : hi - start]
+    shape = [1] * local.dim()
+    shape[axis] = hi - lo
+    local.narrow(axis, lo - first, hi - lo).mul_(per_index.view(shape))
 
 
 def apply_qk_clip_(
@@ -142,10 +170,10 @@ def apply_qk_clip_(
     eta = qk_clip_factors(max_logits, tau)
     group = eta.view(projection.kv_heads, -1).amin(dim=1)  # a key head serves this group of query heads
     with torch.no_grad():
-        for tensor, axis in projection.query:
-            _scale_heads_(tensor, axis, eta.pow(alpha))
-        for tensor, axis in projection.key:
-            _scale_heads_(tensor, axis, group.pow(1 - alpha))
+        for blocks in projection.query:
+            scale_heads_(blocks, eta.pow(alpha), projection.head_dim)
+        for blocks in projection.key:
+            scale_heads_(blocks, group.pow(1 - alpha), projection.head_dim)
     return eta
 
 
@@ -173,14 +201,14 @@ def update_clip_coefficients(
     """
     threshold = check_number("threshold", threshold, example="1.0")
     grads, vs = list(grads), list(exp_avg_sqs)
-    squares = [g.float().square() for g in grads]
-    u = [v.float() * beta2 + (1 - beta2) * s for v, s in zip(vs, squares, strict=True)]
+    squares = [local_tensor(g).float().square() for g in grads]  # element-wise on each rank's part
+    u = [local_tensor(v).float() * beta2 + (1 - beta2) * s for v, s in zip(vs, squares, strict=True)]
     bc2 = list(_compat.foreach_pow(float(beta2), [torch.as_tensor(t, dtype=torch.float32) + 1 for t in steps]))
     _compat.foreach_one_minus_(bc2)
     u = list(_compat.foreach_div(u, bc2))
     ratio = [s / x.clamp(min=eps * eps) for s, x in zip(squares, u, strict=True)]
     _compat.foreach_mul_scalars_(ratio, [1.0 / g.numel() for g in grads])
-    rms = per_tensor_norms(ratio, 1.0).sqrt()  # the ratios are >= 0: their 1-norm / n is their mean
+    rms = per_tensor_norms_of_parts(ratio, grads, 1.0).sqrt()  # the ratios are >= 0: their 1-norm / n is their mean
     return 1.0 / (rms / threshold).clamp(min=1.0)
 
 
@@ -234,10 +262,11 @@ def rescale_adam_updates_(
             step = torch.as_tensor(state["step"], dtype=torch.float32)  # where torch keeps it: no copy
             bc1 = 1 - torch.pow(float(beta1), step)
             root_bc2 = (1 - torch.pow(float(beta2), step)).sqrt()
-            denom = (state["exp_avg_sq"].sqrt() / root_bc2).add_(float(group["eps"]))
+            denom = (local_tensor(state["exp_avg_sq"]).sqrt() / root_bc2).add_(float(group["eps"]))
             lr = group["lr"] if lrs is None else lrs[index]
             back = (1 - c) * (lr if isinstance(lr, Tensor) else float(lr)) / bc1
-            p.add_((state["exp_avg"] / denom).mul_(back.to(p.device, p.dtype)))
+            local = local_tensor(p)  # element-wise: each rank its shard of a DTensor
+            local.add_((local_tensor(state["exp_avg"]) / denom).mul_(back.to(local.device, local.dtype)))
 
 
 # ---------------------------------------------------------------------------------------------- momentum reset

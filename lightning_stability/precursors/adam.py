@@ -13,8 +13,9 @@ corrections ``m_hat = m / (1 - beta1^t)``, ``v_hat = v / (1 - beta2^t)`` and tor
   ``eps`` and the updates vanish; this share measures how much of a tensor is there.
 
 All per-tensor math is fused (``torch._foreach_*`` through :mod:`lightning_stability._compat`, one group of
-kernels per param group) and stays on the device: no host sync. Norms of sharded ``DTensor`` state are reduced
-over the mesh (:func:`lightning_stability.norms.per_tensor_norms`), so both figures are those of the whole tensor.
+kernels per param group) and stays on the device: no host sync. Sharded ``DTensor`` state (FSDP2) is worked on
+shard by shard and its norms reduced over the mesh (:func:`lightning_stability.norms.per_tensor_norms_of_parts`),
+so both figures are those of the whole tensor.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from torch import Tensor
 
 from lightning_stability import _compat
 from lightning_stability.errors import StabilityConfigError
-from lightning_stability.norms import per_tensor_norms
+from lightning_stability.norms import local_tensor, per_tensor_norms_of_parts
 
 
 @dataclass
@@ -83,20 +84,23 @@ def adam_update_stats(optimizer: torch.optim.Optimizer, lrs: Sequence[float | Te
         bc2 = list(_compat.foreach_pow(float(beta2), steps))
         _compat.foreach_one_minus_(bc2)
         sqrt_bc2 = list(_compat.foreach_sqrt(bc2))
-        root_v = list(_compat.foreach_div(list(_compat.foreach_sqrt([s[second] for s in states])), sqrt_bc2))
+        # element-wise on each rank's part (a DTensor's local shard); the norms below count the whole tensors
+        firsts = [local_tensor(s["exp_avg"]) for s in states]
+        seconds = [local_tensor(s[second]) for s in states]
+        root_v = list(_compat.foreach_div(list(_compat.foreach_sqrt(seconds)), sqrt_bc2))
         # the epsilon-dominated share, before eps is added: ||sign(min(sqrt(v_hat) - eps, 0))||_1 / numel
         below = [r.clone() for r in root_v]
         _compat.foreach_below_(below, eps)
         _compat.foreach_mul_scalars_(below, [1.0 / p.numel() for p in have])
-        share.append(per_tensor_norms(below, 1.0))
+        share.append(per_tensor_norms_of_parts(below, [s[second] for s in states], 1.0))
         _compat.foreach_add_scalar_(root_v, eps)  # torch's denominator sqrt(v_hat) + eps
-        update = list(_compat.foreach_div(list(_compat.foreach_div([s["exp_avg"] for s in states], bc1)), root_v))
+        update = list(_compat.foreach_div(list(_compat.foreach_div(firsts, bc1)), root_v))
         lr = group["lr"] if lrs is None else lrs[i]
         if isinstance(lr, Tensor):  # a tensor LR (capturable, or a schedule that writes tensors): no host read
             _compat.foreach_mul_(update, lr)
             lr = 1.0
         _compat.foreach_mul_scalars_(update, [float(lr) / math.sqrt(p.numel()) for p in have])
-        rms.append(per_tensor_norms(update))  # ||lr * u|| / sqrt(numel)
+        rms.append(per_tensor_norms_of_parts(update, [s["exp_avg"] for s in states]))  # ||lr * u|| / sqrt(numel)
         params.extend(have)
     if not params:
         empty = torch.zeros(0)

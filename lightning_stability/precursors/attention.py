@@ -26,8 +26,9 @@ Known attention modules:
 Your own attention: :func:`register_attention` with a function that returns the module's query and key per head
 (:class:`QueryKey`); the maximum, the masking and the bookkeeping are done for you.
 
-Under tensor parallelism a module holds only its shard's heads: the per-head maxima are local to those heads
-and the per-layer maximum is a max-reduction over the TP group (exact: max is associative).
+The maxima are those of this rank's batch; :class:`~lightning_stability.precursors.callback.PrecursorMonitor`
+max-reduces them over the data-parallel ranks (DDP, FSDP2: each rank holds every head). Under tensor parallelism
+a module holds only some heads, which this module does not follow: PrecursorMonitor refuses it.
 """
 
 from __future__ import annotations

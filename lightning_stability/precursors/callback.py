@@ -44,12 +44,13 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
+from torch.distributed.tensor import Shard
 from torch.optim import Optimizer
 
 from lightning_stability.errors import StabilityConfigError, check_bool, check_number, config_error
 from lightning_stability.ledger import LedgerCallback, StepLedger
 from lightning_stability.ledger.track import Outcome
-from lightning_stability.norms import per_tensor_norms
+from lightning_stability.norms import is_dtensor, local_tensor, per_tensor_norms
 from lightning_stability.precursors.actions import (
     QK_CLIP_ALPHA,
     QKProjection,
@@ -201,13 +202,6 @@ class PrecursorMonitor(LedgerCallback):
 
     # ------------------------------------------------------------------ setup
     def on_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.world_size > 1:
-            # per-rank attention logits, DTensor shards under FSDP2/TP: not yet reduced and tested across ranks
-            raise StabilityConfigError(
-                f"PrecursorMonitor runs in single-process fits only for now; this Trainer has {trainer.world_size} "
-                f"processes ({type(trainer.strategy).__name__}): its metrics and actions are not yet made exact "
-                "across ranks. Fix: remove PrecursorMonitor from this fit's callbacks (or run it on one device)."
-            )
         backoff = self.lr_backoff.signal if self.lr_backoff is not None else None
         needs_attention = self.qk_clip is not None or backoff == "attention_logit"
         if self.attention is False and needs_attention:
@@ -219,7 +213,8 @@ class PrecursorMonitor(LedgerCallback):
             self._logits = AttentionLogits(pl_module)  # raises when none is known
         if self.qk_clip is not None:
             assert self._logits is not None
-            self._projections = {name: qk_projection(m) for name, m in self._logits.modules.items()}
+            for module in self._logits.modules.values():
+                qk_projection(module)  # refuses a module it cannot rescale, before the strategy wraps anything
         if self.log_partition is not False:
             if self.log_partition is None and backoff != "log_z_drift":
                 try:
@@ -235,6 +230,17 @@ class PrecursorMonitor(LedgerCallback):
         self._set_active(False)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        split = _tensor_parallel(pl_module)
+        if split is not None:
+            raise StabilityConfigError(
+                f"PrecursorMonitor runs on one device, under DDP and under FSDP2 (StableFSDPStrategy, "
+                f"ModelParallelStrategy without tensor parallelism); {split}: under tensor parallelism a rank holds "
+                "some heads and some rows only, which its logit maxima and QK-clip do not yet follow. Fix: remove "
+                "PrecursorMonitor from this fit (or run it with tensor_parallel=1)."
+            )
+        if self.qk_clip is not None and self._logits is not None:
+            # after the strategy's wrapping: FSDP2 replaces the parameters with sharded ones
+            self._projections = {name: qk_projection(m) for name, m in self._logits.modules.items()}
         self._adam_actions = self.update_clip is not None or self.lr_backoff is not None or self.reset_moments
         if len(trainer.optimizers) > 1 and (self._adam_actions or self.qk_clip is not None):
             # one back-off factor and one QK-clip per step of the module: with several optimizers each would act
@@ -335,6 +341,7 @@ class PrecursorMonitor(LedgerCallback):
             open_step.coef = coef
         if self.reset_moments:
             open_step.hit = self._hit_tensors(optimizer, params, device)
+        _agree_across_ranks(open_step)
 
     def _backoff_tensor(self, device: torch.device) -> Tensor:
         backoff = self.backoff
@@ -355,14 +362,16 @@ class PrecursorMonitor(LedgerCallback):
 
     def _hit_tensors(self, optimizer: Optimizer, params: list[Tensor], device: torch.device) -> Tensor:
         """Per tensor: its gradient RMS is more than ``reset_ratio`` times ``sqrt(v_hat)``'s RMS (before the step)."""
-        grad_rms = per_tensor_norms([p.grad for p in params]) / self._roots(params, device)  # type: ignore[misc]
-        expected = []
+        roots = self._roots(params, device)
+        grad_rms = per_tensor_norms([p.grad for p in params]) / roots  # type: ignore[misc]
+        # mean(v) from its 1-norm (v >= 0), whole tensors also when sharded
+        mean_v = per_tensor_norms([optimizer.state[p]["exp_avg_sq"] for p in params], 1.0) / roots.square()
+        corrections = []
         for p in params:
-            state = optimizer.state[p]
             beta2 = next(g["betas"][1] for g in optimizer.param_groups if any(q is p for q in g["params"]))
-            step = torch.as_tensor(state["step"], dtype=torch.float32)  # where torch keeps it: no copy
-            expected.append(state["exp_avg_sq"].float().mean() / (1 - torch.pow(float(beta2), step)))
-        return grad_rms > self.reset_ratio * torch.stack(expected).sqrt()
+            step = torch.as_tensor(optimizer.state[p]["step"], dtype=torch.float32)  # where torch keeps it: no copy
+            corrections.append(1 - torch.pow(float(beta2), step).to(device))
+        return grad_rms > self.reset_ratio * (mean_v / torch.stack(corrections)).sqrt()
 
     def after_step(self, trainer: pl.Trainer, ledger: StepLedger) -> None:
         """After the update (applied or skipped): rescale it, QK-clip, reset hit moments, move the back-off."""
@@ -381,7 +390,8 @@ class PrecursorMonitor(LedgerCallback):
                 for p, k in zip(open_step.params, keep.unbind(), strict=True):
                     state = optimizer.state[p]
                     for key in ("exp_avg", "exp_avg_sq"):
-                        state[key].mul_(k.to(state[key].dtype))
+                        moment = local_tensor(state[key])  # each rank its shard of a DTensor
+                        moment.mul_(k.to(moment.dtype))
             self.moment_resets = hit.sum().float() + self.moment_resets
         maxima = self._attention_maxima()
         if self.qk_clip is not None and maxima:
@@ -412,7 +422,7 @@ class PrecursorMonitor(LedgerCallback):
         if self._logits is None or not self._logits.maxima:
             return {}
         maxima = self._logits.maxima
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if _world_size() > 1:
             names = list(maxima)
             flat = torch.cat([maxima[n] for n in names])
             dist.all_reduce(flat, op=dist.ReduceOp.MAX)
@@ -432,10 +442,6 @@ class PrecursorMonitor(LedgerCallback):
         if maxima:
             out["attention_logit"] = torch.stack([m.amax() for m in maxima.values()]).amax()
         if log_z is not None:
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-                both = torch.stack(log_z)
-                dist.all_reduce(both, op=dist.ReduceOp.SUM)
-                log_z = tuple((both / dist.get_world_size()).unbind())  # type: ignore[assignment]
             out["log_z_drift"] = log_z[1].abs()
         if stats is not None and stats.params:
             norms = adam_update_norms(stats, self._roots(stats.params, stats.update_rms.device))
@@ -469,6 +475,9 @@ class PrecursorMonitor(LedgerCallback):
         if config is None or signal is None:
             return
         factor = self._backoff_tensor(signal.device)
+        if _world_size() > 1:  # every rank moves alike, also if one rank's state went its own way
+            signal = signal.clone()
+            dist.all_reduce(signal, op=dist.ReduceOp.MAX)
         past = signal > config.threshold
         moved = torch.where(
             past, (factor * config.factor).clamp(min=config.floor), (factor * config.recovery).clamp(max=1.0)
@@ -560,6 +569,46 @@ class _OpenStep:
         self.coef: Tensor | None = None  # per tensor: the update clip times the back-off
         self.clip_coef: Tensor | None = None  # per tensor: the update clip alone
         self.hit: Tensor | None = None  # per tensor: its gradient spiked (moment reset)
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _agree_across_ranks(open_step: _OpenStep) -> None:
+    """The update-clip coefficients (their minimum) and the hit tensors (any rank's) alike on every rank: one
+    all-reduce. Under DDP every rank computes them from the same reduced gradients and the same state, so this
+    changes nothing unless one rank's gradients or state went their own way (then no rank acts on its own)."""
+    if _world_size() == 1 or (open_step.coef is None and open_step.hit is None):
+        return
+    parts = [t for t in (open_step.clip_coef, open_step.coef) if t is not None]
+    if open_step.hit is not None:
+        parts.append(1.0 - open_step.hit.float())  # min over ranks of "not hit": hit on any rank
+    flat = torch.cat(parts)
+    dist.all_reduce(flat, op=dist.ReduceOp.MIN)
+    chunks = list(flat.split([t.numel() for t in parts]))
+    if open_step.clip_coef is not None:
+        open_step.clip_coef = chunks.pop(0)
+    if open_step.coef is not None:
+        open_step.coef = chunks.pop(0)
+    if open_step.hit is not None:
+        open_step.hit = chunks.pop(0) < 0.5
+
+
+def _tensor_parallel(module: pl.LightningModule) -> str | None:
+    """How a parameter is split other than by FSDP2 along its first dim (tensor parallelism), or ``None``."""
+    for name, p in module.named_parameters():
+        if not is_dtensor(p):
+            continue
+        mesh = p.device_mesh  # type: ignore[attr-defined]
+        names = mesh.mesh_dim_names or ()
+        for dim, placement in enumerate(p.placements):  # type: ignore[attr-defined]
+            if mesh.size(dim) == 1 or placement.is_replicate() or placement.is_partial():
+                continue
+            tp = dim < len(names) and names[dim] == "tensor_parallel"
+            if tp or not (isinstance(placement, Shard) and placement.dim == 0):
+                return f"parameter {name!r} is split as {placement} over mesh dim {dim} of {mesh}"
+    return None
 
 
 def _applied(outcome: Outcome | Tensor, device: torch.device) -> Tensor:

@@ -10,8 +10,9 @@ diverges; z-loss (PaLM, Chowdhery et al. 2022: ``1e-4 * log(Z)^2``) is their fix
 * drift: the step's ``log Z`` minus its exponential moving average before the step (``ema = decay * ema + (1 -
   decay) * log Z``; the first value starts the average, with drift 0).
 
-Under tensor parallelism with a vocabulary-sharded head, each rank's ``logsumexp`` covers its shard: the exact
-value is the log-sum-exp over ranks of those (``log Z = max + log(sum(exp(lse_r - max)))``), one small reduction.
+Over several data-parallel ranks (DDP, FSDP2) the step's ``log Z`` is the mean of the ranks' (one all-reduce, the
+mean over the global batch when the ranks' batches are of one size), taken before the EMA moves, so every rank
+keeps the same EMA. A vocabulary-sharded head (tensor parallelism) is not supported.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_stability.errors import StabilityConfigError, check_ratio, config_error
@@ -117,6 +119,11 @@ class LogPartition:
             return None
         log_z = self._sum / self._count
         self._sum, self._count = None, 0
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # the mean over ranks before the EMA moves: every rank keeps the same EMA (rank 0's checkpoint resumes all)
+            log_z = log_z.clone()
+            dist.all_reduce(log_z, op=dist.ReduceOp.SUM)
+            log_z = log_z / dist.get_world_size()
         if self.ema is None:
             self.ema = log_z.clone()
         drift = log_z - self.ema

@@ -308,6 +308,10 @@ def main() -> None:
         callbacks.insert(0, Inject())  # before the monitor: the fault lands after every collective
     if MODE == "resume":
         callbacks.append(restored)
+    if MODE == "precursors":  # PrecursorMonitor does not follow tensor-parallel heads and rows: refused at fit start
+        from lightning_stability.precursors import PrecursorMonitor
+
+        callbacks.append(PrecursorMonitor())
     common: dict[str, Any] = dict(
         accelerator=ACCELERATOR,
         max_steps=STEPS + 1 if MODE == "resume" else STEPS,
@@ -349,6 +353,15 @@ def main() -> None:
             (out / f"rank{rank}.json").write_text(json.dumps(errors))
             return
         raise AssertionError("StableFSDPStrategy(tensor_parallel=2) trained a module without a TP plan")
+    if MODE == "precursors":
+        from lightning_stability import StabilityConfigError
+
+        try:
+            trainer.fit(module)
+        except StabilityConfigError as err:
+            (out / f"rank{rank}.json").write_text(json.dumps({"error": str(err)}))
+            return
+        raise AssertionError("PrecursorMonitor trained under tensor parallelism")
     caught: list[warnings.WarningMessage] = []
     if MODE == "clip":  # Lightning's own clipping on this model: record whether it runs
         try:

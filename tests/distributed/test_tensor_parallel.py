@@ -111,6 +111,15 @@ def test_stable_fsdp_with_tensor_parallel_refuses_a_module_without_a_tp_plan_on_
 
 
 @pytest.mark.distributed
+def test_precursor_monitor_refuses_tensor_parallelism_at_fit_start_on_every_rank(tmp_path: Path) -> None:
+    results = torchrun(SCRIPT, 2, tmp_path, "1", "2", "precursors", timeout=300)
+    for result in results:
+        assert result["error"].startswith("PrecursorMonitor runs on one device, under DDP and under FSDP2"), result
+        assert "over mesh dim 0" in result["error"] and "tensor_parallel" in result["error"]
+        assert "Fix: remove PrecursorMonitor" in result["error"]
+
+
+@pytest.mark.distributed
 def test_gpt_block_plan_splits_the_demo_model_and_it_trains_like_one_process(tmp_path: Path) -> None:
     """The demo's CharGPT, unchanged but for ``parallelize_blocks`` in configure_model, on 2 x 2 processes under
     StableFSDPStrategy(tensor_parallel=2): every step's global gradient norm (which depends on every update

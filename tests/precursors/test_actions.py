@@ -18,6 +18,7 @@ from lightning_stability.precursors.actions import (
     qk_clip_factors,
     qk_projection,
     reset_moments_,
+    scale_heads_,
     update_clip_coefficients,
 )
 from lightning_stability.precursors.attention import AttentionLogits
@@ -119,13 +120,11 @@ def test_hugging_face_heads_end_at_or_below_tau(family: str) -> None:
     projection = qk_projection(modules[names[0]])
     with torch.no_grad():  # heads 2 and 3 get large logits
         factors = torch.tensor([0.5, 1.0, 300.0, 300.0])
-        for tensor, axis in projection.query:
-            tensor.unflatten(axis, (4, -1)).mul_(factors.view([4 if i == axis else 1 for i in range(tensor.dim() + 1)]))
+        for blocks in projection.query:
+            scale_heads_(blocks, factors, projection.head_dim)
         kv = factors.view(projection.kv_heads, -1).amax(1)
-        for tensor, axis in projection.key:
-            tensor.unflatten(axis, (projection.kv_heads, -1)).mul_(
-                kv.view([projection.kv_heads if i == axis else 1 for i in range(tensor.dim() + 1)])
-            )
+        for blocks in projection.key:
+            scale_heads_(blocks, kv, projection.head_dim)
     tokens = torch.randint(50, (2, 8))
     check_clip(model, lambda: model(tokens))
 

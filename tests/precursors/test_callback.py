@@ -18,42 +18,7 @@ from lightning_stability.ledger import Outcome, StepLedger
 from lightning_stability.precursors import AttentionLogits
 from lightning_stability.precursors.callback import LRBackoff, PrecursorMonitor
 from tests.helpers import count_host_data_per_step, count_syncs_per_step, quiet_trainer
-
-VOCAB, WIDTH, LENGTH = 12, 16, 9
-
-
-class TinyLM(pl.LightningModule):
-    """One pre-LN encoder layer with a causal mask and an LM head; ``scale`` multiplies the batch's loss at the
-    steps in ``spikes`` (a spike the health monitor sees)."""
-
-    def __init__(self, lr: float = 1e-2, weight_decay: float = 0.0, batches: int = 8, **optimizer: Any) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.block = nn.TransformerEncoderLayer(WIDTH, 2, 32, dropout=0.0, batch_first=True, norm_first=True)
-        self.lm_head = nn.Linear(WIDTH, VOCAB)
-        self.lr, self.weight_decay, self.batches, self.optimizer_kwargs = lr, weight_decay, batches, optimizer
-        self.spikes: dict[int, float] = {}
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        mask = nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
-        return self.lm_head(self.block(self.embed(tokens), src_mask=mask, is_causal=True))
-
-    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        logits = self(batch[:, :-1])
-        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
-        return loss * self.spikes.get(self.trainer.global_step, 1.0)
-
-    def train_dataloader(self) -> DataLoader[Tensor]:
-        data = torch.randint(VOCAB, (4 * self.batches, LENGTH), generator=torch.Generator().manual_seed(0))
-        return DataLoader(data, batch_size=4)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay, **self.optimizer_kwargs)
-
-
-def fresh(seed: int = 0, **kwargs: Any) -> TinyLM:
-    torch.manual_seed(seed)
-    return TinyLM(**kwargs)
+from tests.precursors.tiny_lm import TinyLM, fresh
 
 
 class Snapshots(pl.Callback):
@@ -351,18 +316,6 @@ def test_qk_clip_needs_a_known_attention_module() -> None:
     quiet_trainer(max_steps=2, callbacks=[PrecursorMonitor()]).fit(MLP())  # measuring: what there is
     with pytest.raises(StabilityConfigError, match="register"):
         quiet_trainer(max_steps=1, callbacks=[PrecursorMonitor(qk_clip=100.0)]).fit(MLP())
-
-
-def test_a_multi_process_fit_is_refused_at_setup() -> None:
-    """Its metrics and actions are not yet made exact across ranks: a DDP (or any multi-process) fit is refused
-    at setup, naming the fix, rather than logging one rank's attention logits as the model's."""
-    monitor = PrecursorMonitor()
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", callbacks=[monitor], logger=False, enable_progress_bar=False
-    )
-    assert trainer.world_size == 2
-    with pytest.raises(StabilityConfigError, match=r"single-process fits only.*2 processes \(DDPStrategy\).*Fix"):
-        monitor.setup(trainer, fresh(), "fit")
 
 
 class TwoOptimizerLM(TinyLM):
