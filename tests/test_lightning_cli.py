@@ -12,6 +12,8 @@ from lightning_stability import (
     GradientAccumulation,
     GradientNormMonitor,
     LossScaleTuner,
+    LRBackoff,
+    PrecursorMonitor,
     StableFSDPStrategy,
     StableTrainer,
     TrainingHealthMonitor,
@@ -58,6 +60,27 @@ def test_every_callback_from_yaml(tmp_path: Path) -> None:
     assert kinds[GradientAccumulation].steps == 2  # type: ignore[attr-defined]
     assert kinds[TrainingHealthMonitor].response == "skip"  # type: ignore[attr-defined]
     assert LossScaleTuner in kinds
+    cli.trainer.fit(cli.model)
+    assert cli.trainer.global_step == 4
+
+
+def test_the_precursor_monitor_and_its_backoff_from_yaml(tmp_path: Path) -> None:
+    from tests.precursors.tiny_lm import TinyLM
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        """
+trainer:
+  max_steps: 4
+  callbacks:
+    - class_path: lightning_stability.PrecursorMonitor
+      init_args: {qk_clip: 100.0, lr_backoff: {signal: update_ratio, threshold: 0.05, factor: 0.7}}
+"""
+    )
+    cli = LightningCLI(TinyLM, run=False, save_config_callback=None, args=[f"--config={config}", *QUIET])
+    (monitor,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, PrecursorMonitor)]  # type: ignore[attr-defined]
+    assert monitor.lr_backoff == LRBackoff("update_ratio", threshold=0.05, factor=0.7)
+    assert monitor.qk_clip == 100.0
     cli.trainer.fit(cli.model)
     assert cli.trainer.global_step == 4
 

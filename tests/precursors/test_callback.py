@@ -348,3 +348,18 @@ def test_the_actions_refuse_several_optimizers_and_the_precursors_log_per_optimi
     trainer = quiet_trainer(max_steps=8, log_every_n_steps=2, callbacks=[PrecursorMonitor()])
     trainer.fit(TwoOptimizerLM())
     assert {"stability/adam_update_ratio/AdamW", "stability/adam_update_ratio/AdamW-1"} <= set(trainer.callback_metrics)
+
+
+def test_lr_find_then_fit(tmp_path: Path) -> None:
+    """Tuner.lr_find runs its search with Lightning's own callback alone (the Trainer's are set aside): the search
+    finds an LR, and the fit after it starts the monitor afresh, which then acts."""
+    from lightning.pytorch.tuner import Tuner
+
+    monitor = PrecursorMonitor(qk_clip=1.0, lr_backoff=LRBackoff("update_ratio", 0.02))
+    trainer = quiet_trainer(max_steps=3, default_root_dir=tmp_path, callbacks=[monitor])
+    module = fresh(batches=40)
+    found = Tuner(trainer).lr_find(module, num_training=30)
+    assert found is not None and found.suggestion() is not None
+    assert float(monitor.backoff) == 1.0 and float(monitor.clipped_heads) == 0.0
+    trainer.fit(module)
+    assert trainer.global_step == 3 and float(monitor.clipped_heads) > 0
