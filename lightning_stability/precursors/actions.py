@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from lightning_stability import _compat
 from lightning_stability.errors import StabilityConfigError, check_number, config_error
 from lightning_stability.norms import is_dtensor, local_tensor, per_tensor_norms_of_parts
+from lightning_stability.precursors.attention import registered_projection
 
 #: Kimi K2's threshold on the max attention logit, and its split of the clip between W_q and W_k.
 QK_CLIP_TAU, QK_CLIP_ALPHA = 100.0, 0.5
@@ -92,6 +93,14 @@ def qk_projection(module: nn.Module) -> QKProjection:
     """
     m: object = module
     name = type(module).__name__
+    registered = registered_projection(module)
+    if registered is not None:
+        projection = registered(module)
+        if not isinstance(projection, QKProjection):
+            raise config_error(
+                "projection", projection, f"is not a QKProjection ({name}'s)", "return QKProjection(...) from it"
+            )
+        return projection
     if isinstance(module, nn.MultiheadAttention):
         e, h = module.embed_dim, module.num_heads
         if module.in_proj_weight is not None:
@@ -124,8 +133,9 @@ def qk_projection(module: nn.Module) -> QKProjection:
             "leave QK-clip off for it (its q/k norms already bound the logits)",
         )
     raise StabilityConfigError(
-        f"QK-clip does not know where {name}'s query and key projections are. Fix: build a QKProjection for it and "
-        "call apply_qk_clip_(projection, max_logits)."
+        f"QK-clip does not know where {name}'s query and key projections are. Fix: register them with "
+        f"register_attention({name}, fn, projection=...) (a function returning its QKProjection), or leave qk_clip "
+        "off."
     )
 
 

@@ -69,20 +69,29 @@ class QueryKey:
 #: ``fn(module, args, kwargs) -> QueryKey`` from a forward call's inputs; ``None``: nothing to measure this call.
 QueryKeyFn = Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], "QueryKey | None"]
 
+#: ``projection(module) -> QKProjection`` (:mod:`.actions`): where QK-clip scales a registered module's heads.
+ProjectionFn = Callable[[nn.Module], Any]
+
 _REGISTRY: dict[type[nn.Module], QueryKeyFn] = {}
+_PROJECTIONS: dict[type[nn.Module], ProjectionFn] = {}
 _HF_BY_NAME: dict[str, QueryKeyFn] = {}
 
 
-def register_attention(cls: type[nn.Module], fn: QueryKeyFn) -> None:
+def register_attention(cls: type[nn.Module], fn: QueryKeyFn, projection: ProjectionFn | None = None) -> None:
     """Teach :class:`AttentionLogits` (and QK-clip) your attention module.
 
     Args:
         cls: the attention module's class; subclasses match too (the nearest registered class wins).
         fn: called in a forward hook as ``fn(module, args, kwargs)`` with the module's forward arguments; returns
             its :class:`QueryKey` (or ``None`` to skip this call). It runs under ``no_grad``.
+        projection: for QK-clip: ``projection(module)`` returns the module's
+            :class:`~lightning_stability.precursors.actions.QKProjection` (which tensors hold each head's query
+            and key rows). Called once the strategy has wrapped the model. ``None``: the logits are measured,
+            QK-clip refuses the module.
 
     Raises:
-        StabilityConfigError: when ``cls`` is not an ``nn.Module`` subclass or ``fn`` is not callable.
+        StabilityConfigError: when ``cls`` is not an ``nn.Module`` subclass, or ``fn`` or ``projection`` is not
+            callable.
 
     Example::
 
@@ -92,13 +101,32 @@ def register_attention(cls: type[nn.Module], fn: QueryKeyFn) -> None:
             k = module.wk(x).unflatten(-1, (module.heads, -1)).transpose(1, 2)
             return QueryKey(q, k, scale=q.shape[-1] ** -0.5, causal=True)
 
-        register_attention(MyAttention, my_qk)
+        def my_heads(module):  # wq, wk: nn.Linear(width, heads * head_dim) without bias
+            head_dim = module.wq.out_features // module.heads
+            q, k = [HeadBlocks(module.wq.weight, 0, 0)], [HeadBlocks(module.wk.weight, 0, 0)]
+            return QKProjection(q, k, module.heads, module.heads, head_dim)
+
+        register_attention(MyAttention, my_qk, projection=my_heads)
     """
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise config_error("cls", cls, "is not an nn.Module subclass", "pass your attention module's class")
     if not callable(fn):
         raise config_error("fn", fn, "is not callable", "pass fn(module, args, kwargs) -> QueryKey")
+    if projection is not None and not callable(projection):
+        raise config_error("projection", projection, "is not callable", "pass projection(module) -> QKProjection")
     _REGISTRY[cls] = fn
+    if projection is not None:
+        _PROJECTIONS[cls] = projection
+    else:
+        _PROJECTIONS.pop(cls, None)
+
+
+def registered_projection(module: nn.Module) -> ProjectionFn | None:
+    """The ``projection`` :func:`register_attention` was given for ``module``'s class (nearest first), or ``None``."""
+    for cls in type(module).__mro__:
+        if cls in _REGISTRY:
+            return _PROJECTIONS.get(cls)
+    return None
 
 
 def query_key_fn(module: nn.Module) -> QueryKeyFn | None:

@@ -187,7 +187,7 @@ class PrecursorMonitor(LedgerCallback):
         self._log_z: LogPartition | None = None
         self._log_z_state: dict[str, Any] = {}
         self._rms_ema: Tensor | float | None = None
-        self._layers: tuple[tuple[int, ...], Tensor, list[str]] | None = None
+        self._layers: tuple[tuple[int, ...], Tensor, Tensor, list[str]] | None = None
         self._open: _OpenStep | None = None
         self._fresh = True  # the next batch starts an optimizer step
         self._root_numel: tuple[tuple[int, ...], Tensor] | None = None
@@ -500,12 +500,11 @@ class PrecursorMonitor(LedgerCallback):
             self.record_metric("stability/log_z", log_z[0])
             self.record_metric("stability/log_z_drift", log_z[1])
         if stats is not None and stats.params:
-            numel = [float(p.numel()) for p in stats.params]
-            share = (stats.eps_share * stats.eps_share.new_tensor(numel)).sum() / sum(numel)  # logging steps only
+            index, weights, layers = self._layer_index(stats.params, signals["_update_norms"].device)
+            share = (stats.eps_share * weights).sum()  # each tensor's share weighted by its size
             self.record_metric("stability/adam_update_rms_max", stats.update_rms.max())
             self.record_metric("stability/adam_eps_share", share)
             self.record_metric("stability/adam_update_ratio", signals["update_ratio"])
-            index, layers = self._layer_index(stats.params, signals["_update_norms"].device)
             ratios = update_to_weight_ratios(signals["_update_norms"], signals["_weight_norms"], index, len(layers))
             for name, ratio in zip(layers, ratios.unbind(), strict=True):
                 self.record_metric(f"stability/adam_update_ratio/{name}", ratio)
@@ -518,12 +517,16 @@ class PrecursorMonitor(LedgerCallback):
         if self.reset_moments:
             self.record_metric("stability/moment_resets", self.moment_resets)
 
-    def _layer_index(self, params: list[Tensor], device: torch.device) -> tuple[Tensor, list[str]]:
+    def _layer_index(self, params: list[Tensor], device: torch.device) -> tuple[Tensor, Tensor, list[str]]:
+        """Each tensor's layer (int64), its share of all the tensors' elements (fp32), the layers' names: built
+        once per set of tensors, from one tensor of host data."""
         key = tuple(map(id, params))
         if self._layers is None or self._layers[0] != key:
             index, layers = layer_groups([self._names.get(id(p), "?") for p in params])
-            self._layers = (key, torch.tensor(index, dtype=torch.int64, device=device), layers)  # HOST DATA: per set
-        return self._layers[1], self._layers[2]
+            total = sum(p.numel() for p in params)
+            both = torch.tensor(index + [p.numel() / total for p in params], dtype=torch.float64, device=device)
+            self._layers = (key, both[: len(params)].long(), both[len(params) :].float(), layers)  # HOST DATA: per set
+        return self._layers[1], self._layers[2], self._layers[3]
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -26,6 +26,10 @@ Sections:
   ``ModelParallelStrategy`` on that mesh, ``parallelize_module`` + ``fully_shard``) against a bare Trainer;
   and the planner's TP advice for GPT-3 175B on 8 nodes of 8 GPUs like this one. The real 2 x 2 run with NCCL is
   ``check.sh``'s next section, on a machine with 4 GPUs or more.
+* ``precursors`` ``PrecursorMonitor`` with every early action (QK-clip, update clipping, the LR back-off, the
+  moment reset) on the same model, its attention taught by ``register_attention``, bf16 with fused AdamW, against
+  the same Trainer without it (both with ``TrainingHealthMonitor(response="warn")``): host syncs per step (the
+  three counters of ``syncs``; PASS as there), and whether every precursor key was logged.
 """
 
 from __future__ import annotations
@@ -444,7 +448,75 @@ def check_fp16_auto(args: argparse.Namespace, report: Callable[[str], None]) -> 
     return first == 0 and lost == 0 and falls
 
 
-SECTIONS = {"syncs": check_syncs, "overhead": check_overhead, "fp16auto": check_fp16_auto, "tp": check_tp}
+# ---------------------------------------------------------------------------------------------- precursors
+def block_query_key(block: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The overhead benchmark's attention, taught to ``PrecursorMonitor`` (its queries and keys per head)."""
+    from lightning_stability import QueryKey
+
+    x = args[0]
+    b, t, d = x.shape
+    q, k, _ = block.qkv(block.ln1(x)).view(b, t, 3, block.heads, d // block.heads).permute(2, 0, 3, 1, 4)
+    return QueryKey(q, k, scale=(d // block.heads) ** -0.5, causal=True)
+
+
+def block_heads(block: Any) -> Any:
+    """QK-clip's view of that attention: q | k | v packed along the rows of ``qkv``."""
+    from lightning_stability.precursors.actions import HeadBlocks, QKProjection
+
+    d, heads = block.qkv.in_features, block.heads
+    query = [HeadBlocks(block.qkv.weight, 0, 0), HeadBlocks(block.qkv.bias, 0, 0)]
+    key = [HeadBlocks(block.qkv.weight, 0, d), HeadBlocks(block.qkv.bias, 0, d)]
+    return QKProjection(query, key, heads, heads, d // heads)
+
+
+def precursor_sync_counts(with_monitor: bool, steps: int, device: str, size: Size) -> tuple[dict, set[str]]:
+    from benchmarks.overhead import Block
+    from lightning_stability import LRBackoff, PrecursorMonitor, register_attention
+
+    register_attention(Block, block_query_key, projection=block_heads)
+    tokens = bigram_tokens(size, steps)
+    with tempfile.TemporaryDirectory() as root, cuda_sync_debug(device) as record:
+        syncs, made = SyncCounter(), HostDataCounter()
+        counters: dict[str, Any] = {"ops": syncs, "host-made": made}
+        if device == "cuda":
+            counters["cuda"] = CudaSyncWarnings(record)
+        steppers: list[pl.Callback] = [StepSyncCounter(c) for c in counters.values()]
+        monitor = PrecursorMonitor(qk_clip=100.0, update_clip=1.0, lr_backoff=LRBackoff(), reset_moments=True)
+        trainer = trainer_for("bare", "bf16-mixed", steps, device, root, steppers, "adamw_fused")
+        # in both runs: the moment reset acts on the health monitor's spikes; the counts compare PrecursorMonitor's
+        trainer.callbacks.insert(0, TrainingHealthMonitor(response="warn", report=False))  # type: ignore[attr-defined]
+        if with_monitor:
+            trainer.callbacks.insert(0, monitor)  # type: ignore[attr-defined]
+        with syncs, made:
+            fit(trainer, size, tokens)
+    keys = {k for k in trainer.callback_metrics if k.startswith("stability/")}
+    return {name: s.per_step for name, s in zip(counters, steppers, strict=True)}, keys  # type: ignore[attr-defined]
+
+
+def check_precursors(args: argparse.Namespace, report: Callable[[str], None]) -> bool:
+    bare, _ = precursor_sync_counts(False, args.steps, args.device, SIZES[args.size])
+    ours, keys = precursor_sync_counts(True, args.steps, args.device, SIZES[args.size])
+    cells, ok = extra_syncs(bare, ours, args.steps, "bf16-mixed ", "precursors")
+    wanted = {
+        "stability/attention_logit_max",
+        "stability/log_z",
+        "stability/adam_update_ratio",
+        "stability/qk_clipped_heads",
+        "stability/update_clip_min",
+        "stability/lr_backoff",
+    }
+    missing = sorted(wanted - keys)
+    report(f"bf16-mixed, fused AdamW, {args.steps} steps: " + "; ".join(cells) + f"; keys missing: {missing or 'none'}")
+    return ok and not missing
+
+
+SECTIONS = {
+    "syncs": check_syncs,
+    "overhead": check_overhead,
+    "fp16auto": check_fp16_auto,
+    "tp": check_tp,
+    "precursors": check_precursors,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU questions in one command, for a session that is lent a CUDA machine (one GPU is enough).
-# Runs in <= 9 minutes of run time on a machine with fewer than 4 GPUs (each section has its own limit below) and
+# Runs in <= 10 minutes of run time on a machine with fewer than 4 GPUs (each section has its own limit below) and
 # never the whole suite (CI runs that); with 4 GPUs or more, the real 2 x 2 tensor-parallel tests add <= 4 minutes. Writes $OUT/summary.txt first, one line per section as it ends (PASS / FAIL / INFO / TIMEOUT / ERROR),
 # and every section's output to $OUT/details.txt, so a run cut short still reports what finished.
 #
@@ -100,7 +100,9 @@ run grad-norm 60 '"$python" -m benchmarks.grad_norm --device $device $gn_model |
 # 6. tensor parallelism on one GPU (a TP plan on a 1-GPU mesh splits nothing): our norms of DTensors on a 1 x 1
 #    CUDA mesh, every placement; GradientNormMonitor's host syncs over DTensor parameters; the planner's TP advice
 run tp 60 'check tp --steps $steps'
-# 7. with 4 GPUs or more: the 2 x 2 (data x tensor parallel) tests of tests/distributed on the GPUs, with NCCL
+# 7. PrecursorMonitor with every early action against the same Trainer without it, bf16 + fused AdamW: host syncs, keys
+run precursors 60 'check precursors --steps $steps'
+# 8. with 4 GPUs or more: the 2 x 2 (data x tensor parallel) tests of tests/distributed on the GPUs, with NCCL
 gpus=0
 [ "$device" = cuda ] && gpus=$("$python" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
 if [ "$gpus" -ge 4 ]; then

@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers import REPO
 
-SECTIONS = ("syncs", "fp16auto", "gpu-tests", "overhead", "grad-norm", "tp", "tp-2x2")
+SECTIONS = ("syncs", "fp16auto", "gpu-tests", "overhead", "grad-norm", "tp", "precursors", "tp-2x2")
 
 
 @pytest.mark.skipif("CHECK_DEVICE" in os.environ, reason="inside check.sh itself")
@@ -40,6 +40,9 @@ def test_the_gpu_check_runs_every_section_to_a_summary_line_on_the_cpu(tmp_path:
     tp = verdicts["tp"]  # its norms and host syncs hold on any device
     assert tp.startswith("tp: PASS") and "norms of DTensors on a 1x1 cpu mesh" in tp, tp
     assert "non-logging max 0" in tp and "tensor parallel: " in tp, tp
+    precursors = verdicts["precursors"]  # host syncs and keys hold on any device
+    assert precursors.startswith("precursors: PASS") and "non-logging max 0" in precursors, precursors
+    assert "keys missing: none" in precursors, precursors
     assert verdicts["tp-2x2"].startswith("tp-2x2: INFO not run: 0 CUDA device(s)"), verdicts["tp-2x2"]
     details = (tmp_path / "details.txt").read_text()
     assert all(f"===== {name}" in details for name in SECTIONS[:-1])  # tp-2x2 runs on 4 GPUs only

@@ -12,6 +12,8 @@ from torch import Tensor, nn
 
 from lightning_stability.errors import StabilityConfigError
 from lightning_stability.precursors.actions import (
+    HeadBlocks,
+    QKProjection,
     apply_qk_clip_,
     clip_updates_,
     first_update_gain,
@@ -21,7 +23,7 @@ from lightning_stability.precursors.actions import (
     scale_heads_,
     update_clip_coefficients,
 )
-from lightning_stability.precursors.attention import AttentionLogits
+from lightning_stability.precursors.attention import AttentionLogits, QueryKey, register_attention
 from tests.helpers import HostDataCounter, SyncCounter
 
 TAU = 100.0
@@ -241,3 +243,44 @@ def test_momentum_reset_leaves_the_step_count_and_the_other_tensors_alone() -> N
     with pytest.raises(StabilityConfigError, match="does not update"):
         reset_moments_(optimizer, [nn.Parameter(torch.zeros(2))])
     assert reset_moments_(torch.optim.Adam([p := nn.Parameter(torch.zeros(1))]), [p]) == 0
+
+
+class PackedAttention(nn.Module):
+    """A user's own attention: q | k | v packed in one projection, four heads of four."""
+
+    heads = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.qkv(x)
+
+
+def packed_qk(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> QueryKey:
+    q, k, _ = module.qkv(args[0]).unflatten(-1, (3, 4, 4)).permute(2, 0, 3, 1, 4)
+    return QueryKey(q, k, scale=0.5, causal=True)
+
+
+def packed_heads(module: nn.Module) -> QKProjection:
+    weight, bias = module.qkv.weight, module.qkv.bias  # type: ignore[union-attr]
+    query = [HeadBlocks(weight, 0, 0), HeadBlocks(bias, 0, 0)]
+    key = [HeadBlocks(weight, 0, 16), HeadBlocks(bias, 0, 16)]
+    return QKProjection(query, key, heads=4, kv_heads=4, head_dim=4)
+
+
+def test_a_registered_attention_with_its_projection_is_clipped_and_one_without_is_refused() -> None:
+    torch.manual_seed(5)
+    model = nn.Sequential(PackedAttention())
+    with torch.no_grad():  # heads 2 and 3 get large logits
+        model[0].qkv.weight[:32].unflatten(0, (2, 4, 4)).mul_(torch.tensor([1.0, 1.0, 40.0, 40.0]).view(1, 4, 1, 1))
+    x = torch.randn(2, 6, 16)
+    register_attention(PackedAttention, packed_qk)
+    with pytest.raises(StabilityConfigError, match=r"register_attention\(PackedAttention, fn, projection=\.\.\.\)"):
+        qk_projection(model[0])
+    register_attention(PackedAttention, packed_qk, projection=packed_heads)
+    check_clip(model, lambda: model(x))
+    register_attention(PackedAttention, packed_qk, projection=lambda module: "rows 0-15")
+    with pytest.raises(StabilityConfigError, match=r"projection.*is not a QKProjection"):
+        qk_projection(model[0])
