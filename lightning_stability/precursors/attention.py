@@ -95,6 +95,9 @@ def register_attention(cls: type[nn.Module], fn: QueryKeyFn, projection: Project
 
     Example::
 
+        from lightning_stability import QueryKey, register_attention
+        from lightning_stability.precursors import HeadBlocks, QKProjection
+
         def my_qk(module, args, kwargs):
             x = args[0]  # (batch, seq, width)
             q = module.wq(x).unflatten(-1, (module.heads, -1)).transpose(1, 2)
