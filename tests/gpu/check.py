@@ -41,7 +41,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -127,7 +127,10 @@ def cuda_sync_debug(device: str) -> Iterator[list[warnings.WarningMessage]]:
                 torch.cuda.set_sync_debug_mode("default")
 
 
-def sync_counts(config: str, precision: str, steps: int, device: str, size: Size) -> dict[str, list[int]]:
+def sync_counts(
+    config: str, precision: str, steps: int, device: str, size: Size, add: Sequence[pl.Callback] = ()
+) -> tuple[dict[str, list[int]], set[str]]:
+    """Per counter kind, the syncs of each step; and the ``stability/`` keys logged. ``add``: callbacks put first."""
     tokens = bigram_tokens(size, steps)
     with tempfile.TemporaryDirectory() as root, cuda_sync_debug(device) as record:
         syncs, made = SyncCounter(), HostDataCounter()
@@ -135,16 +138,18 @@ def sync_counts(config: str, precision: str, steps: int, device: str, size: Size
         if device == "cuda":
             counters["cuda"] = CudaSyncWarnings(record)
         steppers = {name: StepSyncCounter(c) for name, c in counters.items()}
-        trainer = trainer_for(config, precision, steps, device, root, list(steppers.values()), "adamw_fused")
+        first = [*add, *steppers.values()]
+        trainer = trainer_for(config, precision, steps, device, root, first, "adamw_fused")
         with syncs, made:
             fit(trainer, size, tokens)
-    return {name: s.per_step for name, s in steppers.items()}
+    keys = {k for k in trainer.callback_metrics if k.startswith("stability/")}
+    return {name: s.per_step for name, s in steppers.items()}, keys
 
 
 def check_syncs(args: argparse.Namespace, report: Callable[[str], None]) -> bool:
     size, ok = SIZES[args.size], True
     for precision in ("bf16-mixed", "16-mixed"):
-        counts = {c: sync_counts(c, precision, args.steps, args.device, size) for c in ("bare", "preset")}
+        counts = {c: sync_counts(c, precision, args.steps, args.device, size)[0] for c in ("bare", "preset")}
         cells, fine = extra_syncs(counts["bare"], counts["preset"], args.steps, f"{precision} ", "preset")
         ok &= fine
         report(f"{precision}, fused AdamW, {args.steps} steps: " + "; ".join(cells))
@@ -469,33 +474,19 @@ def block_heads(block: Any) -> Any:
     return QKProjection(query, key, heads, heads, d // heads)
 
 
-def precursor_sync_counts(with_monitor: bool, steps: int, device: str, size: Size) -> tuple[dict, set[str]]:
+def check_precursors(args: argparse.Namespace, report: Callable[[str], None]) -> bool:
     from benchmarks.overhead import Block
     from lightning_stability import LRBackoff, PrecursorMonitor, register_attention
 
     register_attention(Block, block_query_key, projection=block_heads)
-    tokens = bigram_tokens(size, steps)
-    with tempfile.TemporaryDirectory() as root, cuda_sync_debug(device) as record:
-        syncs, made = SyncCounter(), HostDataCounter()
-        counters: dict[str, Any] = {"ops": syncs, "host-made": made}
-        if device == "cuda":
-            counters["cuda"] = CudaSyncWarnings(record)
-        steppers: list[pl.Callback] = [StepSyncCounter(c) for c in counters.values()]
-        monitor = PrecursorMonitor(qk_clip=100.0, update_clip=1.0, lr_backoff=LRBackoff(), reset_moments=True)
-        trainer = trainer_for("bare", "bf16-mixed", steps, device, root, steppers, "adamw_fused")
-        # in both runs: the moment reset acts on the health monitor's spikes; the counts compare PrecursorMonitor's
-        trainer.callbacks.insert(0, TrainingHealthMonitor(response="warn", report=False))  # type: ignore[attr-defined]
-        if with_monitor:
-            trainer.callbacks.insert(0, monitor)  # type: ignore[attr-defined]
-        with syncs, made:
-            fit(trainer, size, tokens)
-    keys = {k for k in trainer.callback_metrics if k.startswith("stability/")}
-    return {name: s.per_step for name, s in zip(counters, steppers, strict=True)}, keys  # type: ignore[attr-defined]
+    monitor = PrecursorMonitor(qk_clip=100.0, update_clip=1.0, lr_backoff=LRBackoff(), reset_moments=True)
+    size = SIZES[args.size]
 
+    def health() -> TrainingHealthMonitor:  # in both runs: the moment reset acts on its spikes
+        return TrainingHealthMonitor(response="warn", report=False)
 
-def check_precursors(args: argparse.Namespace, report: Callable[[str], None]) -> bool:
-    bare, _ = precursor_sync_counts(False, args.steps, args.device, SIZES[args.size])
-    ours, keys = precursor_sync_counts(True, args.steps, args.device, SIZES[args.size])
+    bare, _ = sync_counts("bare", "bf16-mixed", args.steps, args.device, size, [health()])
+    ours, keys = sync_counts("bare", "bf16-mixed", args.steps, args.device, size, [monitor, health()])
     cells, ok = extra_syncs(bare, ours, args.steps, "bf16-mixed ", "precursors")
     wanted = {
         "stability/attention_logit_max",
