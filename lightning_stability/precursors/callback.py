@@ -190,6 +190,7 @@ class PrecursorMonitor(LedgerCallback):
         self._layers: tuple[tuple[int, ...], Tensor, Tensor, list[str]] | None = None
         self._open: _OpenStep | None = None
         self._fresh = True  # the next batch starts an optimizer step
+        self._reads = False  # this step's figures are recorded: it logs, or Lightning reads callback_metrics after it
         self._root_numel: tuple[tuple[int, ...], Tensor] | None = None
 
     def state_fields(self) -> dict[str, Any]:
@@ -268,6 +269,10 @@ class PrecursorMonitor(LedgerCallback):
                 )
         names = {id(p): n for n, p in pl_module.named_parameters()}
         self._names = names
+        if len(trainer.optimizers) == 1:  # the per-layer index of every tensor, built here rather than in a step
+            params = [p for g in trainer.optimizers[0].param_groups for p in g["params"]]
+            if params:
+                self._layer_index(params, local_tensor(params[0]).device)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._remove_hooks()
@@ -295,12 +300,18 @@ class PrecursorMonitor(LedgerCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        # the first micro-batch of an optimizer step: forget the last step's maxima, measure if this step logs
+        # the first micro-batch of an optimizer step: forget the last step's maxima, measure if this step logs or
+        # ends where Lightning reads callback_metrics
+        read = _read_after(trainer, batch_idx)
         if self._fresh:
             self._fresh = False
             if self._logits is not None:
                 self._logits.reset()
-            self._set_active(StepLedger.of(trainer).is_logging_step(self._every_n))
+            self._reads = read or StepLedger.of(trainer).is_logging_step(self._every_n)
+            self._set_active(self._reads)
+        elif read and not self._reads:
+            self._reads = True
+            self._set_active(True)
 
     # ------------------------------------------------------------------ the step
     def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer) -> None:
@@ -404,14 +415,13 @@ class PrecursorMonitor(LedgerCallback):
                 self.clipped_heads = torch.stack(clipped).sum().float() + self.clipped_heads
         log_z = self._log_z.end_step() if self._log_z is not None else None
         stats = None
-        if self.is_logging_step or (
-            self.lr_backoff is not None and self.lr_backoff.signal in ("update_ratio", "update_rms_jump")
-        ):
+        reads, self._reads = self._reads or self.is_logging_step, False
+        if reads or (self.lr_backoff is not None and self.lr_backoff.signal in ("update_ratio", "update_rms_jump")):
             stats = adam_update_stats(optimizer, open_step.lrs) if is_adam_like(optimizer) else None
         signals = self._signals(open_step, stats, maxima, log_z)
         if self.lr_backoff is not None:
             self._move_backoff(signals.get(self.lr_backoff.signal), applied)
-        if self.is_logging_step:
+        if reads:  # into callback_metrics at once; to the loggers on logging steps only (no transfer otherwise)
             self._record(open_step, stats, maxima, log_z, signals)
 
     def _device(self, trainer: pl.Trainer) -> torch.device:
@@ -559,6 +569,7 @@ class PrecursorMonitor(LedgerCallback):
             "_projections": {},
             "_root_numel": None,
             "_fresh": True,
+            "_reads": False,
         }
 
 
@@ -572,6 +583,16 @@ class _OpenStep:
         self.coef: Tensor | None = None  # per tensor: the update clip times the back-off
         self.clip_coef: Tensor | None = None  # per tensor: the update clip alone
         self.hit: Tensor | None = None  # per tensor: its gradient spiked (moment reset)
+
+
+def _read_after(trainer: pl.Trainer, batch_idx: int) -> bool:
+    """Whether Lightning reads ``callback_metrics`` after this batch (``ModelCheckpoint``, ``EarlyStopping``): the
+    epoch's last batch, or one after which validation runs."""
+    batches = trainer.num_training_batches
+    if isinstance(batches, int) and batch_idx + 1 == batches:
+        return True
+    every = trainer.val_check_batch
+    return trainer.enable_validation and isinstance(every, int) and every > 0 and (batch_idx + 1) % every == 0
 
 
 def _world_size() -> int:

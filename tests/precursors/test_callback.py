@@ -363,3 +363,24 @@ def test_lr_find_then_fit(tmp_path: Path) -> None:
     assert float(monitor.backoff) == 1.0 and float(monitor.clipped_heads) == 0.0
     trainer.fit(module)
     assert trainer.global_step == 3 and float(monitor.clipped_heads) > 0
+
+
+def test_model_checkpoint_and_early_stopping_monitor_precursors_with_the_trainers_defaults(tmp_path: Path) -> None:
+    """log_every_n_steps=50 and epochs of 8 batches: no step logs, yet the figures are in callback_metrics at
+    every epoch's end, where ModelCheckpoint and EarlyStopping read them."""
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="stability/adam_update_ratio", save_top_k=1)
+    stopping = EarlyStopping(monitor="stability/attention_logit_max", mode="max", patience=10)
+    trainer = pl.Trainer(
+        max_epochs=3,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[PrecursorMonitor(), checkpoint, stopping],
+    )
+    trainer.fit(fresh(batches=8))
+    assert trainer.global_step == 24
+    assert checkpoint.best_model_score is not None and 0 < float(checkpoint.best_model_score) < 1
+    assert float(stopping.best_score) > 0
