@@ -28,7 +28,7 @@ Your own attention: :func:`register_attention` with a function that returns the 
 
 The maxima are those of this rank's batch; :class:`~lightning_stability.precursors.callback.PrecursorMonitor`
 max-reduces them over the data-parallel ranks (DDP, FSDP2: each rank holds every head). Under tensor parallelism
-a module holds only some heads, which this module does not follow: PrecursorMonitor refuses it.
+a module holds only some heads, which this module does not follow: PrecursorMonitor does not measure them there.
 """
 
 from __future__ import annotations

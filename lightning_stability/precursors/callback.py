@@ -42,7 +42,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed.tensor import Shard
 from torch.optim import Optimizer
@@ -233,12 +233,7 @@ class PrecursorMonitor(LedgerCallback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         split = _tensor_parallel(pl_module)
         if split is not None:
-            raise StabilityConfigError(
-                f"PrecursorMonitor runs on one device, under DDP and under FSDP2 (StableFSDPStrategy, "
-                f"ModelParallelStrategy without tensor parallelism); {split}: under tensor parallelism a rank holds "
-                "some heads and some rows only, which its logit maxima and QK-clip do not yet follow. Fix: remove "
-                "PrecursorMonitor from this fit (or run it with tensor_parallel=1)."
-            )
+            self._under_tensor_parallel(split)
         if self.qk_clip is not None and self._logits is not None:
             # after the strategy's wrapping: FSDP2 replaces the parameters with sharded ones
             self._projections = {name: qk_projection(m) for name, m in self._logits.modules.items()}
@@ -273,6 +268,39 @@ class PrecursorMonitor(LedgerCallback):
             params = [p for g in trainer.optimizers[0].param_groups for p in g["params"]]
             if params:
                 self._layer_index(params, local_tensor(params[0]).device)
+
+    def _under_tensor_parallel(self, split: str) -> None:
+        """Under tensor parallelism: the Adam figures and the back-off on them (the optimizer's state is sharded
+        like any DTensor: its norms are reduced over the mesh) only. A rank's attention module holds some heads
+        and its LM head some of the vocabulary, and some gradients are partial sums: what reads those is refused
+        when asked for, and not measured otherwise."""
+        signal = self.lr_backoff.signal if self.lr_backoff is not None else None
+        asked = [
+            name
+            for name, on in (
+                ("qk_clip", self.qk_clip is not None),
+                ("update_clip", self.update_clip is not None),
+                ("reset_moments", self.reset_moments),
+                ("attention=True", self.attention is True),
+                (f"log_partition={self.log_partition!r}", isinstance(self.log_partition, str)),
+                (f"LRBackoff({signal!r})", signal in ("attention_logit", "log_z_drift")),
+            )
+            if on
+        ]
+        if asked:
+            raise StabilityConfigError(
+                f"PrecursorMonitor({', '.join(asked)}) cannot run under tensor parallelism ({split}): a rank holds "
+                "some attention heads, some of the vocabulary and partial gradients, which these do not follow "
+                "yet. Under tensor parallelism it logs the Adam figures and backs off on them: leave these off "
+                "(LRBackoff('update_ratio') or 'update_rms_jump'), or run this fit without tensor parallelism."
+            )
+        if self._logits is not None or self._log_z is not None:
+            rank_zero_info(
+                "PrecursorMonitor: under tensor parallelism the attention logits and the LM head's log Z are not "
+                "measured (a rank holds some heads and some of the vocabulary); the Adam figures are."
+            )
+        self._remove_hooks()
+        self._log_z_state = {}
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._remove_hooks()

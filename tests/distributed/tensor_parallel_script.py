@@ -166,7 +166,16 @@ def data() -> TensorDataset:
 #: gradient collectives counted per micro-batch; replicas: the same under our strategy with hybrid sharding
 #: (DP replicas x TP), the last rank's gradient shard corrupted at CORRUPT_STEP; rollback: our strategy,
 #: TrainingHealthMonitor(response="rollback"), a spike at SPIKES that outlasts its skipped update.
-STABLE = MODE in ("stable", "noplan", "faults", "resume", "fp16", "replicas", "rollback")  # fp16: faults in fp16
+STABLE = MODE in (
+    "stable",
+    "noplan",
+    "faults",
+    "resume",
+    "fp16",
+    "replicas",
+    "rollback",
+    "precursors",
+)  # fp16: faults in fp16
 #: for benchmarks/tensor_parallel.py: Lightning's ModelParallelStrategy without our callbacks (bare), and with its
 #: own gradient_clip_val instead (clip)
 BARE = MODE in ("bare", "clip")
@@ -308,10 +317,14 @@ def main() -> None:
         callbacks.insert(0, Inject())  # before the monitor: the fault lands after every collective
     if MODE == "resume":
         callbacks.append(restored)
-    if MODE == "precursors":  # PrecursorMonitor does not follow tensor-parallel heads and rows: refused at fit start
-        from lightning_stability.precursors import PrecursorMonitor
+    if MODE in ("precursors", "precursors_refused"):
+        from lightning_stability import LRBackoff, PrecursorMonitor
 
-        callbacks.append(PrecursorMonitor())
+        # precursors: the Adam figures and the back-off on them (a threshold low enough for it to act in 6 steps);
+        # precursors_refused: update clipping, which reads partial gradients, is refused under tensor parallelism
+        backoff = LRBackoff("update_ratio", threshold=1e-3)
+        monitor = PrecursorMonitor(lr_backoff=backoff, log_every_n_steps=1)
+        callbacks.insert(-1, PrecursorMonitor(update_clip=1.0) if MODE == "precursors_refused" else monitor)
     common: dict[str, Any] = dict(
         accelerator=ACCELERATOR,
         max_steps=STEPS + 1 if MODE == "resume" else STEPS,
@@ -353,7 +366,7 @@ def main() -> None:
             (out / f"rank{rank}.json").write_text(json.dumps(errors))
             return
         raise AssertionError("StableFSDPStrategy(tensor_parallel=2) trained a module without a TP plan")
-    if MODE == "precursors":
+    if MODE == "precursors_refused":
         from lightning_stability import StabilityConfigError
 
         try:

@@ -111,12 +111,29 @@ def test_stable_fsdp_with_tensor_parallel_refuses_a_module_without_a_tp_plan_on_
 
 
 @pytest.mark.distributed
-def test_precursor_monitor_refuses_tensor_parallelism_at_fit_start_on_every_rank(tmp_path: Path) -> None:
-    results = torchrun(SCRIPT, 2, tmp_path, "1", "2", "precursors", timeout=300)
+def test_precursor_monitor_backs_off_on_the_adam_figures_under_tensor_parallel_like_one_process(
+    tmp_path: Path,
+) -> None:
+    """StableFSDPStrategy, 2 x 2 (FSDP2 over tensor parallel: ``_StridedShard`` and ``Shard`` states): the Adam
+    figures, the per-layer update ratios, the back-off and the weights it scaled equal one process's."""
+    reference = one_process(tmp_path / "reference", "precursors")
+    results = torchrun(SCRIPT, 4, tmp_path, "2", "2", "precursors", timeout=400)
+    keys = [k for k in reference["metrics"][-1] if k.startswith(("stability/adam_", "stability/lr_backoff"))]
+    assert "stability/adam_update_ratio/model.fc1" in keys and "stability/lr_backoff" in keys
+    assert reference["metrics"][-1]["stability/lr_backoff"] < 0.5  # it acted (else the comparison would hold vacuously)
+    for rank, result in enumerate(results):
+        for step, (ours, ref) in enumerate(zip(result["metrics"], reference["metrics"], strict=True)):
+            assert {k: ours[k] for k in keys} == pytest.approx({k: ref[k] for k in keys}, **TOL), (rank, step)
+    assert_same_weights(torch.load(tmp_path / "final.pt"), reference["final"], "under the back-off")
+
+
+@pytest.mark.distributed
+def test_precursor_monitor_refuses_what_tensor_parallelism_splits_at_fit_start_on_every_rank(tmp_path: Path) -> None:
+    results = torchrun(SCRIPT, 2, tmp_path, "1", "2", "precursors_refused", timeout=300)
     for result in results:
-        assert result["error"].startswith("PrecursorMonitor runs on one device, under DDP and under FSDP2"), result
+        assert result["error"].startswith("PrecursorMonitor(update_clip) cannot run under tensor parallelism"), result
         assert "over mesh dim 0" in result["error"] and "tensor_parallel" in result["error"]
-        assert "Fix: remove PrecursorMonitor" in result["error"]
+        assert "LRBackoff('update_ratio')" in result["error"]  # what runs there
 
 
 @pytest.mark.distributed
