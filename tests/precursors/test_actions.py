@@ -25,6 +25,7 @@ from lightning_stability.precursors.actions import (
 )
 from lightning_stability.precursors.attention import AttentionLogits, QueryKey, register_attention
 from tests.helpers import HostDataCounter, SyncCounter
+from tests.precursors.tiny_lm import hf_config
 
 TAU = 100.0
 
@@ -103,14 +104,7 @@ transformers = pytest.importorskip("transformers")
 
 
 def hf_model(family: str) -> nn.Module:
-    common = dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=50)
-    if family == "gpt2":
-        return transformers.GPT2Model(
-            transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=50, n_positions=16)
-        )
-    if family == "bert":
-        return transformers.BertModel(transformers.BertConfig(**common))
-    return transformers.LlamaModel(transformers.LlamaConfig(num_key_value_heads=2, **common))
+    return transformers.AutoModel.from_config(hf_config(family, layers=1))
 
 
 @pytest.mark.parametrize("family", ["gpt2", "bert", "llama"])

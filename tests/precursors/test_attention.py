@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from lightning_stability.errors import StabilityConfigError
 from lightning_stability.precursors.attention import AttentionLogits, QueryKey, register_attention
 from tests.helpers import HostDataCounter, SyncCounter
+from tests.precursors.tiny_lm import HF_FAMILIES, hf_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -98,47 +99,6 @@ def test_no_host_sync_and_no_host_data() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- Hugging Face
-CONFIGS = {
-    "gpt2": lambda: transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16),
-    "bert": lambda: transformers.BertConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64, vocab_size=50
-    ),
-    "llama": lambda: transformers.LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        vocab_size=50,
-    ),
-    "mistral": lambda: transformers.MistralConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        intermediate_size=64,
-        vocab_size=50,
-    ),
-    "qwen2": lambda: transformers.Qwen2Config(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        vocab_size=50,
-    ),
-    "qwen3": lambda: transformers.Qwen3Config(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        vocab_size=50,
-        head_dim=8,
-    ),
-}
-
-
 @pytest.fixture(scope="module")
 def recorded() -> list[Tensor]:
     """An attention implementation that records the max of the logits the model computes (its own q, k, mask,
@@ -160,10 +120,10 @@ def recorded() -> list[Tensor]:
     return seen
 
 
-@pytest.mark.parametrize("family", sorted(CONFIGS))
+@pytest.mark.parametrize("family", sorted(HF_FAMILIES))
 def test_hugging_face_attention_matches_the_models_own_logits(family: str, recorded: list[Tensor]) -> None:
     torch.manual_seed(3)
-    model = transformers.AutoModel.from_config(CONFIGS[family](), attn_implementation="ls_record")
+    model = transformers.AutoModel.from_config(hf_config(family), attn_implementation="ls_record")
     logits = AttentionLogits(model)
     assert len(logits.modules) == 2
     recorded.clear()

@@ -60,3 +60,22 @@ class TinyLM(pl.LightningModule):
 def fresh(seed: int = 0, **kwargs: Any) -> TinyLM:
     torch.manual_seed(seed)
     return TinyLM(**kwargs)
+
+
+#: the Hugging Face families the attention hooks know, each built tiny by :func:`hf_config`
+HF_FAMILIES = ("bert", "gpt2", "llama", "mistral", "qwen2", "qwen3")
+
+
+def hf_config(family: str, layers: int = 2) -> Any:
+    """A tiny Hugging Face config: width 32, 4 heads (grouped-query: 2 key heads, Mistral 1), a vocabulary of 50."""
+    import transformers
+
+    if family == "gpt2":
+        return transformers.GPT2Config(n_layer=layers, n_embd=32, n_head=4, vocab_size=50, n_positions=16)
+    common: dict[str, Any] = dict(num_hidden_layers=layers, hidden_size=32, num_attention_heads=4, intermediate_size=64)
+    if family == "bert":
+        return transformers.BertConfig(vocab_size=50, **common)
+    kv_heads = 1 if family == "mistral" else 2
+    config = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
+    extra = {"head_dim": 8} if family == "qwen3" else {}
+    return getattr(transformers, config[family])(vocab_size=50, num_key_value_heads=kv_heads, **common, **extra)
