@@ -1,8 +1,8 @@
 """Turn off parts of a preset, and put a callback of your own in the place of one.
 
 Here: the preset's LR schedule is replaced by an inverse-square-root schedule, the health monitor and the LR
-back-off are off, and checkpoints and the NCCL watchdog settings are left alone. Run: python examples/turn_off_part_of_a_preset.py
-(EXAMPLE_STEPS=20 runs it at a tiny size, as CI does)
+back-off are off, and checkpoints and the NCCL watchdog settings are left alone.
+Run: python examples/turn_off_part_of_a_preset.py (EXAMPLE_STEPS=20 runs it at a tiny size, as CI does)
 """
 
 import os
