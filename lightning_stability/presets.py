@@ -186,13 +186,12 @@ _BASE = Preset(
         "init_scale": "torch GradScaler's default init_scale (65536 = 2**16)",
         "hysteresis": "Megatron-LM's hysteresis=2",
         "health": "OLMo-core's skip-step optimizer; benchmarks/spikes.py (skip ends closest to clean runs)",
-        "skip_on": "loss: on benchmarks/lr_sensitivity.py's clean runs (no fault injected) skipping on either spike "
-        "skipped 0.89% of the updates, every one a gradient-norm spike without a loss spike (max_norm clips those "
-        "updates anyway); skipping on loss spikes still skips every poisoned batch of benchmarks/spikes.py. Marin "
-        "(32B) found that skipping large-gradient steps did not shorten recovery",
-        "lr_backoff": "0.02: the update-to-weight ratio past which PrecursorMonitor backs the update off (Marin saw "
-        "Adam update-norm spikes precede loss spikes); benchmarks/lr_sensitivity.py: LR sensitivity 0.082 against "
-        "0.388 without it and a bare Trainer's 0.452, every seed training up to LR 0.3 (held-out seeds 3-5)",
+        "skip_on": "loss: on benchmarks/lr_sensitivity.py's clean runs skipping on either spike skipped up to 0.89% of "
+        "the updates, all gradient-norm spikes without a loss spike (max_norm bounds them), on loss spikes none; "
+        "benchmarks/spikes.py: every poisoned batch still skipped",
+        "lr_backoff": "0.02: PrecursorMonitor's back-off past an update-to-weight ratio of 2% (Marin saw Adam "
+        "update-norm spikes precede loss spikes); benchmarks/lr_sensitivity.py, held-out seeds: LR sensitivity "
+        "0.084 (0.385 without it, bare 0.452), every seed trains up to LR 0.3",
         "lr_schedule": "on: the recipe's schedule (lr_schedule=False keeps your configure_optimizers' scheduler)",
         "checkpoint": "on: StableCheckpoint with atomic saves (checkpoint=False: Lightning's own checkpointing)",
         "watchdog": "on: PyTorch's NCCL watchdog variables and a 10-minute timeout (watchdog=False: yours as set)",

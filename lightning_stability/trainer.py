@@ -103,7 +103,8 @@ class StableTrainer(pl.Trainer):
             **overrides: any preset field (``max_norm=0.3``, ``accumulation=8``, ...) or ``lightning.Trainer``
                 argument. These turn a part off, to be replaced by a callback of your own if you want:
                 ``lr_schedule=False`` (no ``WarmupConstantCosineLR``), ``max_norm=None`` (no clipping; the norm is
-                still measured), ``health=None`` (no ``TrainingHealthMonitor``), ``accumulation=1`` (no
+                still measured), ``health=None`` (no ``TrainingHealthMonitor``), ``lr_backoff=None`` (no
+                ``PrecursorMonitor``: no LR back-off, no precursor metrics), ``accumulation=1`` (no
                 ``GradientAccumulation``), ``checkpoint=False`` (no ``StableCheckpoint`` nor
                 ``AtomicCheckpointIO``: Lightning's checkpointing applies), ``watchdog=False`` (the NCCL watchdog
                 variables and the process-group timeout left as they are). ``callbacks=[...]`` come after the

@@ -372,6 +372,19 @@ def test_the_presets_lr_backoff_steps_aside_for_another_optimizer_with_a_warning
     assert trainer.global_step == 8 and float(one(trainer, PrecursorMonitor).backoff) == 1.0
 
 
+def test_a_module_with_two_optimizers_trains_with_the_health_monitor_and_the_back_off_off(tmp_path: Any) -> None:
+    """Both act once per update of the whole module: with two optimizers each refuses the fit, as the presets page
+    says; with both off the rest of the preset trains it."""
+    from tests.ledger.test_several_optimizers import TwoOptimizerGAN
+
+    common: dict[str, Any] = dict(accelerator="cpu", max_steps=4, default_root_dir=tmp_path, **QUIET)
+    with pytest.raises(StabilityConfigError, match=r"PrecursorMonitor's early actions .* 2 optimizers"):
+        StableTrainer.from_preset("tiny", health=None, **common).fit(TwoOptimizerGAN())
+    trainer = StableTrainer.from_preset("tiny", health=None, lr_backoff=None, **common)
+    trainer.fit(TwoOptimizerGAN())
+    assert trainer.global_step == 4  # optimizer steps: two per batch
+
+
 def test_activation_checkpointing_needs_fsdp() -> None:
     with pytest.raises(StabilityConfigError, match=r"`activation_checkpointing=True` needs fsdp=True.*Fix: pass fsdp"):
         StableTrainer.from_preset("gpt", activation_checkpointing=True)
