@@ -62,8 +62,8 @@ class Preset:
         health: ``TrainingHealthMonitor(response=...)``; ``None``: no health monitor.
         skip_on: ``TrainingHealthMonitor(skip_on=...)`` under ``health="skip"``: ``"loss"``, an update is skipped
             on a loss spike (and a non-finite loss or gradient) and a gradient-norm spike alone is applied, clipped
-            by ``max_norm``; ``"any"``: on either spike. The other responses skip no gradient-norm spike of their
-            own accord or roll back on either, and ignore it.
+            by ``max_norm``; ``"any"``: on either spike. Only ``health="skip"`` reads it (``"warn"`` and ``"clip"``
+            skip no spike, ``"rollback"`` acts on either).
         lr_backoff: ``PrecursorMonitor(lr_backoff=LRBackoff("update_ratio", lr_backoff), other_optimizers="warn")``:
             while the applied Adam update's norm exceeds this share of the weights' norm, the update backs off (x0.5
             per applied update, back up x1.02 once under); with an optimizer other than Adam/AdamW it is off, with a
