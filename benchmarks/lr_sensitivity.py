@@ -7,15 +7,18 @@ the mean over the grid of min(final loss, initial loss) minus the best final los
 weights per seed:
 
 * **bare** -- a plain ``lightning.pytorch.Trainer``: the model's AdamW at the grid's LR, no callbacks of the package.
-* **preset** -- ``StableTrainer.from_preset("gpt", precision="32-true")``: ``GradientNormMonitor(max_norm=0.5)``,
-  ``WarmupConstantCosineLR`` (5% warmup, constant, cosine to 0 over the last 20%), ``TrainingHealthMonitor(
-  response="skip")``; the same optimizer and LR (only the callbacks differ). The "gpt" preset is the one for
-  GPT-like decoders; fp32 because bf16 autocast on a CPU would change the arithmetic, not the callbacks.
-  ``checkpoint=False``, ``watchdog=False`` and no end-of-fit report: they do not touch training.
-* **preset+early** -- the preset with ``PrecursorMonitor(lr_backoff=LRBackoff("update_ratio", 0.02))``
-  (``lightning_stability.precursors``): while the applied update's norm exceeds 2% of the weights' norm, the
-  update backs off (x0.5 per applied update, back up x1.02 per update once under, floor 0.01).
-* **preset+early+qk** -- the same plus Kimi K2's QK-clip (``qk_clip=100.0``: tau 100, alpha 0.5).
+* **preset** -- the "gpt" preset without its early action: ``StableTrainer.from_preset("gpt", precision="32-true",
+  lr_backoff=None)``: ``GradientNormMonitor(max_norm=0.5)``, ``WarmupConstantCosineLR`` (5% warmup, constant, cosine
+  to 0 over the last 20%), ``TrainingHealthMonitor(response="skip", skip_on="loss")`` (the preset's own: a loss
+  spike or a non-finite value skips, a gradient-norm spike alone is clipped and applied); the same optimizer and LR
+  (only the callbacks differ). The "gpt" preset is the one for GPT-like decoders; fp32 because bf16 autocast on a
+  CPU would change the arithmetic, not the callbacks. ``checkpoint=False``, ``watchdog=False`` and no end-of-fit
+  report: they do not touch training.
+* **preset+early** -- the "gpt" preset as shipped: the above plus its ``PrecursorMonitor(lr_backoff=LRBackoff(
+  "update_ratio", 0.02))`` (``lightning_stability.precursors``): while the applied update's norm exceeds 2% of the
+  weights' norm, the update backs off (x0.5 per applied update, back up x1.02 per update once under, floor 0.01).
+* **preset+early+qk** -- the same plus Kimi K2's QK-clip (``qk_clip=100.0``: tau 100, alpha 0.5), in a
+  ``PrecursorMonitor`` of its own in place of the preset's.
 
 The task: a character-level LM on the demo's corpus (``lightning_stability.demo.model``: this package's frozen
 source text, 102 symbols), the first 90% of the text for training (``--batch`` random windows of ``--context``
@@ -68,6 +71,7 @@ from lightning_stability import StableTrainer, TrainingDivergedError, TrainingHe
 from lightning_stability.demo.model import Corpus, CorpusWindows, load_corpus
 from lightning_stability.precursors.callback import LRBackoff, PrecursorMonitor
 from lightning_stability.precursors.scores import best_final_loss, lr_sensitivity, max_trainable_lr, spike_score
+from lightning_stability.presets import get_preset
 
 #: 1e-3 to 3e-1, six log-spaced points (ratio 300 ** (1/5) ~ 3.13).
 LRS = tuple(float(f"{1e-3 * 300 ** (k / 5):.3g}") for k in range(6))
@@ -126,27 +130,26 @@ def bare_trainer(common: dict[str, Any]) -> pl.Trainer:
     return pl.Trainer(**common)
 
 
-def preset_trainer(common: dict[str, Any]) -> pl.Trainer:
-    trainer = StableTrainer.from_preset("gpt", precision="32-true", checkpoint=False, watchdog=False, **common)
+def preset_trainer(common: dict[str, Any], **overrides: Any) -> pl.Trainer:
+    """The "gpt" preset without its early action (``lr_backoff=None``); ``overrides``: other preset fields."""
+    trainer = StableTrainer.from_preset(
+        "gpt", precision="32-true", checkpoint=False, watchdog=False, **{"lr_backoff": None, **overrides}, **common
+    )
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, TrainingHealthMonitor):
             callback.report = False  # the end-of-fit report files: no effect on training
     return trainer
 
 
-def early_actions(qk_clip: bool = False) -> PrecursorMonitor:
-    """The early actions of the ``preset+early`` arms: the LR back-off on the update-to-weight ratio (past 0.02:
-    x0.5 per applied update, back up x1.02 per update, floor 0.01), with Kimi K2's QK-clip (tau 100, alpha 0.5)
-    in ``preset+early+qk``."""
-    return PrecursorMonitor(qk_clip=100.0 if qk_clip else None, lr_backoff=LRBackoff("update_ratio", 0.02))
-
-
 def preset_early_trainer(common: dict[str, Any]) -> pl.Trainer:
-    return preset_trainer({**common, "callbacks": [*common["callbacks"], early_actions()]})
+    """The "gpt" preset as shipped: its own ``PrecursorMonitor`` backs the update off past an update ratio of 0.02."""
+    return preset_trainer(common, lr_backoff=get_preset("gpt").lr_backoff)
 
 
 def preset_early_qk_trainer(common: dict[str, Any]) -> pl.Trainer:
-    return preset_trainer({**common, "callbacks": [*common["callbacks"], early_actions(qk_clip=True)]})
+    """The preset's back-off and Kimi K2's QK-clip (tau 100, alpha 0.5), in one ``PrecursorMonitor`` of this arm's."""
+    monitor = PrecursorMonitor(qk_clip=100.0, lr_backoff=LRBackoff("update_ratio", 0.02))
+    return preset_trainer({**common, "callbacks": [*common["callbacks"], monitor]})
 
 
 #: Each arm's Trainer factory.

@@ -11,6 +11,10 @@ Each configuration trains the same seeds on the same data from the same initial 
 * ``clip_val=1.0``  -- Lightning's ``gradient_clip_val=1.0`` (clip the gradient norm to 1);
 * ``monitor:warn`` / ``monitor:clip`` / ``monitor:skip`` / ``monitor:rollback`` -- ``TrainingHealthMonitor``
   with that response (rollback: log every 5 steps, snapshot every 20, skip 10 batches, at most 3 rollbacks);
+* ``monitor:skip,loss`` -- ``TrainingHealthMonitor(response="skip", skip_on="loss")``: skips on a loss spike
+  only, a gradient-norm spike alone is applied (the presets' setting);
+* ``monitor:preset`` -- the presets' two spike parts as they ship: ``skip_on="loss"`` and ``PrecursorMonitor(
+  lr_backoff=LRBackoff("update_ratio", 0.02), other_optimizers="warn")`` (the LR back-off);
 * ``zclip``         -- ZClip's own Lightning callback (``pip install zclip``; ``max_grad_norm=None``, so only
   its adaptive clipping acts, as in ``monitor:clip``), when the package is installed.
 
@@ -18,7 +22,8 @@ After training, the final loss is the mean squared error on a fixed clean evalua
 same for every seed and configuration). A run has *diverged* when that loss is NaN/inf, or above
 ``--bound`` times the median final loss of the ``clean`` runs, or when the monitor stopped it with
 ``TrainingDivergedError`` (its loss then counts as inf). Prints, per configuration: diverged runs (k/N), the
-median and the worst final loss, the median number of optimizer steps skipped (monitor only), and its time as
+median and the worst final loss, the median number of optimizer steps skipped (monitor only), the poisoned
+batches whose update was skipped over all seeds (``caught``, monitor only; from the monitor's history), and its time as
 a ratio to the ``bare`` configuration's: the median over seeds of ``fit`` time / the same seed's bare ``fit`` time
 (seeds outermost, configurations interleaved within each seed, so drift on the machine hits all alike).
 
@@ -44,6 +49,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_stability import Outcome, StepLedger, TrainingDivergedError, TrainingHealthMonitor
+from lightning_stability.precursors import LRBackoff, PrecursorMonitor
+from lightning_stability.presets import get_preset
 
 D_IN, HIDDEN, BATCH, EVAL_SIZE = 32, 128, 64, 4096
 MONITOR_WARMUP = 25  # TrainingHealthMonitor's default warmup_steps: no spike is called before it
@@ -109,16 +116,25 @@ class Run:
     stopped: bool  # by TrainingDivergedError
     skipped: int  # optimizer steps the monitor skipped (spikes, non-finite values, the rollback data window)
     seconds: float  # trainer.fit alone
+    caught: int = 0  # poisoned batches whose update the monitor skipped
 
 
-def monitor(response: str) -> Callable[[], list[pl.Callback]]:
+def monitor(response: str, **options: Any) -> Callable[[], list[pl.Callback]]:
     def build() -> list[pl.Callback]:
-        kwargs: dict[str, Any] = {"report": False}
+        kwargs: dict[str, Any] = {"report": False, **options}
         if response == "rollback":  # scaled down from PaLM's ~100-step snapshots and 200-500 skipped batches
             kwargs.update(log_every_n_steps=5, snapshot_every=20, skip_batches=10, max_rollbacks=3)
         return [TrainingHealthMonitor(response=response, **kwargs)]  # type: ignore[arg-type]
 
     return build
+
+
+def preset_parts() -> list[pl.Callback]:
+    """The presets' health monitor and LR back-off, with the base preset's settings."""
+    base = get_preset("gpt")
+    assert base.health == "skip" and base.lr_backoff is not None
+    backoff = PrecursorMonitor(lr_backoff=LRBackoff("update_ratio", base.lr_backoff), other_optimizers="warn")
+    return [*monitor("skip", skip_on=base.skip_on)(), backoff]
 
 
 def zclip_config() -> Config | None:
@@ -136,6 +152,8 @@ def configurations() -> list[Config]:
         Config("bare"),
         Config("clip_val=1.0", trainer_kwargs={"gradient_clip_val": 1.0}),
         *(Config(f"monitor:{r}", callbacks=monitor(r)) for r in ("warn", "clip", "skip", "rollback")),
+        Config("monitor:skip,loss", callbacks=monitor("skip", skip_on="loss")),
+        Config("monitor:preset", callbacks=preset_parts),
     ]
     zclip = zclip_config()
     if zclip is None:
@@ -180,10 +198,16 @@ def run_once(config: Config, seed: int, args: argparse.Namespace, eval_set: tupl
         loss = nn.functional.mse_loss(model(eval_set[0]), eval_set[1]).item()
     monitored = config.name.startswith("monitor")
     counts = StepLedger.of(trainer).record_of().counts.tolist() if monitored else [0] * len(Outcome)
-    return Run(math.inf if stopped else loss, stopped, sum(counts[Outcome.SKIPPED_NONFINITE :]), seconds)
+    caught = 0
+    if monitored:  # the steps whose update was not applied, from the monitor's history
+        health = next(cb for cb in trainer.callbacks if isinstance(cb, TrainingHealthMonitor))  # type: ignore[attr-defined]
+        series = health.history.series
+        skipped = {int(step) for step, o in zip(series["step"], series["outcome"], strict=True) if o != 0}
+        caught = sum(int(p) in skipped for p in positions.tolist())
+    return Run(math.inf if stopped else loss, stopped, sum(counts[Outcome.SKIPPED_NONFINITE :]), seconds, caught)
 
 
-WIDTHS = (17, 8, 12, 11, 8, 12)
+WIDTHS = (17, 8, 12, 11, 8, 7, 12)
 
 
 def row(*cells: str) -> str:
@@ -237,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
         f"diverged: final eval MSE NaN/inf, or > {args.bound:g} x clean median ({clean_median:.4g}) = {bound:.4g}, "
         f"or stopped by TrainingDivergedError (a constant prediction scores {eval_set[1].var().item():.3g})"
     )
-    header = row("configuration", "diverged", "median loss", "worst loss", "skipped", "time x bare")
+    header = row("configuration", "diverged", "median loss", "worst loss", "skipped", "caught", "time x bare")
     print(header)
     print("-" * len(header))
     diverged: dict[str, int] = {}
@@ -254,6 +278,9 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
             f"{statistics.median(losses):.4g}",
             f"{max(losses):.4g}",
             f"{skipped:g}" if config.name.startswith("monitor") else "-",
+            f"{sum(r.caught for r in runs[config.name])}/{args.poison * len(losses)}"
+            if config.name.startswith("monitor")
+            else "-",
             f"{time_ratio:.2f}",
         )
         print(row(*cells))

@@ -8,7 +8,8 @@ arms back to back, so drift on a shared machine hits both alike):
 * **bare** -- a plain ``lightning.pytorch.Trainer``: the same model, data, AdamW and LR; no clipping, no schedule.
 * **preset** -- ``StableTrainer.from_preset("tiny")``: ``GradientNormMonitor(max_norm=1.0)``,
   ``WarmupConstantCosineLR`` (5% linear warmup, constant, cosine to 0 over the last 20%),
-  ``TrainingHealthMonitor(response="skip")``, fp32. Overrides only where the configuration needs them (fp16).
+  ``TrainingHealthMonitor(response="skip", skip_on="loss")``, ``PrecursorMonitor(lr_backoff=LRBackoff("update_ratio",
+  0.02))``, fp32. Overrides only where the configuration needs them (fp16).
 
 The configurations:
 
@@ -270,7 +271,8 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[int, int]]:
         print(f"  {c.label}: {what}")
     print(
         "preset: StableTrainer.from_preset('tiny'): clip 1.0, warmup 5% -> constant -> cosine over the last 20%, "
-        "TrainingHealthMonitor(response='skip'); the fp16 configuration adds precision='16-mixed', "
+        "TrainingHealthMonitor(response='skip', skip_on='loss'), PrecursorMonitor's LR back-off (update ratio 0.02); "
+        "the fp16 configuration adds precision='16-mixed', "
         "init_scale=<the same scale> (LossScaleTuner: hysteresis 2, floor 1)"
     )
     print(

@@ -1,8 +1,8 @@
 """Turn off parts of a preset, and put a callback of your own in the place of one.
 
-Here: the preset's LR schedule is replaced by an inverse-square-root schedule, the health monitor is off,
-and checkpoints and the NCCL watchdog settings are left alone. Run: python examples/turn_off_part_of_a_preset.py
-(EXAMPLE_STEPS=20 runs it at a tiny size, as CI does)
+Here: the preset's LR schedule is replaced by an inverse-square-root schedule, the health monitor and the LR
+back-off are off, and checkpoints and the NCCL watchdog settings are left alone.
+Run: python examples/turn_off_part_of_a_preset.py (EXAMPLE_STEPS=20 runs it at a tiny size, as CI does)
 """
 
 import os
@@ -39,6 +39,7 @@ if __name__ == "__main__":
         "gpt",
         lr_schedule=False,  # off: the callback below takes its place
         health=None,  # no TrainingHealthMonitor
+        lr_backoff=None,  # no PrecursorMonitor (the LR back-off on the update-to-weight ratio)
         checkpoint=False,  # no StableCheckpoint
         watchdog=False,  # the process-group timeout and NCCL variables stay yours
         callbacks=[ScheduledLR(InverseSqrtSchedule(warmup=10))],

@@ -32,6 +32,7 @@ from lightning_stability.errors import StabilityConfigError, check_instance
 from lightning_stability.grad_norm import GradientNormMonitor
 from lightning_stability.health.callback import TrainingHealthMonitor
 from lightning_stability.ledger.callback import LedgerCallback
+from lightning_stability.precursors.callback import LRBackoff, PrecursorMonitor
 from lightning_stability.presets import FIELDS, Preset, get_preset, layout
 from lightning_stability.progress import stability_progress_bar
 from lightning_stability.schedules.callback import WarmupConstantCosineLR
@@ -102,7 +103,8 @@ class StableTrainer(pl.Trainer):
             **overrides: any preset field (``max_norm=0.3``, ``accumulation=8``, ...) or ``lightning.Trainer``
                 argument. These turn a part off, to be replaced by a callback of your own if you want:
                 ``lr_schedule=False`` (no ``WarmupConstantCosineLR``), ``max_norm=None`` (no clipping; the norm is
-                still measured), ``health=None`` (no ``TrainingHealthMonitor``), ``accumulation=1`` (no
+                still measured), ``health=None`` (no ``TrainingHealthMonitor``), ``lr_backoff=None`` (no
+                ``PrecursorMonitor``: no LR back-off, no precursor metrics), ``accumulation=1`` (no
                 ``GradientAccumulation``), ``checkpoint=False`` (no ``StableCheckpoint`` nor
                 ``AtomicCheckpointIO``: Lightning's checkpointing applies), ``watchdog=False`` (the NCCL watchdog
                 variables and the process-group timeout left as they are). ``callbacks=[...]`` come after the
@@ -304,9 +306,23 @@ _PARTS = (
     ),
     _Part(
         TrainingHealthMonitor,
-        lambda p, a: TrainingHealthMonitor(response=p.health) if p.health is not None else None,
-        "health",
+        lambda p, a: (
+            TrainingHealthMonitor(response=p.health, skip_on=p.skip_on if p.health == "skip" else "any")
+            if p.health is not None
+            else None
+        ),
+        "health, skip_on",
         "health=None",
+    ),
+    _Part(
+        PrecursorMonitor,
+        lambda p, a: (
+            PrecursorMonitor(lr_backoff=LRBackoff("update_ratio", p.lr_backoff), other_optimizers="warn")
+            if p.lr_backoff is not None
+            else None
+        ),
+        "lr_backoff",
+        "lr_backoff=None",
     ),
 )
 

@@ -126,6 +126,7 @@ ENTRIES: dict[str, Entry] = {
             "top_modules": [-1],
             "report": [1],
             "report_dir": [3],
+            "skip_on": ["grad", "loss"],  # "loss" with the default response="warn"
             "log_every_n_steps": [0],
         },
     ),
@@ -215,6 +216,8 @@ ENTRIES: dict[str, Entry] = {
             "tensor_parallel": [0],
             "num_nodes": [0],
             "health": ["panic"],
+            "skip_on": ["grad", None],
+            "lr_backoff": [0, -0.1, float("nan"), "0.02"],
             "checkpoint": [None],
             "watchdog": [1],
             "sources": [3],

@@ -19,6 +19,7 @@ from lightning_stability import (
     TrainingHealthMonitor,
     WarmupConstantCosineLR,
 )
+from lightning_stability.precursors import PrecursorMonitor
 from tests.helpers import TinyModule
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -112,16 +113,20 @@ def test_a_preset_from_the_command_line() -> None:
 
 
 def test_a_presets_parts_turned_off_from_the_command_line() -> None:
-    overrides = "{lr_schedule: false, health: null, max_norm: null, checkpoint: false, watchdog: false}"
+    overrides = (
+        "{lr_schedule: false, health: null, lr_backoff: null, max_norm: null, checkpoint: false, watchdog: false}"
+    )
     args = ["--trainer.preset=gpt", f"--trainer.preset_overrides={overrides}", "--trainer.max_steps=2"]
     cli = LightningCLI(
         TinyModule, trainer_class=StableTrainer, run=False, save_config_callback=None, args=[*args, *QUIET]
     )
     kinds = {type(cb) for cb in cli.trainer.callbacks}
     assert WarmupConstantCosineLR not in kinds and TrainingHealthMonitor not in kinds
+    assert PrecursorMonitor not in kinds
     norm = next(cb for cb in cli.trainer.callbacks if isinstance(cb, GradientNormMonitor))
     assert norm.max_norm is None
     preset = cli.trainer.preset  # type: ignore[attr-defined]
-    assert (preset.lr_schedule, preset.health, preset.checkpoint, preset.watchdog) == (False, None, False, False)
+    assert (preset.lr_schedule, preset.health, preset.lr_backoff) == (False, None, None)
+    assert (preset.checkpoint, preset.watchdog) == (False, False)
     cli.trainer.fit(cli.model)
     assert cli.trainer.global_step == 2

@@ -33,8 +33,9 @@ from lightning_stability import (
 )
 from lightning_stability.cli import main
 from lightning_stability.planner import plan_memory
+from lightning_stability.precursors import LRBackoff, PrecursorMonitor
 from lightning_stability.presets import FIELDS, PRESETS, get_preset, layout
-from tests.helpers import TinyModule
+from tests.helpers import TinyModule, count_syncs_per_step
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*LitLogger.*")
@@ -117,6 +118,7 @@ def test_each_part_can_be_turned_off(tmp_path: Any) -> None:
         devices=2,
         lr_schedule=False,
         health=None,
+        lr_backoff=None,
         max_norm=None,
         checkpoint=False,
         watchdog=False,
@@ -124,6 +126,7 @@ def test_each_part_can_be_turned_off(tmp_path: Any) -> None:
         **QUIET,
     )
     assert one(trainer, ScheduledLR) is None and one(trainer, TrainingHealthMonitor) is None
+    assert one(trainer, PrecursorMonitor) is None
     assert one(trainer, GradientNormMonitor).max_norm is None  # measured, not clipped
     assert one(trainer, StableCheckpoint) is None
     assert isinstance(trainer.strategy, StableFSDPStrategy) and trainer.strategy._timeout == default_pg_timeout
@@ -151,11 +154,13 @@ def test_a_part_turned_off_is_replaced_by_your_own(tmp_path: Any) -> None:
         WarmupConstantCosineLR(warmup=3),
         StableCheckpoint(dirpath=tmp_path / "mine"),
         GradientAccumulation(2, lr_scaling="sqrt"),
+        PrecursorMonitor(qk_clip=100.0),
     ]
     trainer = StableTrainer.from_preset(
         "under-1b",
         accelerator="cpu",
         health=None,
+        lr_backoff=None,
         lr_schedule=False,
         checkpoint=False,
         accumulation=1,
@@ -173,6 +178,7 @@ def test_a_part_turned_off_is_replaced_by_your_own(tmp_path: Any) -> None:
         (lambda: TrainingHealthMonitor(response="warn"), r"turn the preset's off with health=None"),
         (lambda: ScheduledLR(WarmupConstantCosineSchedule()), r"turn the preset's off with lr_schedule=False"),
         (lambda: GradientAccumulation(2), r"turn the preset's off with accumulation=1"),
+        (lambda: PrecursorMonitor(qk_clip=100.0), r"\(lr_backoff=\.\.\.\).*turn the preset's off with lr_backoff=None"),
     ],
 )
 def test_a_second_callback_of_a_kind_names_the_field_that_turns_the_presets_off(
@@ -185,12 +191,19 @@ def test_a_second_callback_of_a_kind_names_the_field_that_turns_the_presets_off(
 def test_the_switches_work_through_the_constructor_as_lightning_cli_passes_them(tmp_path: Any) -> None:
     trainer = StableTrainer(
         preset="gpt",
-        preset_overrides={"lr_schedule": False, "health": None, "max_norm": None, "checkpoint": False},
+        preset_overrides={
+            "lr_schedule": False,
+            "health": None,
+            "lr_backoff": None,
+            "max_norm": None,
+            "checkpoint": False,
+        },
         accelerator="cpu",
         default_root_dir=tmp_path,
         **QUIET,  # type: ignore[arg-type]
     )
     assert one(trainer, ScheduledLR) is None and one(trainer, TrainingHealthMonitor) is None
+    assert one(trainer, PrecursorMonitor) is None
     assert one(trainer, GradientNormMonitor).max_norm is None and one(trainer, StableCheckpoint) is None
 
 
@@ -228,6 +241,8 @@ REACHES: dict[str, tuple[str, Any, dict[str, Any], Callable[[pl.Trainer], Any]]]
     "tensor_parallel": ("over-10b", 2, {"devices": 2}, lambda t: t.strategy._cfg.tensor_parallel),
     "num_nodes": ("gpt", 2, {"env": {"SLURM_NNODES": "2"}}, lambda t: t.num_nodes),
     "health": ("gpt", "rollback", {}, attr(TrainingHealthMonitor, "response")),
+    "skip_on": ("gpt", "any", {}, attr(TrainingHealthMonitor, "skip_on")),
+    "lr_backoff": ("gpt", 0.05, {}, lambda t: getattr(attr(PrecursorMonitor, "lr_backoff")(t), "threshold", None)),
     "checkpoint": ("gpt", False, {}, lambda t: one(t, StableCheckpoint) is not None),
     "watchdog": ("175b", False, {"devices": 2}, lambda t: t.strategy._timeout != default_pg_timeout),
 }
@@ -268,11 +283,106 @@ def test_every_field_overridden_reaches_what_it_configures(
         ("checkpoint", None),
         ("watchdog", 1),
         ("health", "panic"),
+        ("skip_on", "grad"),
+        ("lr_backoff", 0),
+        ("lr_backoff", "0.02"),
     ],
 )
 def test_a_bad_field_is_an_error_naming_it(field: str, value: Any) -> None:
     with pytest.raises(StabilityConfigError, match=rf"`{field}={re.escape(repr(value))}`.*Fix: "):
         StableTrainer.from_preset("gpt", **{field: value})
+
+
+@pytest.mark.parametrize(
+    ("health", "expected"), [("skip", "loss"), ("rollback", "any"), ("warn", "any"), ("clip", "any")]
+)
+def test_skip_on_reaches_the_skip_response_only(health: str, expected: str) -> None:
+    """The monitor takes skip_on="loss" under "skip" alone (it chooses what "skip" skips): another response keeps
+    "any", and the preset's default never makes ``health=...`` an error."""
+    trainer = StableTrainer.from_preset("gpt", accelerator="cpu", health=health, **QUIET)
+    assert one(trainer, TrainingHealthMonitor).skip_on == expected
+
+
+class Weights(Callback):
+    """The weights after each batch."""
+
+    def __init__(self) -> None:
+        self.after: list[list[torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.after.append([p.detach().clone() for p in trainer.lightning_module.parameters()])
+
+
+def _fit(tmp_path: Any, optimizer: str = "adamw", **overrides: Any) -> tuple[pl.Trainer, Weights]:
+    """``from_preset("tiny", **overrides)`` trained 8 steps from the same initial weights and batches every time."""
+    pl.seed_everything(0)
+    module = TinyModule(optimizer=optimizer)
+    weights = Weights()
+    callbacks = [*overrides.pop("callbacks", []), weights]
+    trainer = StableTrainer.from_preset(
+        "tiny", accelerator="cpu", max_steps=8, default_root_dir=tmp_path, callbacks=callbacks, **QUIET, **overrides
+    )
+    trainer.fit(module)
+    return trainer, weights
+
+
+def test_the_presets_lr_backoff_is_precursor_monitors_and_acts(tmp_path: Any) -> None:
+    """The preset's back-off trains exactly as PrecursorMonitor(lr_backoff=LRBackoff("update_ratio", 0.02)) does
+    beside the preset without it; AdamW at LR 0.05 on TinyModule moves the weights by more than 2% a step, so it
+    backs off, and the run differs from one without it."""
+    shipped, ours = _fit(tmp_path / "a")
+    monitor = one(shipped, PrecursorMonitor)
+    assert monitor.lr_backoff == LRBackoff("update_ratio", get_preset("tiny").lr_backoff)
+    assert float(monitor.backoff) < 1.0
+    own = PrecursorMonitor(lr_backoff=LRBackoff("update_ratio", 0.02))
+    _, theirs = _fit(tmp_path / "b", lr_backoff=None, callbacks=[own])
+    assert all(
+        torch.equal(a, b) for x, y in zip(ours.after, theirs.after, strict=True) for a, b in zip(x, y, strict=True)
+    )
+    off, without = _fit(tmp_path / "c", lr_backoff=None)
+    assert one(off, PrecursorMonitor) is None
+    assert not all(torch.equal(a, b) for a, b in zip(ours.after[-1], without.after[-1], strict=True))
+
+
+def test_the_presets_lr_backoff_adds_no_host_sync_on_steps_that_do_not_log(tmp_path: Any) -> None:
+    """With fused AdamW (whose skip stays on the device), the preset as shipped syncs on a step that does not log
+    exactly as often as the preset without its ``PrecursorMonitor``: never (steps 3 and 7 log, the last entry holds
+    the end of the fit)."""
+    counts = []
+    for name, overrides in (("off", {"lr_backoff": None}), ("on", {})):
+        pl.seed_everything(0)
+        trainer = StableTrainer.from_preset(
+            "tiny",
+            accelerator="cpu",
+            max_steps=9,
+            log_every_n_steps=4,
+            default_root_dir=tmp_path / name,
+            checkpoint=False,
+            **QUIET,
+            **overrides,
+        )
+        counts.append(count_syncs_per_step(trainer, TinyModule(optimizer="adamw_fused")))
+    quiet = [0, 1, 2, 4, 5, 6]
+    assert [counts[1][i] for i in quiet] == [counts[0][i] for i in quiet] == [0] * len(quiet)
+
+
+def test_the_presets_lr_backoff_steps_aside_for_another_optimizer_with_a_warning(tmp_path: Any) -> None:
+    with pytest.warns(UserWarning, match=r"PrecursorMonitor: the update clipping, LR back-off .* off: the optimizer"):
+        trainer, _ = _fit(tmp_path, "sgd")
+    assert trainer.global_step == 8 and float(one(trainer, PrecursorMonitor).backoff) == 1.0
+
+
+def test_a_module_with_two_optimizers_trains_with_the_health_monitor_and_the_back_off_off(tmp_path: Any) -> None:
+    """Both act once per update of the whole module: with two optimizers each refuses the fit, as the presets page
+    says; with both off the rest of the preset trains it."""
+    from tests.ledger.test_several_optimizers import TwoOptimizerGAN
+
+    common: dict[str, Any] = dict(accelerator="cpu", max_steps=4, default_root_dir=tmp_path, **QUIET)
+    with pytest.raises(StabilityConfigError, match=r"PrecursorMonitor's early actions .* 2 optimizers"):
+        StableTrainer.from_preset("tiny", health=None, **common).fit(TwoOptimizerGAN())
+    trainer = StableTrainer.from_preset("tiny", health=None, lr_backoff=None, **common)
+    trainer.fit(TwoOptimizerGAN())
+    assert trainer.global_step == 4  # optimizer steps: two per batch
 
 
 def test_activation_checkpointing_needs_fsdp() -> None:

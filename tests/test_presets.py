@@ -22,6 +22,7 @@ from lightning_stability import (
     describe_preset,
     list_presets,
 )
+from lightning_stability.precursors import PrecursorMonitor
 from lightning_stability.presets import FIELDS, PRESETS, get_preset
 from lightning_stability.strategies import StableFSDPStrategy
 from tests.helpers import TinyModule, torchrun
@@ -64,7 +65,7 @@ def test_from_preset_is_a_trainer_with_the_recipes_callbacks_and_trains(tmp_path
     trainer = StableTrainer.from_preset("tiny", accelerator="cpu", max_steps=4, default_root_dir=tmp_path, **quiet())
     assert isinstance(trainer, pl.Trainer) and trainer.preset is not None
     kinds = [type(cb) for cb in trainer.callbacks if not type(cb).__module__.startswith("lightning.")]
-    assert kinds == [GradientNormMonitor, WarmupConstantCosineLR, TrainingHealthMonitor]
+    assert kinds == [GradientNormMonitor, WarmupConstantCosineLR, TrainingHealthMonitor, PrecursorMonitor]
     trainer.fit(TinyModule())
     assert trainer.global_step == 4
     assert (tmp_path / "stability_report.json").is_file()  # the preset's health report, in default_root_dir

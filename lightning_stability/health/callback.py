@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -104,11 +104,20 @@ class TrainingHealthMonitor(LedgerCallback):
         report: write the stability report at the end of ``fit``, also when it ends in an exception, and send it
             to the loggers that take images or files (TensorBoard, W&B, MLflow).
         report_dir: where; default: the logger's ``log_dir``, else the Trainer's ``default_root_dir``.
+        skip_on: under ``response="skip"``, the spikes that skip an update: ``"any"``, the loss's or the gradient
+            norm's; ``"loss"``, the loss's alone: a gradient-norm spike without one is applied (clipped by
+            ``GradientNormMonitor(max_norm=...)`` where one is attached), recorded in the history and the report,
+            and warned about. A non-finite loss or norm always skips. A step whose loss is not known has no loss
+            spike. Other responses take ``"any"`` only (see :func:`check_skip_on`).
         log_every_n_steps: default: the Trainer's.
 
     Example::
 
         trainer = L.Trainer(callbacks=[GradientNormMonitor(max_norm=1.0), TrainingHealthMonitor(response="skip")])
+        # skip only on loss spikes: a gradient-norm spike alone is clipped to 1.0 and applied
+        trainer = L.Trainer(
+            callbacks=[GradientNormMonitor(max_norm=1.0), TrainingHealthMonitor(response="skip", skip_on="loss")]
+        )
     """
 
     one_instance_reason = "each would vote on the same steps and restore the same weights"
@@ -129,6 +138,7 @@ class TrainingHealthMonitor(LedgerCallback):
         top_modules: int = 5,
         report: bool = True,
         report_dir: str | Path | None = None,
+        skip_on: Literal["any", "loss"] = "any",
         log_every_n_steps: int | None = None,
     ) -> None:
         super().__init__(log_every_n_steps)
@@ -145,10 +155,12 @@ class TrainingHealthMonitor(LedgerCallback):
             top_modules,
             max_disk_rollbacks,
         )
+        check_skip_on(skip_on, response)
         check_bool("report", report)
         if report_dir is not None:
             check_path("report_dir", report_dir, "'reports/'")
         self.response, self.spike_z, self.clip_z = response, float(spike_z), float(clip_z)
+        self.skip_on = skip_on
         self.rollback = Rollback(snapshot_every, skip_batches, max_rollbacks, max_disk_rollbacks)
         self.report, self.report_dir = report, report_dir
         # a lasting new level is learnt after 10 steps above the threshold; never under "rollback", which rolls
@@ -157,7 +169,7 @@ class TrainingHealthMonitor(LedgerCallback):
         k = NEW_LEVEL_AFTER
         levels = {"rollback": (None, None), "clip": (k, None)}.get(response, (k, k))
         self.stats = SpikeStats(2, alpha, warmup_steps, new_level_after=levels)
-        self._log = HealthReporter(response, self.spike_z, memory_warn_fraction, top_modules)
+        self._log = HealthReporter(response, self.spike_z, memory_warn_fraction, top_modules, skip_on)
         self._spiked: Tensor | bool = False  # the last scored step's spike flag (rollback), on the device
         self._damaged = HostFlag()  # "this step and the one before spiked", read on the host one step later
         self._module_of: dict[int, int] = {}  # id(param) -> its module's index in `_names`
@@ -184,7 +196,7 @@ class TrainingHealthMonitor(LedgerCallback):
         return self._log.events
 
     def state_fields(self) -> dict[str, Any]:
-        return {"response": self.response}
+        return {"response": self.response}  # skip_on left out: the state is the same, a checkpoint loads either way
 
     # ------------------------------------------------------------------ setup
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -255,7 +267,8 @@ class TrainingHealthMonitor(LedgerCallback):
             threshold = threshold.reshape(1)
             self.record_metric("stability/clip_threshold", threshold[0])
         elif self.response in ("skip", "rollback"):
-            ledger.mark_skip(Outcome.SKIPPED_SPIKE, spikes.any())
+            # skip_on="loss": the loss's flag alone (a gradient-norm spike without one is applied)
+            ledger.mark_skip(Outcome.SKIPPED_SPIKE, spikes[_LOSS] if self.skip_on == "loss" else spikes.any())
         damaged: Tensor | bool = False
         if self.response == "rollback":
             # the damage got in when this step spiked on the weights of a spike whose update was skipped
@@ -468,7 +481,13 @@ class TrainingHealthMonitor(LedgerCallback):
             directory = (
                 trainer.logger.log_dir if trainer.logger is not None and trainer.logger.log_dir else None
             ) or trainer.default_root_dir
-        meta = {"response": self.response, "spike_z": self.spike_z, "clip_z": self.clip_z, "ended": ended}
+        meta = {
+            "response": self.response,
+            "skip_on": self.skip_on,
+            "spike_z": self.spike_z,
+            "clip_z": self.clip_z,
+            "ended": ended,
+        }
         counts = {"rollbacks": self.rollback.rollbacks, "disk_rollbacks": self.rollback.disk_rollbacks}
         json_path, png_path = self._log.write_report(directory or ".", {**meta, **counts})
         if trainer is not None:
@@ -544,6 +563,24 @@ def check_health_arguments(
         check_int(name, value, 0, "3 or 5")
     check_int("max_disk_rollbacks", max_disk_rollbacks, 0, "1, or 0 to stop instead of loading a checkpoint")
     check_number("memory_warn_fraction", memory_warn_fraction, 0.0, 1.0, example="0.9", high_inclusive=True)
+
+
+def check_skip_on(skip_on: Any, response: Any) -> None:
+    """Raise ``StabilityConfigError`` for a bad ``skip_on``, or ``"loss"`` with a response other than ``"skip"``.
+
+    ``"loss"`` chooses what ``"skip"`` skips. ``"warn"`` and ``"clip"`` skip no spike, so it would change nothing
+    there; ``"rollback"`` tells damage in the weights from a bad batch by a spike on the step after a skipped one,
+    the gradient norm's included, and skipping fewer steps would let a gradient-norm spike's update in before that
+    test (a rule not measured in ``benchmarks/rollback_defaults.py``)."""
+    if skip_on not in ("any", "loss"):
+        raise config_error("skip_on", skip_on, "is not a choice", "pass 'any' (loss or gradient-norm spikes) or 'loss'")
+    if skip_on == "loss" and response != "skip":
+        raise config_error(
+            "skip_on",
+            skip_on,
+            f"chooses what response='skip' skips; response={response!r} takes 'any' only",
+            "pass response='skip' with skip_on='loss', or leave skip_on='any'",
+        )
 
 
 def _total_steps(trainer: pl.Trainer) -> int | None:

@@ -338,10 +338,14 @@ class HealthReporter:
         spike_z: its spike threshold (named in the warnings).
         memory_warn_fraction: warn when the peak memory passes this share of the capacity.
         top_modules: per-module update ratios logged on logging steps (the largest ones).
+        skip_on: the spikes that ``"skip"`` skips (``"any"`` or ``"loss"``): under ``"loss"`` a gradient-norm spike
+            without a loss spike gets its own event and warning, as applied.
     """
 
-    def __init__(self, response: str, spike_z: float, memory_warn_fraction: float, top_modules: int) -> None:
-        self.response, self.spike_z = response, spike_z
+    def __init__(
+        self, response: str, spike_z: float, memory_warn_fraction: float, top_modules: int, skip_on: str = "any"
+    ) -> None:
+        self.response, self.spike_z, self.skip_on = response, spike_z, skip_on
         self.memory_warn_fraction, self.top_modules = memory_warn_fraction, top_modules
         self.history = HealthHistory()
         self.events: list[dict[str, Any]] = []  # the newest MAX_EVENTS
@@ -383,7 +387,13 @@ class HealthReporter:
         """Append the transferred rows to the history and warn about their spikes; returns the skip rate."""
         taken = self.history.take(rows, sparse)
         self._note_new_levels(taken)
-        spikes = [int(row["step"]) for row in taken if SPIKE in (row["loss_spike"], row["grad_spike"])]
+        spiked = [row for row in taken if SPIKE in (row["loss_spike"], row["grad_spike"])]
+        if self.skip_on == "loss" and self.response == "skip":  # a gradient-norm spike alone was applied
+            kept = [row for row in spiked if row["loss_spike"] != SPIKE]
+            spiked = [row for row in spiked if row["loss_spike"] == SPIKE]
+            if kept:
+                self._note_applied(kept)
+        spikes = [int(row["step"]) for row in spiked]
         if spikes:
             action = _ACTIONS[self.response]
             self.add_events([{"step": step, "kind": "spike", "detail": action} for step in spikes])
@@ -393,6 +403,27 @@ class HealthReporter:
                 category=UserWarning,
             )
         return {"stability/skip_rate": sum(row["outcome"] != 0 for row in taken) / len(taken)} if taken else {}
+
+    def _note_applied(self, rows: list[dict[str, float]]) -> None:
+        """An event per gradient-norm spike that ``skip_on="loss"`` applied, naming the clip it got, and a warning."""
+        events = []
+        for row in rows:
+            clip, norm = row.get("clip_threshold", math.nan), row["grad_norm"]
+            if not math.isfinite(clip):
+                how = "not clipped (no fixed clip attached)"
+            elif norm > clip:
+                how = f"its gradient norm {norm:.4g} clipped to {clip:g}"
+            else:
+                how = f"its gradient norm {norm:.4g} under the clip ({clip:g})"
+            detail = f"a gradient-norm spike without a loss spike: applied, {how} (skip_on='loss')"
+            events.append({"step": int(row["step"]), "kind": "spike", "detail": detail})
+        self.add_events(events)
+        rank_zero_warn(
+            f"TrainingHealthMonitor: a gradient-norm spike (more than {self.spike_z:g} standard deviations above its "
+            f"running mean) without a loss spike at step(s) {[e['step'] for e in events]}: applied, as "
+            "skip_on='loss' asks (clipped where GradientNormMonitor(max_norm=...) is attached).",
+            category=UserWarning,
+        )
 
     def _note_new_levels(self, taken: list[dict[str, float]]) -> None:
         """An event and a warning where a signal's values start to count as a new level (flag 2 in the history):

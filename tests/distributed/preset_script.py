@@ -25,6 +25,7 @@ trainer = StableTrainer.from_preset(
     enable_progress_bar=False,
     enable_model_summary=False,
     enable_checkpointing=False,
+    lr_backoff=None,  # PrecursorMonitor multi-process: lead's branch
 )
 trainer.fit(TinyModule(n=1024))
 module = trainer.lightning_module

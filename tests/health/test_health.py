@@ -486,6 +486,11 @@ def test_works_beside_gradient_norm_monitor_in_any_order() -> None:
         ({"skip_batches": -1}, r"`skip_batches=-1` must be an int >= 0"),
         ({"warmup_steps": 0}, r"warmup_steps"),
         ({"warmup_steps": 1}, r"`warmup_steps=1` must be >= 2"),
+        ({"skip_on": "grad"}, r"`skip_on='grad'` is not a choice. Fix: pass 'any'"),
+        ({"response": "skip", "skip_on": None}, r"`skip_on=None` is not a choice"),
+        ({"response": "rollback", "skip_on": "loss"}, r"`skip_on='loss'` chooses what response='skip' skips"),
+        ({"response": "warn", "skip_on": "loss"}, r"response='warn' takes 'any' only"),
+        ({"response": "clip", "skip_on": "loss"}, r"response='clip' takes 'any' only"),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
@@ -760,3 +765,93 @@ def test_the_report_draws_the_fixed_clip_the_steps_were_clipped_to(health_first:
     alone = monitor("warn")
     quiet_trainer(max_steps=8, callbacks=[alone]).fit(Spiky(spike_at=()))
     assert all(math.isnan(t) for t in alone.history.series["clip_threshold"])
+
+
+GRAD_SPIKE = 14  # the optimizer step whose gradient (not its loss) is multiplied by 100
+
+
+class GradOnlySpiky(Spiky):
+    """Spiky's loss spike at ``SPIKE``, and at ``GRAD_SPIKE`` a gradient 100x as large with the loss's value unchanged
+    (the loss plus 99 times its own value's deviation from a detached copy of it)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss + 99 * (loss - loss.detach()) if self.global_step == GRAD_SPIKE else loss
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])
+def test_skip_on_loss_applies_a_gradient_norm_spike_alone_and_still_skips_a_loss_spike(optimizer: str) -> None:
+    pl.seed_everything(0)
+    states, mon = StepStates(), monitor("skip", skip_on="loss")
+    trainer = quiet_trainer(max_steps=18, callbacks=[mon, states])
+    with pytest.warns(UserWarning) as record:
+        trainer.fit(GradOnlySpiky(optimizer=optimizer))
+    messages = [str(w.message) for w in record]
+    series = mon.history.series
+    # both found: the loss spike at SPIKE, the gradient-norm spike alone at GRAD_SPIKE
+    assert [i for i, f in enumerate(series["loss_spike"]) if f == 1] == [SPIKE]
+    assert [i for i, f in enumerate(series["grad_spike"]) if f == 1] == [SPIKE, GRAD_SPIKE]
+    # only the loss spike skipped: weights and AdamW state untouched there, the gradient-norm spike applied
+    assert same(states.before[SPIKE], states.after[SPIKE])
+    assert not same(states.before[GRAD_SPIKE], states.after[GRAD_SPIKE])
+    assert [int(o) for o in series["outcome"]] == [int(Outcome.SKIPPED_SPIKE) if i == SPIKE else 0 for i in range(18)]
+    assert StepLedger.of(trainer).record_of().counts.tolist() == [17, 0, 0, 1, 0]
+    # each warned about and in the events as what was done
+    assert any(f"at step(s) [{SPIKE}]: those updates were skipped" in m for m in messages)
+    assert any(
+        f"without a loss spike at step(s) [{GRAD_SPIKE}]: applied, as skip_on='loss' asks" in m for m in messages
+    )
+    details = {e["step"]: e["detail"] for e in mon.events if e["kind"] == "spike"}
+    assert details[SPIKE] == "those updates were skipped"
+    assert details[GRAD_SPIKE].startswith("a gradient-norm spike without a loss spike: applied, not clipped")
+
+
+def test_skip_on_any_skips_both_spikes() -> None:
+    """The reference for the test above: the default skips the gradient-norm spike too."""
+    pl.seed_everything(0)
+    states, mon = StepStates(), monitor("skip")
+    trainer = quiet_trainer(max_steps=18, callbacks=[mon, states])
+    with pytest.warns(UserWarning) as record:
+        trainer.fit(GradOnlySpiky())
+    for step in (SPIKE, GRAD_SPIKE):
+        assert any(f"at step(s) [{step}]: those updates were skipped" in str(w.message) for w in record)
+    assert same(states.before[GRAD_SPIKE], states.after[GRAD_SPIKE])
+    assert StepLedger.of(trainer).record_of().counts.tolist() == [16, 0, 0, 2, 0]
+
+
+def test_skip_on_loss_names_the_fixed_clip_the_applied_spike_got() -> None:
+    """With GradientNormMonitor(max_norm) attached, the applied gradient-norm spike's update is the clipped one: the
+    same update as a run that clips that step with the same max_norm and no health monitor."""
+    pl.seed_everything(0)
+    states, mon = StepStates(), monitor("skip", skip_on="loss")
+    trainer = quiet_trainer(max_steps=16, callbacks=[GradientNormMonitor(max_norm=0.5), mon, states])
+    with pytest.warns(UserWarning, match="applied, as skip_on='loss' asks"):
+        trainer.fit(GradOnlySpiky(spike_at=()))
+    (detail,) = [e["detail"] for e in mon.events if e["step"] == GRAD_SPIKE]
+    norm = mon.history.series["grad_norm"][GRAD_SPIKE]
+    assert norm > 0.5 and detail.endswith(f"applied, its gradient norm {norm:.4g} clipped to 0.5 (skip_on='loss')")
+    pl.seed_everything(0)
+    clipped = StepStates()
+    quiet_trainer(max_steps=16, callbacks=[GradientNormMonitor(max_norm=0.5), clipped]).fit(GradOnlySpiky(spike_at=()))
+    assert same(states.after[GRAD_SPIKE], clipped.after[GRAD_SPIKE])
+
+
+def test_skip_on_loss_still_skips_a_non_finite_loss() -> None:
+    states = StepStates()
+    trainer = quiet_trainer(max_steps=8, callbacks=[monitor("skip", skip_on="loss"), states])
+    trainer.fit(TinyModule(inf_at_step=6))
+    assert same(states.before[6], states.after[6])
+    assert StepLedger.of(trainer).record_of().counts.tolist()[Outcome.SKIPPED_NONFINITE] == 1
+
+
+def test_skip_on_loss_adds_no_host_sync_on_steps_that_do_not_log() -> None:
+    pl.seed_everything(0)
+    bare = count_syncs_per_step(quiet_trainer(max_steps=6, log_every_n_steps=50), TinyModule(optimizer="adamw_fused"))
+    pl.seed_everything(0)
+    ours = count_syncs_per_step(
+        quiet_trainer(
+            max_steps=6, log_every_n_steps=50, callbacks=[monitor("skip", skip_on="loss", log_every_n_steps=50)]
+        ),
+        TinyModule(optimizer="adamw_fused"),
+    )
+    assert ours == bare
