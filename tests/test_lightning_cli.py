@@ -19,7 +19,6 @@ from lightning_stability import (
     TrainingHealthMonitor,
     WarmupConstantCosineLR,
 )
-from lightning_stability.precursors import PrecursorMonitor
 from tests.helpers import TinyModule
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")

@@ -139,8 +139,6 @@ def run_demo(
                 trainer = pl.Trainer(logger=logger, callbacks=[losses], **common, **_bare_precision(precision))
             else:
                 extra: dict[str, Any] = {"precision": precision} if precision else {}
-                if devices > 1:
-                    extra["lr_backoff"] = None  # PrecursorMonitor multi-process: lead's branch
                 trainer = StableTrainer.from_preset(preset, logger=logger, callbacks=[losses], **common, **extra)
             say(f"\n[{name}] {_describe(trainer, name)}")
             started = time.perf_counter()

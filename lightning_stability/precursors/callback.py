@@ -244,8 +244,8 @@ class PrecursorMonitor(LedgerCallback):
             raise StabilityConfigError(
                 f"PrecursorMonitor's early actions (qk_clip, update_clip, lr_backoff, reset_moments) act once per "
                 f"update of the whole module; this module has {len(trainer.optimizers)} optimizers. Fix: leave the "
-                "actions off for this fit (PrecursorMonitor() still logs the precursors per optimizer), or train "
-                "with one optimizer."
+                "actions off for this fit (PrecursorMonitor() still logs the precursors per optimizer; in a preset, "
+                "lr_backoff=None removes it), or train with one optimizer."
             )
         for optimizer in trainer.optimizers if self._adam_actions else []:
             why = ""

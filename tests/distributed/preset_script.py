@@ -10,7 +10,7 @@ import warnings
 import lightning.pytorch as pl
 import torch
 
-from lightning_stability import LossScaleTuner, StableTrainer
+from lightning_stability import LossScaleTuner, PrecursorMonitor, StableTrainer
 from tests.helpers import TinyModule, exit_worker
 
 warnings.simplefilter("ignore")
@@ -25,7 +25,6 @@ trainer = StableTrainer.from_preset(
     enable_progress_bar=False,
     enable_model_summary=False,
     enable_checkpointing=False,
-    lr_backoff=None,  # PrecursorMonitor multi-process: lead's branch
 )
 trainer.fit(TinyModule(n=1024))
 module = trainer.lightning_module
@@ -34,11 +33,13 @@ weights = [
     for p in module.parameters()
 ]
 scaler = next(cb for cb in trainer.callbacks if isinstance(cb, LossScaleTuner)).scaler
+precursors = next(cb for cb in trainer.callbacks if isinstance(cb, PrecursorMonitor))
 result = {
     "strategy": type(trainer.strategy).__name__,
     "global_step": trainer.global_step,
     "weights": weights,
     "loss_scale": float(scaler.get_scale()) if scaler is not None else None,
+    "precursors": {"backoff": float(precursors.backoff), "adam_actions": precursors._adam_actions},
     "torch": torch.__version__,
 }
 with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
