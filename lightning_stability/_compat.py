@@ -528,6 +528,16 @@ def foreach_div(tensors: list[Tensor], others: list[Tensor]) -> tuple[Tensor, ..
     return torch._foreach_div(tensors, others)
 
 
+def foreach_add_(tensors: list[Tensor], others: list[Tensor]) -> None:
+    """``tensors[i] += others[i]`` in place for all i (``torch._foreach_add_``); ``others`` may be 0-dim tensors."""
+    torch._foreach_add_(tensors, others)
+
+
+def foreach_mul_scalar(tensors: list[Tensor], scalar: float) -> tuple[Tensor, ...]:
+    """``tensors[i] * scalar`` for all i (``torch._foreach_mul``)."""
+    return torch._foreach_mul(tensors, scalar)
+
+
 def foreach_add_scalar_(tensors: list[Tensor], scalar: float) -> None:
     """``tensors[i] += scalar`` in place for all i (``torch._foreach_add_``)."""
     torch._foreach_add_(tensors, scalar)

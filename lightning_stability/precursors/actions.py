@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from lightning_stability import _compat
 from lightning_stability.errors import StabilityConfigError, check_number, config_error
 from lightning_stability.norms import is_dtensor, local_tensor, per_tensor_norms_of_parts
+from lightning_stability.precursors.adam import adam_updates
 from lightning_stability.precursors.attention import registered_projection
 
 #: Kimi K2's threshold on the max attention logit, and its split of the clip between W_q and W_k.
@@ -241,6 +242,25 @@ def clip_updates_(
             p.mul_(c).add_(p0 * (1 - lr * weight_decay) * (1 - c))
 
 
+def rescale_updates_(params: Sequence[Tensor], updates: list[Tensor], coefficients: Tensor) -> None:
+    """Scale the Adam steps ``updates`` that ``params`` have just taken by ``coefficients``, copy-free.
+
+    Adam subtracted each update ``u`` (:attr:`~.adam.AdamUpdates.updates`); ``p += (1 - c) * u`` leaves ``c`` of
+    it (decoupled weight decay stays at the full LR, as in StableAdamW's reference code). ``coefficients``: a 0-dim
+    tensor for every tensor (one fused multiply), or ``(n,)``, one per tensor; 1 leaves a tensor as it is, so a
+    caller passes 1 for a step that was skipped. Works on each rank's part of a sharded tensor. ``updates`` are
+    used up (scaled in place). No host sync.
+    """
+    if not params:
+        return
+    with torch.no_grad():
+        if coefficients.dim() == 0:
+            _compat.foreach_mul_(updates, 1 - coefficients)
+        else:
+            _compat.foreach_mul_scalars_(updates, list((1 - coefficients).unbind()))
+        _compat.foreach_add_([local_tensor(p) for p in params], updates)
+
+
 def rescale_adam_updates_(
     optimizer: torch.optim.Optimizer,
     params: Sequence[Tensor],
@@ -254,29 +274,22 @@ def rescale_adam_updates_(
     :func:`clip_updates_` without a copy of the weights from before the step (the decay stays at the full LR).
     ``coefficients``: ``(len(params),)`` on the device; a coefficient of 1 leaves its tensor alone, so a caller
     passes 1 for a step that was skipped (the state then holds the previous step's moments). ``lrs``: each param
-    group's LR as the step used it (default: the groups' ``lr`` now; an LR schedule that sets the next step's LR
-    right after the step needs them). No host sync.
+    group's LR as the step used it (default: the groups' ``lr`` now). Tensors without state are left alone. No host
+    sync. (:func:`rescale_updates_` does the same from updates a caller already has.)
 
     Raises:
         StabilityConfigError: for ``amsgrad`` param groups (the denominator is the running max: not recomputed).
     """
-    owner = {id(p): (i, g) for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
-    with torch.no_grad():
-        for p, c in zip(params, coefficients.unbind(), strict=True):
-            (index, group), state = owner[id(p)], optimizer.state.get(p, {})
-            if "exp_avg" not in state:
-                continue
-            if group.get("amsgrad", False):
-                raise config_error("amsgrad", True, "is not supported by the update rescaling", "use amsgrad=False")
-            beta1, beta2 = group["betas"]
-            step = torch.as_tensor(state["step"], dtype=torch.float32)  # where torch keeps it: no copy
-            bc1 = 1 - torch.pow(float(beta1), step)
-            root_bc2 = (1 - torch.pow(float(beta2), step)).sqrt()
-            denom = (local_tensor(state["exp_avg_sq"]).sqrt() / root_bc2).add_(float(group["eps"]))
-            lr = group["lr"] if lrs is None else lrs[index]
-            back = (1 - c) * (lr if isinstance(lr, Tensor) else float(lr)) / bc1
-            local = local_tensor(p)  # element-wise: each rank its shard of a DTensor
-            local.add_((local_tensor(state["exp_avg"]) / denom).mul_(back.to(local.device, local.dtype)))
+    wanted = {id(p): i for i, p in enumerate(params)}
+    for group in optimizer.param_groups:
+        if group.get("amsgrad", False) and any(id(p) in wanted for p in group["params"]):
+            raise config_error("amsgrad", True, "is not supported by the update rescaling", "use amsgrad=False")
+    found = adam_updates(optimizer, lrs)
+    keep = [k for k, p in enumerate(found.params) if id(p) in wanted]
+    if keep:
+        chosen = [found.params[k] for k in keep]
+        mine = torch.stack([coefficients[wanted[id(p)]] for p in chosen])
+        rescale_updates_(chosen, [found.updates[k] for k in keep], mine)
 
 
 # ---------------------------------------------------------------------------------------------- momentum reset

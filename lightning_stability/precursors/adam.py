@@ -33,6 +33,24 @@ from lightning_stability.norms import local_tensor, per_tensor_norms_of_parts
 
 
 @dataclass
+class AdamUpdates:
+    """The step Adam just applied to each tensor, ``lr * m_hat / (sqrt(v_hat) + eps)``, recomputed from its state.
+
+    Attributes:
+        params: the tensors with Adam state, in param-group order.
+        updates: this rank's part of each one's update (a ``DTensor``'s local shard; the tensor's dtype).
+        norms: ``(n,)`` fp32, each update's 2-norm (of the whole tensor when sharded).
+        eps_share: ``(n,)`` fp32 in [0, 1], the share of its coordinates where ``sqrt(v_hat) < eps``; ``None``
+            when not asked for.
+    """
+
+    params: list[Tensor]
+    updates: list[Tensor]
+    norms: Tensor
+    eps_share: Tensor | None
+
+
+@dataclass
 class AdamUpdateStats:
     """One optimizer step's figures, one entry per tensor with Adam state, in param-group order.
 
@@ -52,24 +70,30 @@ def is_adam_like(optimizer: torch.optim.Optimizer) -> bool:
     return all("betas" in g and "eps" in g for g in optimizer.param_groups)
 
 
-def adam_update_stats(optimizer: torch.optim.Optimizer, lrs: Sequence[float | Tensor] | None = None) -> AdamUpdateStats:
-    """The update RMS and epsilon-dominated share of each tensor, from ``optimizer``'s state after its step.
+def adam_updates(
+    optimizer: torch.optim.Optimizer, lrs: Sequence[float | Tensor] | None = None, eps_share: bool = False
+) -> AdamUpdates:
+    """Each tensor's Adam step, recomputed from ``optimizer``'s state right after its step, with its norm.
 
-    Tensors without state yet (no step taken) are left out. ``lrs``: each param group's LR as the step used it
-    (default: the groups' ``lr`` now; an LR schedule that sets the next step's LR right after the step needs them).
+    ``u = lr * m_hat / (sqrt(v_hat) + eps)`` is computed as ``m / (sqrt(v) + eps * c2) * (lr * c2 / c1)`` with
+    ``c1 = 1 - beta1^t`` and ``c2 = sqrt(1 - beta2^t)``: two element-wise passes and one multiply by a per-tensor
+    scalar. Tensors without state yet (no step taken) are left out. ``lrs``: each param group's LR as the step used
+    it (default: the groups' ``lr`` now; an LR schedule that sets the next step's LR right after the step needs
+    them). ``eps_share``: also the epsilon-dominated share (two more passes).
 
     Raises:
         StabilityConfigError: when ``optimizer`` is not Adam-like (:func:`is_adam_like`).
     """
     if not is_adam_like(optimizer):
         raise StabilityConfigError(
-            f"adam_update_stats needs an Adam-like optimizer (param groups with 'betas' and 'eps', state "
+            f"adam_updates needs an Adam-like optimizer (param groups with 'betas' and 'eps', state "
             f"'exp_avg'/'exp_avg_sq'), got {type(optimizer).__name__}. Fix: use torch.optim.Adam or AdamW, or "
             "leave the Adam statistics off for this optimizer."
         )
     params: list[Tensor] = []
-    rms: list[Tensor] = []
-    share: list[Tensor] = []
+    updates: list[Tensor] = []
+    norms: list[Tensor] = []
+    shares: list[Tensor] = []
     for i, group in enumerate(optimizer.param_groups):
         have = [p for p in group["params"] if "exp_avg" in optimizer.state.get(p, {})]
         if not have:
@@ -78,31 +102,43 @@ def adam_update_stats(optimizer: torch.optim.Optimizer, lrs: Sequence[float | Te
         second = "max_exp_avg_sq" if group.get("amsgrad", False) else "exp_avg_sq"
         beta1, beta2 = group["betas"]
         eps = float(group["eps"])
-        steps = [torch.as_tensor(s["step"], dtype=torch.float32) for s in states]
-        bc1 = list(_compat.foreach_pow(float(beta1), steps))
-        _compat.foreach_one_minus_(bc1)  # 1 - beta1^t
-        bc2 = list(_compat.foreach_pow(float(beta2), steps))
-        _compat.foreach_one_minus_(bc2)
-        sqrt_bc2 = list(_compat.foreach_sqrt(bc2))
-        # element-wise on each rank's part (a DTensor's local shard); the norms below count the whole tensors
-        firsts = [local_tensor(s["exp_avg"]) for s in states]
-        seconds = [local_tensor(s[second]) for s in states]
-        root_v = list(_compat.foreach_div(list(_compat.foreach_sqrt(seconds)), sqrt_bc2))
-        # the epsilon-dominated share, before eps is added: ||sign(min(sqrt(v_hat) - eps, 0))||_1 / numel
-        below = [r.clone() for r in root_v]
-        _compat.foreach_below_(below, eps)
-        _compat.foreach_mul_scalars_(below, [1.0 / p.numel() for p in have])
-        share.append(per_tensor_norms_of_parts(below, [s[second] for s in states], 1.0))
-        _compat.foreach_add_scalar_(root_v, eps)  # torch's denominator sqrt(v_hat) + eps
-        update = list(_compat.foreach_div(list(_compat.foreach_div(firsts, bc1)), root_v))
+        # the bias corrections of every tensor at once, where torch keeps the step counts (host or device)
+        steps = torch.stack([torch.as_tensor(s["step"], dtype=torch.float32) for s in states])
+        c1 = 1 - torch.pow(float(beta1), steps)  # 1 - beta1^t
+        c2 = (1 - torch.pow(float(beta2), steps)).sqrt()  # sqrt(1 - beta2^t)
         lr = group["lr"] if lrs is None else lrs[i]
-        if isinstance(lr, Tensor):  # a tensor LR (capturable, or a schedule that writes tensors): no host read
-            _compat.foreach_mul_(update, lr)
-            lr = 1.0
-        _compat.foreach_mul_scalars_(update, [float(lr) / math.sqrt(p.numel()) for p in have])
-        rms.append(per_tensor_norms_of_parts(update, [s["exp_avg"] for s in states]))  # ||lr * u|| / sqrt(numel)
+        # a tensor LR (capturable, or a schedule that writes tensors) is used as it is: no host read
+        scale = c2 / c1 * (lr.to(c1.device) if isinstance(lr, Tensor) else float(lr))
+        # element-wise on each rank's part (a DTensor's local shard); the norms count the whole tensors
+        denom = list(_compat.foreach_sqrt([local_tensor(s[second]) for s in states]))  # sqrt(v)
+        if eps_share:  # sqrt(v_hat) < eps: ||sign(min(sqrt(v_hat) - eps, 0))||_1 / numel
+            below = list(_compat.foreach_div(denom, list(c2.unbind())))
+            _compat.foreach_below_(below, eps)
+            _compat.foreach_mul_scalars_(below, [1.0 / p.numel() for p in have])
+            shares.append(per_tensor_norms_of_parts(below, [s[second] for s in states], 1.0))
+        _compat.foreach_add_(denom, list((c2 * eps).unbind()))  # sqrt(v) + eps * c2
+        update = list(_compat.foreach_div([local_tensor(s["exp_avg"]) for s in states], denom))
+        _compat.foreach_mul_scalars_(update, list(scale.unbind()))
+        norms.append(per_tensor_norms_of_parts(update, [s["exp_avg"] for s in states]))
         params.extend(have)
+        updates.extend(update)
     if not params:
-        empty = torch.zeros(0)
-        return AdamUpdateStats([], empty, empty)
-    return AdamUpdateStats(params, torch.cat(rms), torch.cat(share))
+        return AdamUpdates([], [], torch.zeros(0), torch.zeros(0) if eps_share else None)
+    return AdamUpdates(params, updates, torch.cat(norms), torch.cat(shares) if eps_share else None)
+
+
+def adam_update_stats(optimizer: torch.optim.Optimizer, lrs: Sequence[float | Tensor] | None = None) -> AdamUpdateStats:
+    """The update RMS and epsilon-dominated share of each tensor, from ``optimizer``'s state after its step.
+
+    Tensors without state yet (no step taken) are left out. ``lrs``: as :func:`adam_updates` takes them.
+
+    Raises:
+        StabilityConfigError: when ``optimizer`` is not Adam-like (:func:`is_adam_like`).
+    """
+    found = adam_updates(optimizer, lrs, eps_share=True)
+    assert found.eps_share is not None
+    if not found.params:
+        return AdamUpdateStats([], found.norms, found.eps_share)
+    device = found.norms.device
+    roots = torch.stack([torch.full((), math.sqrt(p.numel()), device=device) for p in found.params])  # fills
+    return AdamUpdateStats(found.params, found.norms / roots, found.eps_share)

@@ -56,13 +56,13 @@ from lightning_stability.precursors.actions import (
     QKProjection,
     apply_qk_clip_,
     qk_projection,
-    rescale_adam_updates_,
+    rescale_updates_,
     update_clip_coefficients,
 )
-from lightning_stability.precursors.adam import adam_update_stats, is_adam_like
+from lightning_stability.precursors.adam import AdamUpdates, adam_updates, is_adam_like
 from lightning_stability.precursors.attention import AttentionLogits, attention_modules
 from lightning_stability.precursors.logits import LogPartition, find_head
-from lightning_stability.precursors.update_ratio import adam_update_norms, layer_groups, update_to_weight_ratios
+from lightning_stability.precursors.update_ratio import layer_groups, update_to_weight_ratios
 
 Signal = Literal["update_ratio", "attention_logit", "log_z_drift", "update_rms_jump"]
 SIGNALS: tuple[str, ...] = ("update_ratio", "attention_logit", "log_z_drift", "update_rms_jump")
@@ -354,7 +354,9 @@ class PrecursorMonitor(LedgerCallback):
             return
         open_step.params = params
         device = grads.total.device
-        if self.update_clip is not None or self.lr_backoff is not None:
+        if self.update_clip is None and self.lr_backoff is not None:
+            open_step.coef = self._backoff_tensor(device)  # one factor for every tensor (0-dim)
+        elif self.update_clip is not None:
             coef = torch.ones(len(params), device=device)
             if self.update_clip is not None:
                 parts = []
@@ -419,9 +421,16 @@ class PrecursorMonitor(LedgerCallback):
             return
         optimizer = open_step.optimizer
         applied = _applied(ledger.outcome, self._device(trainer))
-        if open_step.coef is not None:
-            coef = torch.where(applied, open_step.coef, 1.0)
-            rescale_adam_updates_(optimizer, open_step.params, coef, open_step.lrs)
+        reads, self._reads = self._reads or self.is_logging_step, False
+        signal = self.lr_backoff.signal if self.lr_backoff is not None else None
+        found = None  # the updates just applied, recomputed once for the rescaling, the signals and the figures
+        if (open_step.coef is not None or reads or signal in ("update_ratio", "update_rms_jump")) and is_adam_like(
+            optimizer
+        ):
+            found = adam_updates(optimizer, open_step.lrs, eps_share=reads)
+            open_step.applied_coef = self._coef_for(open_step, found.params, found.norms.device)
+            if open_step.coef is not None:
+                rescale_updates_(found.params, found.updates, torch.where(applied, open_step.applied_coef, 1.0))
         if self.reset_moments and open_step.hit is not None and ledger.health is not None:
             hit = open_step.hit & ledger.health.spike.to(open_step.hit.device) & applied
             keep = (~hit).to(torch.float32)
@@ -442,15 +451,11 @@ class PrecursorMonitor(LedgerCallback):
             if clipped:
                 self.clipped_heads = torch.stack(clipped).sum().float() + self.clipped_heads
         log_z = self._log_z.end_step() if self._log_z is not None else None
-        stats = None
-        reads, self._reads = self._reads or self.is_logging_step, False
-        if reads or (self.lr_backoff is not None and self.lr_backoff.signal in ("update_ratio", "update_rms_jump")):
-            stats = adam_update_stats(optimizer, open_step.lrs) if is_adam_like(optimizer) else None
-        signals = self._signals(open_step, stats, maxima, log_z)
+        signals = self._signals(open_step, found, maxima, log_z)
         if self.lr_backoff is not None:
             self._move_backoff(signals.get(self.lr_backoff.signal), applied)
         if reads:  # into callback_metrics at once; to the loggers on logging steps only (no transfer otherwise)
-            self._record(open_step, stats, maxima, log_z, signals)
+            self._record(open_step, found, maxima, log_z, signals)
 
     def _device(self, trainer: pl.Trainer) -> torch.device:
         return trainer.lightning_module.device if trainer.lightning_module is not None else torch.device("cpu")
@@ -471,25 +476,29 @@ class PrecursorMonitor(LedgerCallback):
     def _signals(
         self,
         open_step: _OpenStep,
-        stats: Any,
+        found: AdamUpdates | None,
         maxima: dict[str, Tensor],
         log_z: tuple[Tensor, Tensor] | None,
     ) -> dict[str, Tensor]:
-        """The step's precursor values (device tensors), those that were measured."""
+        """The step's precursor values (device tensors), those measured; each alike on every rank."""
         out: dict[str, Tensor] = {}
         if maxima:
             out["attention_logit"] = torch.stack([m.amax() for m in maxima.values()]).amax()
         if log_z is not None:
             out["log_z_drift"] = log_z[1].abs()
-        if stats is not None and stats.params:
-            norms = adam_update_norms(stats, self._roots(stats.params, stats.update_rms.device))
-            coef = self._coef_for(open_step, stats.params, norms.device)
-            applied = norms * coef
-            weights = per_tensor_norms([p.detach() for p in stats.params])
-            out["update_ratio"] = applied.norm() / weights.norm().clamp(min=torch.finfo(torch.float32).tiny)
+        if found is not None and found.params:
+            coef = open_step.applied_coef
+            applied = found.norms if coef is None else found.norms * coef
+            weights = per_tensor_norms([p.detach() for p in found.params])
+            total = applied.norm()
+            ratio = total / weights.norm().clamp(min=torch.finfo(torch.float32).tiny)
+            if _world_size() > 1:  # alike on every rank (and in rank 0's checkpoint), also if a rank's state strayed
+                both = torch.stack([ratio, total])
+                dist.all_reduce(both, op=dist.ReduceOp.MAX)
+                ratio, total = both.unbind()
+            out["update_ratio"] = ratio
             out["_update_norms"] = applied
             out["_weight_norms"] = weights
-            total = applied.norm()
             ema = self._rms_ema
             if isinstance(ema, Tensor) and ema.device != total.device:  # resumed: restored on the CPU
                 ema = self._rms_ema = ema.to(total.device)
@@ -498,9 +507,11 @@ class PrecursorMonitor(LedgerCallback):
         return out
 
     def _coef_for(self, open_step: _OpenStep, params: list[Tensor], device: torch.device) -> Tensor:
-        """The coefficient each of ``params`` was rescaled by this step (1 where none)."""
+        """The coefficient each of ``params`` is rescaled by this step (1 where none): 0-dim when one for all."""
         if open_step.coef is None:
-            return torch.ones(len(params), device=device)
+            return torch.ones((), device=device)
+        if open_step.coef.dim() == 0:
+            return open_step.coef  # the back-off alone: one factor for every tensor
         if len(params) == len(open_step.params) and all(p is q for p, q in zip(params, open_step.params, strict=True)):
             return open_step.coef  # the same tensors in the same order: no gather
         index = {id(p): i for i, p in enumerate(open_step.params)}
@@ -512,10 +523,7 @@ class PrecursorMonitor(LedgerCallback):
         config = self.lr_backoff
         if config is None or signal is None:
             return
-        factor = self._backoff_tensor(signal.device)
-        if _world_size() > 1:  # every rank moves alike, also if one rank's state went its own way
-            signal = signal.clone()
-            dist.all_reduce(signal, op=dist.ReduceOp.MAX)
+        factor = self._backoff_tensor(signal.device)  # every signal is alike on every rank (see _signals)
         past = signal > config.threshold
         moved = torch.where(
             past, (factor * config.factor).clamp(min=config.floor), (factor * config.recovery).clamp(max=1.0)
@@ -525,7 +533,7 @@ class PrecursorMonitor(LedgerCallback):
     def _record(
         self,
         open_step: _OpenStep,
-        stats: Any,
+        found: AdamUpdates | None,
         maxima: dict[str, Tensor],
         log_z: tuple[Tensor, Tensor] | None,
         signals: dict[str, Tensor],
@@ -537,10 +545,12 @@ class PrecursorMonitor(LedgerCallback):
         if log_z is not None:
             self.record_metric("stability/log_z", log_z[0])
             self.record_metric("stability/log_z_drift", log_z[1])
-        if stats is not None and stats.params:
-            index, weights, layers = self._layer_index(stats.params, signals["_update_norms"].device)
-            share = (stats.eps_share * weights).sum()  # each tensor's share weighted by its size
-            self.record_metric("stability/adam_update_rms_max", stats.update_rms.max())
+        if found is not None and found.params and found.eps_share is not None:
+            device = signals["_update_norms"].device
+            index, weights, layers = self._layer_index(found.params, device)
+            share = (found.eps_share * weights).sum()  # each tensor's share weighted by its size
+            rms = found.norms / self._roots(found.params, device)  # the Adam step's RMS, before any rescaling
+            self.record_metric("stability/adam_update_rms_max", rms.max())
             self.record_metric("stability/adam_eps_share", share)
             self.record_metric("stability/adam_update_ratio", signals["update_ratio"])
             ratios = update_to_weight_ratios(signals["_update_norms"], signals["_weight_norms"], index, len(layers))
@@ -608,7 +618,8 @@ class _OpenStep:
         self.optimizer = optimizer
         self.params: list[Tensor] = []
         self.lrs: list[Any] = []  # the param groups' LRs as the step used them
-        self.coef: Tensor | None = None  # per tensor: the update clip times the back-off
+        self.coef: Tensor | None = None  # per tensor: the update clip times the back-off (0-dim: the back-off alone)
+        self.applied_coef: Tensor | None = None  # the same for the tensors the step updated (after it)
         self.clip_coef: Tensor | None = None  # per tensor: the update clip alone
         self.hit: Tensor | None = None  # per tensor: its gradient spiked (moment reset)
 
@@ -636,9 +647,9 @@ def _agree_across_ranks(open_step: _OpenStep) -> None:
     parts = [t for t in (open_step.clip_coef, open_step.coef) if t is not None]
     if open_step.hit is not None:
         parts.append(1.0 - open_step.hit.float())  # min over ranks of "not hit": hit on any rank
-    flat = torch.cat(parts)
+    flat = torch.cat([t.reshape(-1) for t in parts])
     dist.all_reduce(flat, op=dist.ReduceOp.MIN)
-    chunks = list(flat.split([t.numel() for t in parts]))
+    chunks = [c.reshape(t.shape) for c, t in zip(flat.split([t.numel() for t in parts]), parts, strict=True)]
     if open_step.clip_coef is not None:
         open_step.clip_coef = chunks.pop(0)
     if open_step.coef is not None:
