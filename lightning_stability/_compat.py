@@ -533,9 +533,14 @@ def foreach_add_(tensors: list[Tensor], others: list[Tensor]) -> None:
     torch._foreach_add_(tensors, others)
 
 
-def foreach_mul_scalar(tensors: list[Tensor], scalar: float) -> tuple[Tensor, ...]:
-    """``tensors[i] * scalar`` for all i (``torch._foreach_mul``)."""
-    return torch._foreach_mul(tensors, scalar)
+def foreach_reciprocal_(tensors: list[Tensor]) -> None:
+    """``tensors[i] = 1 / tensors[i]`` in place for all i (``torch._foreach_reciprocal_``)."""
+    torch._foreach_reciprocal_(tensors)
+
+
+def foreach_mul_list_(tensors: list[Tensor], others: list[Tensor]) -> None:
+    """``tensors[i] *= others[i]`` in place for all i (``torch._foreach_mul_``), element-wise."""
+    torch._foreach_mul_(tensors, others)
 
 
 def foreach_add_scalar_(tensors: list[Tensor], scalar: float) -> None:

@@ -29,6 +29,11 @@ class Wrong:
 
 WRONG = Wrong()
 
+
+class _Attention(nn.Module):
+    """An attention module of this test's own (a registration that got through would touch no real one)."""
+
+
 #: public name -> (a call with its required arguments, given the keyword under test; the wrong values to try per
 #: argument beyond WRONG, which every argument is tried with)
 Entry = tuple[Callable[..., Any], dict[str, list[Any]]]
@@ -129,6 +134,29 @@ ENTRIES: dict[str, Entry] = {
             "skip_on": ["grad", "loss"],  # "loss" with the default response="warn"
             "log_every_n_steps": [0],
         },
+    ),
+    "PrecursorMonitor": (
+        ls.PrecursorMonitor,
+        {
+            "attention": [1],
+            "log_partition": [3],
+            "qk_clip": [0, -1.0],
+            "qk_clip_alpha": [1.5, True],
+            "update_clip": [0],
+            "lr_backoff": [0.02],
+            "reset_moments": [1],
+            "reset_ratio": [0],
+            "other_optimizers": ["ignore"],
+            "log_every_n_steps": [0],
+        },
+    ),
+    "LRBackoff": (
+        ls.LRBackoff,
+        {"signal": ["loss"], "threshold": [0], "factor": [1.0, 0], "recovery": [1.0], "floor": [-1.0]},
+    ),
+    "register_attention": (
+        lambda **kw: ls.register_attention(**{"cls": _Attention, "fn": lambda module, args, kwargs: None, **kw}),
+        {"cls": [int, nn.Linear(2, 2)], "fn": [3], "projection": [3]},
     ),
     "ClusterHealthMonitor": (
         ls.ClusterHealthMonitor,
@@ -278,6 +306,7 @@ NOT_ENTRY_POINTS = {
     "TrainingStatus": "a result of check_training_status, not built by callers",
     "WatchdogSettings": "a result of watchdog_settings, not built by callers",
     "Outcome": "an enum of step outcomes, read from the ledger",
+    "QueryKey": "what a register_attention function returns, read by the monitor's hook",
     "CheckpointError": "an exception",
     "LossScaleFloorError": "an exception",
     "StabilityConfigError": "an exception",

@@ -76,9 +76,9 @@ def adam_updates(
     """Each tensor's Adam step, recomputed from ``optimizer``'s state right after its step, with its norm.
 
     ``u = lr * m_hat / (sqrt(v_hat) + eps)`` is computed as ``m / (sqrt(v) + eps * c2) * (lr * c2 / c1)`` with
-    ``c1 = 1 - beta1^t`` and ``c2 = sqrt(1 - beta2^t)``: two element-wise passes and one multiply by a per-tensor
-    scalar. Tensors without state yet (no step taken) are left out. ``lrs``: each param group's LR as the step used
-    it (default: the groups' ``lr`` now; an LR schedule that sets the next step's LR right after the step needs
+    ``c1 = 1 - beta1^t`` and ``c2 = sqrt(1 - beta2^t)``, in one new tensor per parameter (the returned updates).
+    Tensors without state yet (no step taken) are left out. ``lrs``: each param group's LR as the step used it
+    (default: the groups' ``lr`` now; an LR schedule that sets the next step's LR right after the step needs
     them). ``eps_share``: also the epsilon-dominated share (two more passes).
 
     Raises:
@@ -117,7 +117,10 @@ def adam_updates(
             _compat.foreach_mul_scalars_(below, [1.0 / p.numel() for p in have])
             shares.append(per_tensor_norms_of_parts(below, [s[second] for s in states], 1.0))
         _compat.foreach_add_(denom, list((c2 * eps).unbind()))  # sqrt(v) + eps * c2
-        update = list(_compat.foreach_div([local_tensor(s["exp_avg"]) for s in states], denom))
+        # m / denom written over denom: one tensor the size of the weights at a time, like the optimizer's own step
+        update = denom
+        _compat.foreach_reciprocal_(update)
+        _compat.foreach_mul_list_(update, [local_tensor(s["exp_avg"]) for s in states])
         _compat.foreach_mul_scalars_(update, list(scale.unbind()))
         norms.append(per_tensor_norms_of_parts(update, [s["exp_avg"] for s in states]))
         params.extend(have)
