@@ -21,7 +21,7 @@ so both figures are those of the whole tensor.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 
 import torch
@@ -71,7 +71,10 @@ def is_adam_like(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def adam_updates(
-    optimizer: torch.optim.Optimizer, lrs: Sequence[float | Tensor] | None = None, eps_share: bool = False
+    optimizer: torch.optim.Optimizer,
+    lrs: Sequence[float | Tensor] | None = None,
+    eps_share: bool = False,
+    only: Set[int] | None = None,
 ) -> AdamUpdates:
     """Each tensor's Adam step, recomputed from ``optimizer``'s state right after its step, with its norm.
 
@@ -79,7 +82,9 @@ def adam_updates(
     ``c1 = 1 - beta1^t`` and ``c2 = sqrt(1 - beta2^t)``, in one new tensor per parameter (the returned updates).
     Tensors without state yet (no step taken) are left out. ``lrs``: each param group's LR as the step used it
     (default: the groups' ``lr`` now; an LR schedule that sets the next step's LR right after the step needs
-    them). ``eps_share``: also the epsilon-dominated share (two more passes).
+    them). ``eps_share``: also the epsilon-dominated share (two more passes). ``only``: the ids of the tensors the
+    step updated (those with a gradient: Adam leaves the others, whose state still holds an older step); default:
+    every tensor with state.
 
     Raises:
         StabilityConfigError: when ``optimizer`` is not Adam-like (:func:`is_adam_like`).
@@ -95,7 +100,9 @@ def adam_updates(
     norms: list[Tensor] = []
     shares: list[Tensor] = []
     for i, group in enumerate(optimizer.param_groups):
-        have = [p for p in group["params"] if "exp_avg" in optimizer.state.get(p, {})]
+        have = [
+            p for p in group["params"] if "exp_avg" in optimizer.state.get(p, {}) and (only is None or id(p) in only)
+        ]
         if not have:
             continue
         states = [optimizer.state[p] for p in have]
@@ -107,8 +114,7 @@ def adam_updates(
         c1 = 1 - torch.pow(float(beta1), steps)  # 1 - beta1^t
         c2 = (1 - torch.pow(float(beta2), steps)).sqrt()  # sqrt(1 - beta2^t)
         lr = group["lr"] if lrs is None else lrs[i]
-        # a tensor LR (capturable, or a schedule that writes tensors) is used as it is: no host read
-        scale = c2 / c1 * (lr.to(c1.device) if isinstance(lr, Tensor) else float(lr))
+        scale = c2 / c1 if isinstance(lr, Tensor) else c2 / c1 * float(lr)
         # element-wise on each rank's part (a DTensor's local shard); the norms count the whole tensors
         denom = list(_compat.foreach_sqrt([local_tensor(s[second]) for s in states]))  # sqrt(v)
         if eps_share:  # sqrt(v_hat) < eps: ||sign(min(sqrt(v_hat) - eps, 0))||_1 / numel
@@ -122,6 +128,8 @@ def adam_updates(
         _compat.foreach_reciprocal_(update)
         _compat.foreach_mul_list_(update, [local_tensor(s["exp_avg"]) for s in states])
         _compat.foreach_mul_scalars_(update, list(scale.unbind()))
+        if isinstance(lr, Tensor):  # capturable, or a schedule that writes tensors: used where it is, no host read
+            _compat.foreach_mul_(update, lr)
         norms.append(per_tensor_norms_of_parts(update, [s["exp_avg"] for s in states]))
         params.extend(have)
         updates.extend(update)

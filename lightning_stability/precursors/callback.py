@@ -25,9 +25,10 @@ Early actions (off by default; each runs on every step, on the device, without a
   ``recovery`` per applied update, up to 1. Skipped updates leave it as it is (the applied-update clock). It
   scales the update, not the param groups' ``lr`` (so an LR schedule goes on as it is).
 * ``reset_moments=True``: when ``TrainingHealthMonitor`` calls the step a spike and its update was applied anyway
-  (``response="warn"`` or ``"clip"``), the Adam moments of the tensors whose gradient RMS was more than
-  ``reset_ratio`` times the RMS Adam expected (``sqrt(v_hat)``) are zeroed, the step counts left alone (SPAM;
-  :func:`~.actions.reset_moments_`). Under ``"skip"`` a spike's gradient never reaches the moments.
+  (``response="warn"`` or ``"clip"``, or under ``"skip"`` with ``skip_on="loss"`` a gradient-norm spike alone), the
+  Adam moments of the tensors whose gradient RMS was more than ``reset_ratio`` times the RMS Adam expected
+  (``sqrt(v_hat)``) are zeroed, the step counts left alone (SPAM; :func:`~.actions.reset_moments_`). A skipped
+  spike's gradient never reaches the moments.
 
 The update clipping and the back-off scale the update torch just applied, copy-free, from the optimizer's state
 (:func:`~.actions.rescale_adam_updates_`): Adam and AdamW without ``amsgrad``.
@@ -47,8 +48,9 @@ from torch import Tensor
 from torch.distributed.tensor import Shard
 from torch.optim import Optimizer
 
+from lightning_stability import _compat
 from lightning_stability.errors import StabilityConfigError, check_bool, check_number, config_error
-from lightning_stability.ledger import LedgerCallback, StepLedger
+from lightning_stability.ledger import LedgerCallback, OnHost, OptimizerRecord, StepLedger
 from lightning_stability.ledger.track import Outcome
 from lightning_stability.norms import is_dtensor, local_tensor, per_tensor_norms
 from lightning_stability.precursors.actions import (
@@ -96,11 +98,11 @@ class LRBackoff:
         check_number("floor", self.floor, example="0.01")
         check_number("recovery", self.recovery, example="1.02")
         if not self.floor <= self.factor < 1:
-            raise config_error("factor", self.factor, f"must be in [floor={self.floor}, 1)", "pass e.g. 0.5")
+            raise config_error("factor", self.factor, f"must be in [floor={self.floor}, 1)", "pass factor=0.5")
         if self.recovery <= 1:
-            raise config_error("recovery", self.recovery, "must be > 1 (else it never recovers)", "pass e.g. 1.02")
+            raise config_error("recovery", self.recovery, "must be > 1 (else it never recovers)", "pass recovery=1.02")
         if self.floor > 1:
-            raise config_error("floor", self.floor, "must be <= 1", "pass e.g. 0.01")
+            raise config_error("floor", self.floor, "must be <= 1", "pass floor=0.01")
 
 
 class PrecursorMonitor(LedgerCallback):
@@ -190,6 +192,8 @@ class PrecursorMonitor(LedgerCallback):
         self._layers: tuple[tuple[int, ...], Tensor, Tensor, list[str]] | None = None
         self._open: _OpenStep | None = None
         self._fresh = True  # the next batch starts an optimizer step
+        self._told = False  # the back-off's warning was given in this fit
+        self._backoff_sent: OnHost | None = None
         self._reads = False  # this step's figures are recorded: it logs, or Lightning reads callback_metrics after it
         self._root_numel: tuple[tuple[int, ...], Tensor] | None = None
 
@@ -346,6 +350,8 @@ class PrecursorMonitor(LedgerCallback):
         """Before the update: the coefficients of the update clipping and back-off, and the tensors a spike hit."""
         open_step = self._open = _OpenStep(optimizer)
         open_step.lrs = [g["lr"] for g in optimizer.param_groups]  # the step's (a schedule moves them after it)
+        # the tensors this step updates: Adam leaves one without a gradient alone (its state still holds a step)
+        open_step.stepped = {id(p) for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
         if not self._adam_actions:
             return
         grads = ledger.gradients()
@@ -411,8 +417,10 @@ class PrecursorMonitor(LedgerCallback):
         for p in params:
             beta2 = next(g["betas"][1] for g in optimizer.param_groups if any(q is p for q in g["params"]))
             step = torch.as_tensor(optimizer.state[p]["step"], dtype=torch.float32)  # where torch keeps it: no copy
-            corrections.append(1 - torch.pow(float(beta2), step).to(device))
-        return grad_rms > self.reset_ratio * (mean_v / torch.stack(corrections)).sqrt()
+            corrections.append(1 - torch.pow(float(beta2), step))
+        # divided tensor by tensor: a step count kept on the host is a scalar there, not a copy to the device
+        v_hat = torch.stack(_compat.foreach_div(list(mean_v.unbind()), corrections))
+        return grad_rms > self.reset_ratio * v_hat.sqrt()
 
     def after_step(self, trainer: pl.Trainer, ledger: StepLedger) -> None:
         """After the update (applied or skipped): rescale it, QK-clip, reset hit moments, move the back-off."""
@@ -427,7 +435,7 @@ class PrecursorMonitor(LedgerCallback):
         if (open_step.coef is not None or reads or signal in ("update_ratio", "update_rms_jump")) and is_adam_like(
             optimizer
         ):
-            found = adam_updates(optimizer, open_step.lrs, eps_share=reads)
+            found = adam_updates(optimizer, open_step.lrs, eps_share=reads, only=open_step.stepped)
             open_step.applied_coef = self._coef_for(open_step, found.params, found.norms.device)
             if open_step.coef is not None:
                 rescale_updates_(found.params, found.updates, torch.where(applied, open_step.applied_coef, 1.0))
@@ -451,7 +459,7 @@ class PrecursorMonitor(LedgerCallback):
             if clipped:
                 self.clipped_heads = torch.stack(clipped).sum().float() + self.clipped_heads
         log_z = self._log_z.end_step() if self._log_z is not None else None
-        signals = self._signals(open_step, found, maxima, log_z)
+        signals = self._signals(open_step, found, maxima, log_z, applied)
         if self.lr_backoff is not None:
             self._move_backoff(signals.get(self.lr_backoff.signal), applied)
         if reads:  # into callback_metrics at once; to the loggers on logging steps only (no transfer otherwise)
@@ -479,6 +487,7 @@ class PrecursorMonitor(LedgerCallback):
         found: AdamUpdates | None,
         maxima: dict[str, Tensor],
         log_z: tuple[Tensor, Tensor] | None,
+        applied_step: Tensor,
     ) -> dict[str, Tensor]:
         """The step's precursor values (device tensors), those measured; each alike on every rank."""
         out: dict[str, Tensor] = {}
@@ -503,7 +512,10 @@ class PrecursorMonitor(LedgerCallback):
             if isinstance(ema, Tensor) and ema.device != total.device:  # resumed: restored on the CPU
                 ema = self._rms_ema = ema.to(total.device)
             out["update_rms_jump"] = total / (ema if isinstance(ema, Tensor) else total)
-            self._rms_ema = total.detach().clone() if not isinstance(ema, Tensor) else ema.mul_(0.99).add_(0.01 * total)
+            if not isinstance(ema, Tensor):
+                self._rms_ema = total.detach().clone()
+            else:  # on the applied-update clock: a skipped step leaves it
+                ema.copy_(torch.where(applied_step.to(ema.device), ema * 0.99 + 0.01 * total, ema))
         return out
 
     def _coef_for(self, open_step: _OpenStep, params: list[Tensor], device: torch.device) -> Tensor:
@@ -515,8 +527,9 @@ class PrecursorMonitor(LedgerCallback):
         if len(params) == len(open_step.params) and all(p is q for p, q in zip(params, open_step.params, strict=True)):
             return open_step.coef  # the same tensors in the same order: no gather
         index = {id(p): i for i, p in enumerate(open_step.params)}
-        ones = torch.ones((), device=device)
-        return torch.stack([open_step.coef[index[id(p)]] if id(p) in index else ones for p in params])
+        # a tensor taking its first step has no update clip yet (no state before it): the back-off alone
+        alone = self._backoff_tensor(device) if self.lr_backoff is not None else torch.ones((), device=device)
+        return torch.stack([open_step.coef[index[id(p)]] if id(p) in index else alone for p in params])
 
     def _move_backoff(self, signal: Tensor | None, applied: Tensor) -> None:
         """One tick of the back-off, on applied updates only."""
@@ -561,9 +574,30 @@ class PrecursorMonitor(LedgerCallback):
         if open_step.clip_coef is not None:
             self.record_metric("stability/update_clip_min", open_step.clip_coef.min())
         if self.lr_backoff is not None:
-            self.record_metric("stability/lr_backoff", self.backoff)
+            sent = self.record_metric("stability/lr_backoff", self.backoff)
+            if self.is_logging_step and not self._told:
+                self._backoff_sent = sent  # read in on_host: the first time it is below 1, say so once
         if self.reset_moments:
             self.record_metric("stability/moment_resets", self.moment_resets)
+
+    def on_host(self, trainer: pl.Trainer, record: OptimizerRecord) -> dict[str, float] | None:
+        """Once per fit, the first logging step the back-off is found engaged: a warning saying why and how to
+        change it (it scales the updates your LR makes; nothing else would tell you)."""
+        sent, self._backoff_sent = self._backoff_sent, None
+        if sent is None or self._told or self.lr_backoff is None:
+            return None
+        factor = sent.number()
+        if factor < 1:
+            self._told = True
+            config = self.lr_backoff
+            rank_zero_warn(
+                f"PrecursorMonitor's LR back-off is on by step {record.steps}: {config.signal!r} passed its threshold "
+                f"{config.threshold:g}, and the Adam updates are scaled by {factor:.3g} (stability/lr_backoff logs "
+                "the factor). Adam's update-to-weight ratio is about lr / RMS(weights): with lr 1e-3 and weights of "
+                "std 0.02 it starts near 0.05. If your LR is meant as it is, raise the threshold "
+                "(LRBackoff(threshold=...); in a preset lr_backoff=...) or turn the back-off off (lr_backoff=None)."
+            )
+        return None
 
     def _layer_index(self, params: list[Tensor], device: torch.device) -> tuple[Tensor, Tensor, list[str]]:
         """Each tensor's layer (int64), its share of all the tensors' elements (fp32), the layers' names: built
@@ -608,6 +642,7 @@ class PrecursorMonitor(LedgerCallback):
             "_root_numel": None,
             "_fresh": True,
             "_reads": False,
+            "_backoff_sent": None,
         }
 
 
@@ -622,6 +657,7 @@ class _OpenStep:
         self.applied_coef: Tensor | None = None  # the same for the tensors the step updated (after it)
         self.clip_coef: Tensor | None = None  # per tensor: the update clip alone
         self.hit: Tensor | None = None  # per tensor: its gradient spiked (moment reset)
+        self.stepped: set[int] = set()  # ids of the tensors with a gradient: those the step updates
 
 
 def _read_after(trainer: pl.Trainer, batch_idx: int) -> bool:
@@ -631,7 +667,11 @@ def _read_after(trainer: pl.Trainer, batch_idx: int) -> bool:
     if isinstance(batches, int) and batch_idx + 1 == batches:
         return True
     every = trainer.val_check_batch
-    return trainer.enable_validation and isinstance(every, int) and every > 0 and (batch_idx + 1) % every == 0
+    if not (trainer.enable_validation and isinstance(every, int) and every > 0):
+        return False
+    # validation every N batches of the run when check_val_every_n_epoch=None, else of the epoch (Lightning's rule)
+    counted = _compat.epoch_loop(trainer).total_batch_idx if trainer.check_val_every_n_epoch is None else batch_idx
+    return (counted + 1) % every == 0
 
 
 def _world_size() -> int:

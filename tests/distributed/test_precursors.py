@@ -96,8 +96,11 @@ def test_a_fault_on_one_rank_after_the_reduction_moves_every_ranks_actions_alike
     on every rank (their inputs are reduced across ranks first)."""
     faulted = [rank["runs"]["fault"] for rank in ranks]
     assert faulted[0]["state"]["moment_resets"] > ranks[0]["runs"]["straight"]["state"]["moment_resets"]
+    actions = ("stability/update_clip_min", "stability/lr_backoff", "stability/qk_clipped_heads")
     for other in faulted[1:]:
         assert other["state"] == faulted[0]["state"]
+        for step, (mine, first) in enumerate(zip(other["metrics"], faulted[0]["metrics"], strict=True)):
+            assert {k: mine.get(k) for k in actions} == {k: first.get(k) for k in actions}, step
 
 
 def test_a_resumed_fit_ends_bit_for_bit_where_the_straight_one_does(ranks: list[dict[str, Any]]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from lightning_stability.ledger import Outcome, StepLedger
 from lightning_stability.precursors import AttentionLogits
 from lightning_stability.precursors.callback import LRBackoff, PrecursorMonitor
 from tests.helpers import count_host_data_per_step, count_syncs_per_step, quiet_trainer
-from tests.precursors.tiny_lm import TinyLM, fresh
+from tests.precursors.tiny_lm import VOCAB, WIDTH, TinyLM, fresh
 
 
 class Snapshots(pl.Callback):
@@ -384,3 +385,82 @@ def test_model_checkpoint_and_early_stopping_monitor_precursors_with_the_trainer
     assert trainer.global_step == 24
     assert checkpoint.best_model_score is not None and 0 < float(checkpoint.best_model_score) < 1
     assert float(stopping.best_score) > 0
+
+
+class SometimesUnused(TinyLM):
+    """A second head used on even batches only: on odd ones it gets no gradient, and AdamW leaves it as it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        hidden = self.block(
+            self.embed(tokens), src_mask=nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+        )
+        out = self.lm_head(hidden)
+        return out + self.extra(hidden) if self.trainer.global_step % 2 == 0 else out
+
+
+def test_the_backoff_leaves_a_tensor_without_a_gradient_where_adam_left_it() -> None:
+    """Its state still holds the step it took last time: rescaling that would move a weight Adam did not move."""
+    snapshots = Snapshots()
+    monitor = PrecursorMonitor(attention=False, log_partition=False, lr_backoff=LRBackoff("update_ratio", 1e-9))
+    torch.manual_seed(0)
+    quiet_trainer(max_steps=6, callbacks=[monitor, snapshots]).fit(SometimesUnused())
+    assert float(monitor.backoff) < 1  # it acted on the steps in between
+    for step in (1, 3, 5):  # odd steps: no gradient for `extra`
+        for name in ("extra.weight", "extra.bias"):
+            torch.testing.assert_close(snapshots.weights[step][name], snapshots.weights[step - 1][name], rtol=0, atol=0)
+    assert not torch.equal(snapshots.weights[2]["extra.weight"], snapshots.weights[1]["extra.weight"])
+
+
+def test_the_steps_before_validation_are_the_ones_lightning_validates_after() -> None:
+    """With check_val_every_n_epoch=None validation runs every N batches of the run, across epochs (Lightning's
+    rule): the monitor measures the step right before each, where ModelCheckpoint reads callback_metrics."""
+    from lightning_stability.precursors.callback import _read_after
+
+    class Validated(TinyLM):
+        def validation_step(self, batch: Tensor, batch_idx: int) -> None:
+            self.log("val", 1.0)
+
+        def val_dataloader(self) -> DataLoader[Tensor]:
+            return self.train_dataloader()
+
+    read: list[int] = []
+    validated: list[int] = []
+
+    class Spy(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
+            if _read_after(trainer, batch_idx):
+                read.append(trainer.global_step + 1)  # the step this batch ends
+
+        def on_validation_start(self, trainer: pl.Trainer, module: Any) -> None:
+            validated.append(trainer.global_step)
+
+    trainer = quiet_trainer(
+        max_steps=20,
+        check_val_every_n_epoch=None,
+        val_check_interval=5,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        callbacks=[PrecursorMonitor(), Spy()],
+    )
+    torch.manual_seed(0)
+    trainer.fit(Validated(batches=8))
+    assert validated == [5, 10, 15, 20]
+    assert set(validated) <= set(read)  # and the epochs' ends: 8, 16
+    assert set(read) - set(validated) == {8, 16}
+
+
+def test_the_backoff_says_once_when_it_first_acts_and_never_when_it_does_not() -> None:
+    def fit(threshold: float) -> list[str]:
+        monitor = PrecursorMonitor(lr_backoff=LRBackoff("update_ratio", threshold), log_every_n_steps=2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            quiet_trainer(max_steps=8, callbacks=[monitor]).fit(fresh())
+        return [str(w.message) for w in caught if "LR back-off is on" in str(w.message)]
+
+    (told,) = fit(1e-9)
+    assert "by step 2" in told and "lr_backoff=None" in told and "LRBackoff(threshold=...)" in told
+    assert fit(1e9) == []
