@@ -24,8 +24,9 @@ The task: a character-level LM on the demo's corpus (``lightning_stability.demo.
 source text, 102 symbols), the first 90% of the text for training (``--batch`` random windows of ``--context``
 characters per step), the last 10% for evaluation (``EVAL_WINDOWS`` fixed windows). The model: token and learned
 position embeddings, ``--layers`` ``nn.TransformerEncoderLayer(norm_first=True)`` blocks (pre-LN; width
-``--width``, 4 heads, feed-forward 4x, no dropout) with a causal mask, a final LayerNorm, a linear head. AdamW
-(weight decay 0.01, torch's other defaults), ``--steps`` steps.
+``--width``, 4 heads, feed-forward 4x, no dropout) with a causal mask, a final LayerNorm, a linear head; torch's
+default initialisation, or with ``--init gpt2`` GPT-2's (every weight N(0, 0.02), biases 0: smaller weights, so a
+larger update-to-weight ratio at one LR). AdamW (weight decay 0.01, torch's other defaults), ``--steps`` steps.
 
 Figures, per arm:
 
@@ -82,7 +83,7 @@ EVAL_WINDOWS, EVAL_SEED, HEADS = 256, 10**6, 4
 class PreLNLM(pl.LightningModule):
     """A decoder-only pre-LN transformer LM; nothing stability-specific in it."""
 
-    def __init__(self, vocab: int, width: int, layers: int, context: int, lr: float) -> None:
+    def __init__(self, vocab: int, width: int, layers: int, context: int, lr: float, init: str = "torch") -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.pos = nn.Parameter(torch.zeros(1, context, width))
@@ -90,6 +91,12 @@ class PreLNLM(pl.LightningModule):
         self.blocks = nn.TransformerEncoder(block, layers, norm=nn.LayerNorm(width), enable_nested_tensor=False)
         self.head = nn.Linear(width, vocab)
         self.lr = lr
+        if init == "gpt2":  # GPT-2's: every weight N(0, 0.02), biases 0 (torch's defaults are wider)
+            for name, p in self.named_parameters():
+                if p.dim() > 1 and name != "pos":
+                    nn.init.normal_(p, 0.0, 0.02)
+                elif name.endswith("bias"):
+                    nn.init.zeros_(p)
 
     def forward(self, tokens: Tensor) -> Tensor:
         length = tokens.shape[1]
@@ -199,7 +206,7 @@ def run_once(
 ) -> Run:
     """Train one seed at one LR in one arm; the same initial weights and batches in every arm."""
     pl.seed_everything(seed, verbose=False)
-    model = PreLNLM(train.vocab, args.width, args.layers, args.context, lr)
+    model = PreLNLM(train.vocab, args.width, args.layers, args.context, lr, args.init)
     initial = evaluate(model, eval_batch)
     data = DataLoader(CorpusWindows(train, args.steps * args.batch, args.context, seed), batch_size=args.batch)
     recorder = Recorder()
@@ -257,8 +264,9 @@ def summarize(arm: Arm, threshold: float, spike_window: int, unigram: float = ma
 
 def table(arms: Sequence[Arm], args: argparse.Namespace, threshold: float, unigram: float) -> list[str]:
     lines = [
-        f"LR sensitivity, pre-LN LM (width {args.width}, {args.layers} layers, context {args.context}, batch "
-        f"{args.batch}, {args.steps} steps), {args.seeds} seed(s) per arm and LR, LRs {', '.join(map(str, args.lrs))}",
+        f"LR sensitivity, pre-LN LM (width {args.width}, {args.layers} layers, {args.init} init, context "
+        f"{args.context}, batch {args.batch}, {args.steps} steps), {args.seeds} seed(s) per arm and LR, LRs "
+        f"{', '.join(map(str, args.lrs))}",
         f"trains: every seed's final eval loss finite and < {threshold:.3f} (held-out bigram loss; < unigram: "
         f"{unigram:.3f}); spike score: share of steps > 6 std above the rolling mean of the {args.spike_window} before",
         "",
@@ -299,6 +307,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     add("--spike-window", type=int, default=50, help="spike score: steps of the rolling mean (50)")
     add("--arms", default=",".join(ARMS), help=f"arms to run, comma-separated (default {','.join(ARMS)})")
     add("--threads", type=int, default=1, help="torch CPU threads (1)")
+    add("--init", choices=("torch", "gpt2"), default="torch", help="weights: torch's defaults, or GPT-2's N(0, 0.02)")
     add("--quick", action="store_true", help="smoke run: LRs 1e-3,3e-1, 1 seed, 30 steps, width 32, context 32")
     args = parser.parse_args(argv)
     if args.quick:

@@ -58,3 +58,14 @@ def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         lr_sensitivity.main(["--arms", "bare,magic"])
     assert "unknown arm(s) ['magic']" in capsys.readouterr().err
+
+
+def test_gpt2_init_draws_every_weight_from_n_0_002_and_zeroes_the_biases() -> None:
+    torch.manual_seed(0)
+    model = lr_sensitivity.PreLNLM(vocab=50, width=32, layers=2, context=16, lr=1e-3, init="gpt2")
+    weights = [p for n, p in model.named_parameters() if p.dim() > 1 and n != "pos"]
+    assert abs(float(torch.cat([w.flatten() for w in weights]).std()) - 0.02) < 1e-3
+    assert all(not p.any() for n, p in model.named_parameters() if n.endswith("bias"))
+    torch.manual_seed(0)
+    default = lr_sensitivity.PreLNLM(vocab=50, width=32, layers=2, context=16, lr=1e-3)
+    assert float(default.embed.weight.std()) > 0.5  # torch's N(0, 1) embedding: what --init gpt2 changes

@@ -593,9 +593,9 @@ class PrecursorMonitor(LedgerCallback):
             rank_zero_warn(
                 f"PrecursorMonitor's LR back-off is on by step {record.steps}: {config.signal!r} passed its threshold "
                 f"{config.threshold:g}, and the Adam updates are scaled by {factor:.3g} (stability/lr_backoff logs "
-                "the factor). Adam's update-to-weight ratio is about lr / RMS(weights): with lr 1e-3 and weights of "
-                "std 0.02 it starts near 0.05. If your LR is meant as it is, raise the threshold "
-                "(LRBackoff(threshold=...); in a preset lr_backoff=...) or turn the back-off off (lr_backoff=None)."
+                "the factor). Adam's update-to-weight ratio is at most about lr / RMS(weights), where the gradients "
+                "keep their sign. If your LR is meant as it is, raise the threshold (LRBackoff(threshold=...); in a "
+                "preset lr_backoff=...) or turn the back-off off (lr_backoff=None)."
             )
         return None
 
