@@ -9,7 +9,7 @@ unless an action needs it, and nothing is read on the host there):
   the measured values (:class:`~lightning_stability.precursors.logits.LogPartition`);
 * ``stability/adam_update_rms_max``: the largest RMS of a tensor's Adam step, and ``stability/adam_eps_share``: the
   share of coordinates (over every tensor) where Adam's epsilon dominates the denominator
-  (:func:`~lightning_stability.precursors.adam.adam_update_stats`);
+  (:func:`~lightning_stability.precursors.adam.adam_updates`);
 * ``stability/adam_update_ratio`` and ``.../<layer>``: the applied Adam step's norm over the weights' norm, in
   total and per layer (:mod:`~lightning_stability.precursors.update_ratio`; decoupled weight decay left out).
 
@@ -360,35 +360,32 @@ class PrecursorMonitor(LedgerCallback):
             return
         open_step.params = params
         device = grads.total.device
-        if self.update_clip is None and self.lr_backoff is not None:
-            open_step.coef = self._backoff_tensor(device)  # one factor for every tensor (0-dim)
-        elif self.update_clip is not None:
-            coef = torch.ones(len(params), device=device)
-            if self.update_clip is not None:
-                parts = []
-                for group in optimizer.param_groups:
-                    mine = {id(p) for p in group["params"]}
-                    ps = [p for p in params if id(p) in mine]
-                    if ps:
-                        states = [optimizer.state[p] for p in ps]
-                        parts.append(
-                            update_clip_coefficients(
-                                [p.grad for p in ps if p.grad is not None],
-                                [s["exp_avg_sq"] for s in states],
-                                [s["step"] for s in states],
-                                group["betas"][1],
-                                group["eps"],
-                                self.update_clip,
-                            ).to(device)
-                        )
-                coef = torch.cat(parts)
-                open_step.clip_coef = coef
-            if self.lr_backoff is not None:
-                coef = coef * self._backoff_tensor(device)
-            open_step.coef = coef
+        if self.update_clip is not None:
+            parts = []
+            for group in optimizer.param_groups:
+                mine = {id(p) for p in group["params"]}
+                ps = [p for p in params if id(p) in mine]
+                if ps:
+                    states = [optimizer.state[p] for p in ps]
+                    parts.append(
+                        update_clip_coefficients(
+                            [p.grad for p in ps if p.grad is not None],
+                            [s["exp_avg_sq"] for s in states],
+                            [s["step"] for s in states],
+                            group["betas"][1],
+                            group["eps"],
+                            self.update_clip,
+                        ).to(device)
+                    )
+            open_step.clip_coef = torch.cat(parts)
         if self.reset_moments:
             open_step.hit = self._hit_tensors(optimizer, params, device)
-        _agree_across_ranks(open_step)
+        _agree_across_ranks(open_step)  # what each rank derived from its own gradients and state
+        if self.lr_backoff is not None:  # alike on every rank already: it moves on signals reduced over ranks
+            backoff = self._backoff_tensor(device)  # one factor for every tensor (0-dim) when alone
+            open_step.coef = backoff if open_step.clip_coef is None else open_step.clip_coef * backoff
+        else:
+            open_step.coef = open_step.clip_coef
 
     def _backoff_tensor(self, device: torch.device) -> Tensor:
         backoff = self.backoff
@@ -682,18 +679,16 @@ def _agree_across_ranks(open_step: _OpenStep) -> None:
     """The update-clip coefficients (their minimum) and the hit tensors (any rank's) alike on every rank: one
     all-reduce. Under DDP every rank computes them from the same reduced gradients and the same state, so this
     changes nothing unless one rank's gradients or state went their own way (then no rank acts on its own)."""
-    if _world_size() == 1 or (open_step.coef is None and open_step.hit is None):
-        return
-    parts = [t for t in (open_step.clip_coef, open_step.coef) if t is not None]
+    parts = [t for t in (open_step.clip_coef,) if t is not None]
     if open_step.hit is not None:
         parts.append(1.0 - open_step.hit.float())  # min over ranks of "not hit": hit on any rank
-    flat = torch.cat([t.reshape(-1) for t in parts])
+    if _world_size() == 1 or not parts:
+        return
+    flat = torch.cat(parts)
     dist.all_reduce(flat, op=dist.ReduceOp.MIN)
-    chunks = [c.reshape(t.shape) for c, t in zip(flat.split([t.numel() for t in parts]), parts, strict=True)]
+    chunks = list(flat.split([t.numel() for t in parts]))
     if open_step.clip_coef is not None:
         open_step.clip_coef = chunks.pop(0)
-    if open_step.coef is not None:
-        open_step.coef = chunks.pop(0)
     if open_step.hit is not None:
         open_step.hit = chunks.pop(0) < 0.5
 
