@@ -7,20 +7,19 @@ update over the norm of its weights, both combined from per-tensor norms (:func:
 group_norms`), so sharded tensors count whole.
 
 The update norms come either from a copy taken before the step (``||theta_after - theta_before||``, the health
-monitor's ``UpdateSize``), or, for Adam-like optimizers, copy-free from the state: :func:`adam_update_norms`
-(``||lr * m_hat / (sqrt(v_hat) + eps)||``, decoupled weight decay left out).
+monitor's ``UpdateSize``), or, for Adam-like optimizers, copy-free from the state:
+:attr:`~lightning_stability.precursors.adam.AdamUpdates.norms` (``||lr * m_hat / (sqrt(v_hat) + eps)||``,
+decoupled weight decay left out).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from lightning_stability.norms import group_norms
-from lightning_stability.precursors.adam import AdamUpdateStats
 
 
 def layer_of(name: str) -> str:
@@ -48,15 +47,3 @@ def update_to_weight_ratios(update_norms: Tensor, weight_norms: Tensor, index: T
     updates = group_norms(update_norms.float(), index, layers)
     weights = group_norms(weight_norms.float(), index, layers)
     return updates / weights.clamp(min=torch.finfo(torch.float32).tiny)
-
-
-def adam_update_norms(stats: AdamUpdateStats, roots: Tensor | None = None) -> Tensor:
-    """``(n,)``: each tensor's Adam step norm, ``update_rms * sqrt(numel)``. ``roots``: the ``sqrt(numel)`` of
-    ``stats.params`` on the device, when the caller keeps them (built here otherwise)."""
-    if not stats.params:
-        return stats.update_rms
-    if roots is None:
-        roots = torch.stack(
-            [torch.full((), math.sqrt(p.numel()), device=stats.update_rms.device) for p in stats.params]
-        )
-    return stats.update_rms * roots

@@ -6,13 +6,8 @@ import torch
 from torch import nn
 
 from lightning_stability.norms import per_tensor_norms
-from lightning_stability.precursors.adam import adam_update_stats
-from lightning_stability.precursors.update_ratio import (
-    adam_update_norms,
-    layer_groups,
-    layer_of,
-    update_to_weight_ratios,
-)
+from lightning_stability.precursors.adam import adam_updates
+from lightning_stability.precursors.update_ratio import layer_groups, layer_of, update_to_weight_ratios
 
 
 def test_layers_are_numbered_blocks_else_modules() -> None:
@@ -44,9 +39,9 @@ def test_adam_update_norms_give_the_ratio_of_the_step_taken() -> None:
         optimizer.step()
     names = [n for n, _ in model.named_parameters()]
     index, layers = layer_groups(names)
-    stats = adam_update_stats(optimizer)
-    weights = per_tensor_norms([p.detach() for p in stats.params])
-    got = update_to_weight_ratios(adam_update_norms(stats), weights, torch.tensor(index), len(layers))
+    found = adam_updates(optimizer)
+    weights = per_tensor_norms([p.detach() for p in found.params])
+    got = update_to_weight_ratios(found.norms, weights, torch.tensor(index), len(layers))
     params = list(model.parameters())
     expected = []
     for layer in (0, 1):
