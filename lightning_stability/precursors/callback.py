@@ -429,13 +429,14 @@ class PrecursorMonitor(LedgerCallback):
         reads, self._reads = self._reads or self.is_logging_step, False
         signal = self.lr_backoff.signal if self.lr_backoff is not None else None
         found = None  # the updates just applied, recomputed once for the rescaling, the signals and the figures
+        coef: Tensor | None = None  # each one's rescaling coefficient (0-dim: one for all)
         if (open_step.coef is not None or reads or signal in ("update_ratio", "update_rms_jump")) and is_adam_like(
             optimizer
         ):
             found = adam_updates(optimizer, open_step.lrs, eps_share=reads, only=open_step.stepped)
-            open_step.applied_coef = self._coef_for(open_step, found.params, found.norms.device)
+            coef = self._coef_for(open_step, found.params, found.norms.device)
             if open_step.coef is not None:
-                rescale_updates_(found.params, found.updates, torch.where(applied, open_step.applied_coef, 1.0))
+                rescale_updates_(found.params, found.updates, torch.where(applied, coef, 1.0))
         if self.reset_moments and open_step.hit is not None and ledger.health is not None:
             hit = open_step.hit & ledger.health.spike.to(open_step.hit.device) & applied
             keep = (~hit).to(torch.float32)
@@ -456,7 +457,7 @@ class PrecursorMonitor(LedgerCallback):
             if clipped:
                 self.clipped_heads = torch.stack(clipped).sum().float() + self.clipped_heads
         log_z = self._log_z.end_step() if self._log_z is not None else None
-        signals = self._signals(open_step, found, maxima, log_z, applied)
+        signals = self._signals(found, coef, maxima, log_z, applied)
         if self.lr_backoff is not None:
             self._move_backoff(signals.get(self.lr_backoff.signal), applied)
         if reads:  # into callback_metrics at once; to the loggers on logging steps only (no transfer otherwise)
@@ -480,8 +481,8 @@ class PrecursorMonitor(LedgerCallback):
 
     def _signals(
         self,
-        open_step: _OpenStep,
         found: AdamUpdates | None,
+        coef: Tensor | None,
         maxima: dict[str, Tensor],
         log_z: tuple[Tensor, Tensor] | None,
         applied_step: Tensor,
@@ -493,7 +494,6 @@ class PrecursorMonitor(LedgerCallback):
         if log_z is not None:
             out["log_z_drift"] = log_z[1].abs()
         if found is not None and found.params:
-            coef = open_step.applied_coef
             applied = found.norms if coef is None else found.norms * coef
             weights = per_tensor_norms([p.detach() for p in found.params])
             total = applied.norm()
@@ -651,7 +651,6 @@ class _OpenStep:
         self.params: list[Tensor] = []
         self.lrs: list[Any] = []  # the param groups' LRs as the step used them
         self.coef: Tensor | None = None  # per tensor: the update clip times the back-off (0-dim: the back-off alone)
-        self.applied_coef: Tensor | None = None  # the same for the tensors the step updated (after it)
         self.clip_coef: Tensor | None = None  # per tensor: the update clip alone
         self.hit: Tensor | None = None  # per tensor: its gradient spiked (moment reset)
         self.stepped: set[int] = set()  # ids of the tensors with a gradient: those the step updates
