@@ -1,9 +1,9 @@
 """AdaScale glue for GradientAccumulation(lr_scaling="adascale"): FairScale's gain applied inside the step.
 
 FairScale's ``AdaScale`` estimates, from the spread of the micro-batch gradients, how much a larger batch
-gains: 1 when they agree, up to the number of gradients when they are pure noise. Here it only measures;
-:class:`AdaScaleGain` multiplies the LR by that gain inside ``optimizer.step()`` (after every callback set
-the update's LR) and puts the LR back afterwards, so LR schedules never see it. FairScale keeps its
+gains: 1 when they agree, up to the number of gradients when they are pure noise. Here it only measures:
+:class:`AdaScaleGain` reads the gain, and the caller puts it on the update (``StepLedger.scale_update``, which
+multiplies the LR for that update only, so LR schedules never see it). FairScale keeps its
 statistics as numpy arrays in the optimizer state (under ``"adascale"``); they travel in checkpoints as
 lists in the callback's state instead, because ``torch.load(weights_only=True)`` refuses numpy arrays.
 No Lightning import: the caller passes the optimizer, the world size and the window size.
@@ -42,8 +42,9 @@ class AdaScaleGain:
     """The AdaScale gain of one optimizer, re-measured every step and applied inside ``optimizer.step()``.
 
     Life cycle: :meth:`start` at train start, :meth:`configure` at each window start (AdaScale is rebuilt
-    when the window size changes, keeping the statistics), :meth:`read_gain` before each step, :meth:`stop`
-    at teardown. :meth:`suspend`/:meth:`resume` bracket a run that is not training (a tuner search).
+    when the window size changes, keeping the statistics), :meth:`read_gain` before each step (the caller puts
+    it on the update), :meth:`stop` at teardown. :meth:`suspend`/:meth:`resume` bracket a run that is not
+    training (a tuner search).
     """
 
     def __init__(self) -> None:
@@ -52,15 +53,11 @@ class AdaScaleGain:
         self._optimizer: Optimizer | None = None
         self._adascale: Any = None
         self._size = 0
-        self._hooks: list[Any] = []
-        self._saved_lrs: list[Any] = []  # the LRs before the gain, to put back after the update
-        self._applied_lrs: list[Any] = []  # the LRs with the gain, as written
 
     def start(self, optimizer: Optimizer) -> None:
         self._optimizer = optimizer
         self._put_back_statistics()
         self._adascale, self._size, self.gain = None, 0, 1.0
-        self._hooks = [optimizer.register_step_post_hook(self._remove_gain)]
 
     def _put_back_statistics(self) -> None:
         import numpy as np
@@ -96,12 +93,8 @@ class AdaScaleGain:
             _store(self._optimizer)["adascale"] = saved
 
     def read_gain(self) -> float:
-        """Read (HOST SYNC: FairScale's estimator) the gain of the step about to be applied, and apply it to the
-        LR of that update (it is removed again after the update)."""
-        self._put_back_lrs()  # a step the scaler skipped never reached the post-hook
+        """Read (HOST SYNC: FairScale's estimator) the gain of the step about to be applied."""
         self.gain = self._measure()
-        if self._optimizer is not None:
-            self._apply_gain(self._optimizer)
         return self.gain
 
     def _measure(self) -> float:
@@ -114,29 +107,6 @@ class AdaScaleGain:
             )
             return 1.0
         return gain
-
-    def _apply_gain(self, optimizer: Optimizer) -> None:
-        # In on_before_optimizer_step, where the gain of this update is measured: the update's LR is set by
-        # now (an LR schedule writes it when the previous step closes). torch runs step pre-hooks before
-        # Lightning's closure (forward, backward, this hook), so a pre-hook would apply the previous gain.
-        if self.gain == 1.0:
-            return
-        self._saved_lrs = [g["lr"] for g in optimizer.param_groups]
-        for group in optimizer.param_groups:
-            group["lr"] = group["lr"] * self.gain
-        self._applied_lrs = [g["lr"] for g in optimizer.param_groups]
-
-    def _remove_gain(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        self._put_back_lrs()
-
-    def _put_back_lrs(self) -> None:
-        if self._optimizer is not None:
-            for group, saved, applied in zip(
-                self._optimizer.param_groups, self._saved_lrs, self._applied_lrs, strict=False
-            ):
-                if group["lr"] is applied:  # an LR written since (the schedule's next one) stays
-                    group["lr"] = saved
-        self._saved_lrs, self._applied_lrs = [], []
 
     def _drop_estimator(self) -> None:
         if self._adascale is not None:
@@ -154,12 +124,9 @@ class AdaScaleGain:
             self._put_back_statistics()
 
     def stop(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
         self._drop_estimator()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_optimizer=None, _adascale=None, _hooks=[], _saved_lrs=[], _applied_lrs=[])
+        state.update(_optimizer=None, _adascale=None)
         return state

@@ -298,7 +298,7 @@ class GradientAccumulation(LedgerCallback):
     def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer) -> None:
         self._opened = True
         if self.lr_scaling == "adascale":
-            self._adascale.read_gain()
+            ledger.scale_update("adascale", self._adascale.read_gain())  # this update's LR times the gain
         self.record_metric("stability/accumulation_steps", float(self._size))
         scale = self._adascale.gain if self.lr_scaling == "adascale" else lr_scale(self._factor, self.lr_scaling)
         self.record_metric("stability/lr_scale", scale)

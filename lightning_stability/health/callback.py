@@ -30,7 +30,7 @@ from lightning_stability.health.history import HealthHistory, HealthReporter, He
 from lightning_stability.health.report_loggers import send_report
 from lightning_stability.health.responses import RESPONSES, Response
 from lightning_stability.health.rollback import HostFlag, Rollback, newest_clean_step, restore_checkpoint
-from lightning_stability.health.signals import UpdateSize, capacity, mean_over_ranks, peak_memory_over_ranks
+from lightning_stability.health.signals import capacity, mean_over_ranks, peak_memory_over_ranks
 from lightning_stability.health.spike_stats import NEW_LEVEL_AFTER, IntervalMean, SpikeStats, zclip_threshold
 from lightning_stability.ledger import LedgerCallback, OnHost, OptimizerRecord, Outcome, StepLedger, loss_scaler
 from lightning_stability.ledger.gradients import StepGradients
@@ -179,7 +179,7 @@ class TrainingHealthMonitor(LedgerCallback):
         self._const: _Constants | None = None
         self._row: int | None = None  # the open step's history row, its outcome set in after_step
         self._grads: StepGradients | None = None  # the open step's gradients: their fixed clip read in after_step
-        self._size: UpdateSize | None = None  # the update size, measured across the update on logging steps
+        self._measured = False  # this logging step's update is measured (the step's UpdateSize, read in after_step)
         self._sent_memory: OnHost | None = None  # a logging step's peak memory, read back in on_host
         self._sent: dict[int, HealthSent] = {}  # per optimizer: what a logging step sent, read in on_host
 
@@ -237,7 +237,7 @@ class TrainingHealthMonitor(LedgerCallback):
             ledger.mark_skip(Outcome.SKIPPED_ROLLBACK, True)
             row = self.history.add(ledger.step_label, [], host, ledger.record_of().device)
             self.history.set_outcome(row, int(Outcome.SKIPPED_ROLLBACK))
-            self._row, self._size, self._grads = None, None, None
+            self._row, self._measured, self._grads = None, False, None
             self.record_metric("stability/rollbacks", float(self.rollback.rollbacks))
             if self.is_logging_step:
                 self._on_logging_step(ledger)
@@ -301,11 +301,10 @@ class TrainingHealthMonitor(LedgerCallback):
         # the history's row: loss, grad norm, clip threshold, the two spike flags, LR, loss scale
         parts = [raw, threshold, verdict.flags, lr_value, scale]
         self._row = self.history.add(ledger.step_label, parts, host, values.device)
-        self._size = None
         self._grads = grads if self.response != "clip" else None
+        # the update-to-weight ratio on logging steps: measured across the update by the step (shared with others)
+        self._measured = self.is_logging_step and ledger.step.measure_update() is not None
         if self.is_logging_step:
-            if grads.params:  # measured across the update: started here, finished in after_step
-                self._size = UpdateSize(grads.params, self._index_of(grads.params), len(self._log.names))
             self._on_logging_step(ledger)
 
     def after_step(self, trainer: pl.Trainer, ledger: StepLedger) -> None:
@@ -317,11 +316,12 @@ class TrainingHealthMonitor(LedgerCallback):
                 self.history.set_host(self._row, "clip_threshold", fixed)
             self._row, self._grads = None, None
         ratio, top = None, None
-        if self._size is not None:  # the update-to-weight ratio (total and the largest modules), after the update
-            total, largest = self._log.update_ratios(self._size)
+        size = ledger.step.update if self._measured else None
+        self._measured = False
+        if size is not None:  # the update-to-weight ratio (total and the largest modules), after the update
+            total, largest = self._log.update_ratios(size, self._index_of(size.params))
             ratio = self.record_metric("stability/update_ratio", total)
             top = (self.to_host(largest[0]), self.to_host(largest[1])) if largest is not None else None
-            self._size = None
         if self.is_logging_step:
             rows = self.history.pending()  # the rows since the last logging step ride this step's transfer
             sent_rows = self.to_host(rows) if rows is not None else None
@@ -523,7 +523,7 @@ class TrainingHealthMonitor(LedgerCallback):
             "_module_index": None,
             "_const": None,
             "_row": None,
-            "_size": None,
+            "_measured": False,
             "_grads": None,
             "_sent_memory": None,
             "_sent": {},

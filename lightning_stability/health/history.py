@@ -20,10 +20,12 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from lightning_stability.health.signals import UpdateSize, memory_warning
+from lightning_stability.health.signals import memory_warning
 from lightning_stability.health.spike_stats import NEW_LEVEL_AFTER
 from lightning_stability.ledger.metrics import OnHost
+from lightning_stability.ledger.update import UpdateSize
 from lightning_stability.ledger.verdict import NEW_LEVEL, SPIKE
+from lightning_stability.norms import group_norms
 
 #: the device columns of a row, in order
 COLUMNS = ("loss", "grad_norm", "clip_threshold", "loss_spike", "grad_spike", "lr", "loss_scale", "outcome")
@@ -355,15 +357,22 @@ class HealthReporter:
         self._memory_warned = False
 
     # ------------------------------------------------------------------ logging steps (device side: send)
-    def update_ratios(self, size: UpdateSize) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
-        """The update-to-weight ratio, right after the update: the total, and the ``top_modules`` largest
-        per-module ratios with their module indices (``None`` when none are asked for)."""
-        total, per_module = size.finish()
-        k = min(self.top_modules, per_module.numel())
+    def update_ratios(self, size: UpdateSize, module_index: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
+        """The update-to-weight ratio of the finished update: the total, and the ``top_modules`` largest
+        per-module ratios with their module indices (``None`` when none are asked for). ``module_index``: each
+        measured tensor's module."""
+        assert size.ratio is not None and size.update_norms is not None
+        k = min(self.top_modules, len(self.names))
         if not k:
-            return total, None
+            return size.ratio, None
+        n = len(self.names)
+        tiny = torch.finfo(torch.float32).tiny
+        per_module = group_norms(size.update_norms, module_index, n) / group_norms(
+            size.weight_norms, module_index, n
+        ).clamp(min=tiny)
+        k = min(k, per_module.numel())
         top = torch.topk(torch.nan_to_num(per_module, nan=math.inf), k)
-        return total, (per_module[top.indices], top.indices)
+        return size.ratio, (per_module[top.indices], top.indices)
 
     # ------------------------------------------------------------------ logging steps (host side: read)
     def read(self, sent: HealthSent) -> dict[str, float]:

@@ -179,15 +179,20 @@ def set_found_inf(optimizer: Optimizer, votes: dict[Outcome, Flag], device: torc
     return True
 
 
-def read_votes_on_host(optimizer: Optimizer, votes: dict[Outcome, Flag], device: torch.device) -> dict[Outcome, Flag]:
-    """The votes as host bools: one device-to-host copy for all of them (a HOST SYNC)."""
+def read_votes_on_host(
+    optimizer: Optimizer, votes: dict[Outcome, Flag], device: torch.device, also: Tensor | None = None
+) -> tuple[dict[Outcome, Flag], float | None]:
+    """The votes as host bools, and ``also`` (a 0-dim tensor) as a host number: one device-to-host copy for all of
+    them (a HOST SYNC)."""
     _tell_about_the_host_read(optimizer)
     known: dict[Outcome, Flag] = dict(votes)
     reasons = [r for r, v in votes.items() if isinstance(v, Tensor)]
-    stacked = torch.stack([votes[r].to(device).bool().reshape(()) for r in reasons])  # type: ignore[union-attr]
-    values = stacked.to("cpu", copy=True).tolist()
-    known.update(zip(reasons, (bool(v) for v in values), strict=True))
-    return known
+    parts = [votes[r].to(device).bool().float().reshape(()) for r in reasons]  # type: ignore[union-attr]
+    if also is not None:
+        parts.append(also.to(device).float().reshape(()))
+    values = torch.stack(parts).to("cpu", copy=True).tolist()
+    known.update(zip(reasons, (bool(v) for v in values[: len(reasons)]), strict=True))
+    return known, (values[-1] if also is not None else None)
 
 
 def drop_gradients(optimizer: Optimizer) -> None:

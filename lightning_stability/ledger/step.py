@@ -15,21 +15,32 @@
  5  **clips**, each relative to the norm the    ``StepGradients.clip_`` -> ``norms.clip_by_global_norm_``:
     ones before left (the tightest wins)        ``GradientNormMonitor(max_norm)``, ``TrainingHealthMonitor``'s
                                                 adaptive clip (ZClip)
- 6  **votes** to skip: any callback, the        ``StepLedger.mark_skip`` -> :meth:`OptimizerStep.vote`
-    module's ``on_before_optimizer_step``
+ 6  **votes** to skip: any callback, the        ``StepLedger.mark_skip`` -> :meth:`OptimizerStep.vote`;
+    module's ``on_before_optimizer_step``;      ``StepLedger.scale_update`` -> :meth:`OptimizerStep.scale_update`
+    **factors on the update**, any callback     (``PrecursorMonitor``'s LR back-off, AdaScale's gain)
  7  ``Trainer(gradient_clip_val)``, after       ``StableFSDPPrecision.clip_grad_by_norm``,
     every ``on_before_optimizer_step``          ``FusedClipMixedPrecision.clip_grad_by_norm`` ->
                                                 ``norms.clip_by_global_norm_``; Lightning's other plugins:
                                                 ``torch.nn.utils.clip_grad_norm_`` (the same coefficient);
                                                 ``backend="fairscale"``: FairScale's ``clip_grad_norm_``
  8  **votes enforced**, together, one host      :meth:`OptimizerStep.enforce` (the table there says how), from
-    read at most                                the optimizer's step pre-hook (:func:`enforce_before_update`)
- 9  the update: ``optimizer.step()``, or not    torch
-    (the fp16 scaler calls it only without
+    read at most; **the update's scale**: the   the optimizer's step pre-hook (:func:`enforce_before_update`);
+    factors' product times each group's LR      ``update.UpdateScale.apply`` (read with the votes if on the host)
+ 9  the update: ``optimizer.step()``, or not    torch, at ``lr x scale`` (every optimizer that reads
+    (the fp16 scaler calls it only without      ``group["lr"]``)
     overflow)
-10  **the outcome**: one :class:`Outcome`,      :meth:`OptimizerStep.close`, from the step post-hook (or
-    counted on the optimizer's record           ``on_train_batch_end`` when the scaler skipped the call)
+10  **the outcome**: one :class:`Outcome`;      :meth:`OptimizerStep.close`, from the step post-hook (or
+    each group's LR put back                    ``on_train_batch_end`` when the scaler skipped the call)
+11  **edits after the update**, in the order    :meth:`OptimizerStep.after_update`: ``PrecursorMonitor``'s
+    asked: weights and optimizer state          update clipping (Adam/AdamW), QK-clip, moment reset
+12  **the update measured** (when asked):       :meth:`OptimizerStep.measure_update` -> ``update.UpdateSize``
+    ``||Δθ||``, ``||θ||`` per tensor            (read by ``TrainingHealthMonitor`` and ``PrecursorMonitor``)
+13  callbacks' ``after_step``: the LR           ``ScheduledLR`` (on the put-back LR), the back-off's factor
+    schedule's next LR, the monitors            moved on row 12, the health history's outcome
 ==  ==========================================  ==============================================================
+
+What lands in the weights is rows 9 and 11, nothing else; what sets an update's size is the LR schedule (the
+base LR), row 8 (every factor on it) and, for Adam only, the update clipping of row 11.
 
 Where is a step skipped? At 8, and only there (under fp16 the scaler's own skip at 9 obeys the votes of 6).
 Where is it clipped? At 5 and 7; every clip of this package goes through one function, ``norms.clip_by_global_norm_``.
@@ -64,6 +75,10 @@ from lightning_stability.ledger.skips import (
     unscale_if_deferred,
 )
 from lightning_stability.ledger.track import OptimizerRecord, Outcome
+from lightning_stability.ledger.update import UpdateScale, UpdateSize
+
+#: an edit after the update (row 11): called with the step and its outcome
+AfterUpdate = Callable[["OptimizerStep", "Outcome | Tensor"], None]
 
 
 class OptimizerStep:
@@ -105,6 +120,12 @@ class OptimizerStep:
         self._found_inf_set = False  # `found_inf` is set on the optimizer (removed at close)
         self._on_host = False  # the scaler decides this step on the host (non-fused optimizer)
         self._host_overflow: Tensor | None = None  # its overflow flag, kept when a vote joined its decision
+        #: the factors on the coming update and, once applied, the LRs it used (rows 6, 8, 10)
+        self.scale = UpdateScale()
+        self._scaled = False  # the factors are in the LRs (put back at close)
+        #: the update's size (row 12), when a callback asked for it; finished at close
+        self.update: UpdateSize | None = None
+        self._after_update: list[AfterUpdate] = []
         if scaler is None:
             return
         # 3. A fused optimizer would unscale inside step(): unscale now, so that callbacks see true gradients.
@@ -154,6 +175,31 @@ class OptimizerStep:
         if self._enforced:
             self.enforce()
 
+    def scale_update(self, source: str, factor: Tensor | float) -> None:
+        """Multiply the coming update by ``factor`` (a number >= 0 or a 0-dim device tensor), through each param
+        group's LR (``StepLedger.scale_update``). Factors of every source multiply; 1 leaves the update alone."""
+        if self._scaled:
+            raise RuntimeError(
+                f"scale_update({source!r}) after the update's LRs were set: call it from on_before_optimizer_step "
+                "(a LedgerCallback's on_step)"
+            )
+        self.scale.add(source, factor)
+
+    def after_update(self, action: AfterUpdate) -> None:
+        """Run ``action(step, outcome)`` right after the update (applied or skipped), before it is measured: an edit
+        of the weights or the optimizer's state (row 11). Actions run in the order they were asked for."""
+        self._after_update.append(action)
+
+    def measure_update(self) -> UpdateSize | None:
+        """Measure this update's size (row 12): ``step.update`` holds it from ``after_step`` on. Costs one transient
+        copy of this rank's weights; asked for by several callbacks, measured once. ``None`` when no tensor has a
+        gradient."""
+        if self.update is None:
+            params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+            if params:
+                self.update = UpdateSize(params)
+        return self.update
+
     # 8. ---------------------------------------------------------------- enforce
     def enforce(self) -> None:
         """Make the update skip if any vote so far says so, leaving weights and optimizer state exactly as they were.
@@ -162,7 +208,11 @@ class OptimizerStep:
         is enforced at once.
         """
         self._enforced = True
+        scale_now, self._scaled = not self._scaled, True  # the update's factors go in once, with the first call
+        on_host = scale_now and self.scale.needs_host(self.optimizer)
         if not self._pending:
+            if scale_now:
+                self._apply_scale(on_host)
             return
         votes, self._pending = self._pending, {}
         device_votes = any(isinstance(v, Tensor) for v in votes.values())
@@ -182,12 +232,27 @@ class OptimizerStep:
         if device_votes and self.scaler is None and fused:
             self._found_inf_set = set_found_inf(self.optimizer, votes, self.device, self._found_inf_set)
             self._remember(votes)
+            if scale_now:
+                self._apply_scale(on_host)
             return
+        host_scale = None
         if device_votes:
-            votes = read_votes_on_host(self.optimizer, votes, self.device)  # HOST SYNC, one for all votes
+            # HOST SYNC, one for all votes (and the update's scale, when it must be a host number)
+            total = self.scale.total if on_host else None
+            votes, host_scale = read_votes_on_host(self.optimizer, votes, self.device, total)  # type: ignore[arg-type]
         if any(votes.values()):
             drop_gradients(self.optimizer)
         self._remember(votes)
+        if scale_now:
+            if host_scale is not None:
+                self.scale.apply(self.optimizer, host_scale)
+            else:
+                self._apply_scale(on_host)
+
+    def _apply_scale(self, on_host: bool) -> None:
+        total = self.scale.total
+        # HOST SYNC when the optimizer cannot take a tensor LR and no vote was read with it (on a CPU: none)
+        self.scale.apply(self.optimizer, float(total) if on_host else None)
 
     def _remember(self, votes: dict[Outcome, Flag]) -> None:
         for reason, flag in votes.items():
@@ -196,11 +261,14 @@ class OptimizerStep:
     # 10. --------------------------------------------------------------- outcome
     def close(self) -> Outcome | Tensor:
         """The step's :class:`Outcome` (a tensor when decided on the device), once ``optimizer.step()`` ran or
-        the scaler skipped it (:attr:`stepped`). Removes ``found_inf`` from the optimizer."""
+        the scaler skipped it (:attr:`stepped`). Removes ``found_inf`` from the optimizer, puts each group's LR
+        back, runs the edits after the update (row 11) and measures it (row 12)."""
         if self._found_inf_set:
             del self.optimizer.found_inf  # type: ignore[attr-defined]
             del self.optimizer.grad_scale  # type: ignore[attr-defined]
             self._found_inf_set = False
+        if self._scaled:
+            self.scale.put_back(self.optimizer)
         known = dict(self._known)
         for reason, flag in self._pending.items():  # never enforced: the scaler skipped the call to step()
             known[reason] = either(known.get(reason, False), flag)
@@ -225,6 +293,12 @@ class OptimizerStep:
                 outcome = torch.where(flag.to(self.device, non_blocking=True).bool(), int(reason), other)
             elif flag:
                 outcome = reason
+        # 11. edits after the update; 12. the update measured (what rows 9 and 11 left in the weights)
+        actions, self._after_update = self._after_update, []
+        for action in actions:
+            action(self, outcome)
+        if self.update is not None:
+            self.update.finish()
         return outcome
 
 

@@ -49,6 +49,7 @@ class StepLedger:
     * :attr:`step`: the open step (``ledger/step.py``), e.g. ``step.loss``, ``step.grad_norm`` (tensors);
     * :meth:`gradients`: the open step's gradients and their global norm, computed once for all callbacks;
     * :meth:`mark_skip`: the one way to skip the update, with its reason;
+    * :meth:`scale_update`: the one way to change the update's size (a factor on each param group's LR);
     * :attr:`step_label`: Lightning's step label of the current step (the x axis of ``self.log``);
     * :meth:`any_rank`: a flag made the same on every rank, for every decision that skips;
     * :meth:`record_of`: one optimizer's :class:`OptimizerRecord` (steps, outcome counts, window sums);
@@ -284,6 +285,25 @@ class StepLedger:
             )
         assert self._step is not None
         self._step.vote(reason, flag)
+
+    def scale_update(self, source: str, factor: Tensor | float, optimizer: Optimizer | None = None) -> None:
+        """Scale the current update by ``factor`` (a number >= 0 or a 0-dim device tensor), named by its
+        ``source``: the one way to change an update's size for a step.
+
+        The factors of every source multiply; right before ``optimizer.step()`` their product multiplies each param
+        group's ``lr``, and right after it each ``lr`` is put back (``ledger/step.py``, rows 6, 8 and 10). So the
+        optimizer applies exactly its own update at ``lr x factor``, whatever it is, and an LR schedule never sees
+        the factor. ``step.scale.lrs`` holds the LRs the update used. Like a vote, the factor must be the same on
+        every rank. From a plain callback's ``on_before_optimizer_step``, pass that hook's ``optimizer``.
+        """
+        if optimizer is not None:
+            self.open_step(optimizer)
+        if self._open is None or self._step is None:
+            raise RuntimeError(
+                "scale_update() called outside an optimizer step. Fix: call it from `on_before_optimizer_step` and "
+                "pass that hook's optimizer: ledger.scale_update(source, factor, optimizer)."
+            )
+        self._step.scale_update(source, factor)
 
     def _before_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> Any:
         return enforce_before_update(args, kwargs, lambda: self._enforce(optimizer))

@@ -1,7 +1,7 @@
 """ScheduledLR and WarmupConstantCosineLR: the learning rate as a function of applied optimizer updates.
 
 Also here, what :class:`ScheduledLR` reads from around it: a callback that scales the LR (:class:`LRScaleSource`),
-whether an optimizer takes a device tensor as its LR (:func:`supports_tensor_lr`), the schedule's name for the
+the schedule's name for the
 callback's ``state_key`` (:func:`schedule_name`), and how many updates a schedule runs over, per optimizer, from
 the Trainer's limits or ``total_steps`` (:func:`run_lengths`).
 """
@@ -22,6 +22,7 @@ from lightning_stability.errors import StabilityConfigError, config_error
 from lightning_stability.ledger.callback import LedgerCallback
 from lightning_stability.ledger.step_ledger import StepLedger
 from lightning_stability.ledger.track import device_of
+from lightning_stability.ledger.update import supports_tensor_lr
 from lightning_stability.schedules.specs import (
     Schedule,
     WarmupConstantCosineSchedule,
@@ -62,7 +63,7 @@ class ScheduledLR(LedgerCallback):
     ========================  ===========================================================
     Key                       Meaning
     ========================  ===========================================================
-    ``stability/lr``          LR of the first param group for this update
+    ``stability/lr``          LR the update used in the first param group (times every factor on it)
     ``stability/lr/pg<i>``    LR of param group ``i`` (``i >= 1``), when there are several
     ========================  ===========================================================
 
@@ -215,9 +216,15 @@ class ScheduledLR(LedgerCallback):
         return table
 
     def after_step(self, trainer: pl.Trainer, ledger: StepLedger) -> None:
-        """Write the LR of this optimizer's next update, from its own applied-update count."""
+        """Log the LR this update used (the schedule's, times every factor on the update: ``ledger/step.py`` row
+        8), then write the LR of this optimizer's next update, from its own applied-update count."""
         track = ledger.record_of()
         index = track.index
+        step = ledger.step
+        for i, lr in enumerate(step.scale.used_lrs(step.optimizer)):
+            self.record_metric(
+                "stability/lr" if i == 0 else f"stability/lr/pg{i}", lr if isinstance(lr, Tensor) else float(lr)
+            )
         if index >= len(self._optimizers):
             return
         total = self._totals[index]
@@ -247,14 +254,6 @@ class ScheduledLR(LedgerCallback):
         for group, base in zip(opt.param_groups, self._base_lrs[index], strict=True):
             # A new tensor each step: LearningRateMonitor keeps references to the values it logged.
             group["lr"] = mult * base
-
-    # ------------------------------------------------------------------ the step
-    def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer) -> None:
-        for i, group in enumerate(optimizer.param_groups):
-            lr = group["lr"]
-            self.record_metric(
-                "stability/lr" if i == 0 else f"stability/lr/pg{i}", lr if isinstance(lr, Tensor) else float(lr)
-            )
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._tables = {}
@@ -331,15 +330,6 @@ class LRScaleSource(Protocol):
     def estimated_optimizer_steps(self, trainer: pl.Trainer) -> int | None:
         """Optimizer steps in the whole run, when the source changes how batches map to steps."""
         ...
-
-
-def supports_tensor_lr(optimizer: Optimizer) -> bool:
-    """Whether every param group of ``optimizer`` can take a device tensor ``lr`` without host syncs.
-
-    Fused Adam/AdamW/SGD and capturable Adam/AdamW read a tensor LR inside their kernels. The other
-    implementations turn it into a Python number once per parameter (a host sync each).
-    """
-    return all(bool(g.get("fused")) or bool(g.get("capturable")) for g in optimizer.param_groups)
 
 
 def schedule_name(schedule: Schedule | ScheduleFn) -> str:

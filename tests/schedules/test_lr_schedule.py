@@ -27,7 +27,8 @@ from lightning_stability.schedules import (
     linear,
     warmup_constant_cosine,
 )
-from lightning_stability.schedules.callback import ScheduledLR, WarmupConstantCosineLR, supports_tensor_lr
+from lightning_stability.ledger.update import supports_tensor_lr
+from lightning_stability.schedules.callback import ScheduledLR, WarmupConstantCosineLR
 from tests.helpers import TinyModule, count_host_data_per_step, count_syncs_per_step, quiet_trainer
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
