@@ -3,7 +3,7 @@
 The figure of merit of Wortsman et al. 2023 ("Small-scale proxies for large-scale Transformer training
 instabilities", arXiv 2309.14322): train the same small model over a log-spaced LR grid; the **LR sensitivity** is
 the mean over the grid of min(final loss, initial loss) minus the best final loss of the grid
-(``lightning_stability.precursors.scores``). Arms, each over every LR and seed with the same data and initial
+(``benchmarks.scores``). Arms, each over every LR and seed with the same data and initial
 weights per seed:
 
 * **bare** -- a plain ``lightning.pytorch.Trainer``: the model's AdamW at the grid's LR, no callbacks of the package.
@@ -68,10 +68,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from benchmarks.scores import best_final_loss, lr_sensitivity, max_trainable_lr, spike_score
 from lightning_stability import StableTrainer, TrainingDivergedError, TrainingHealthMonitor
 from lightning_stability.demo.model import Corpus, CorpusWindows, load_corpus
 from lightning_stability.precursors.callback import LRBackoff, PrecursorMonitor
-from lightning_stability.precursors.scores import best_final_loss, lr_sensitivity, max_trainable_lr, spike_score
 from lightning_stability.presets import get_preset
 
 #: 1e-3 to 3e-1, six log-spaced points (ratio 300 ** (1/5) ~ 3.13).

@@ -16,7 +16,8 @@ cross-entropy, ``self.log("train_loss", loss)`` every step) on token sequences d
 table, with AdamW (lr 3e-4, weight decay 0.01). ``--size``: ``tiny`` (2 layers, d_model 32; a step of a few
 ms, mostly per-op overhead) and ``small`` (4 layers, d_model 128, seq 128; ~100 ms on a 2-core CPU).
 ``--optimizers``: ``adamw`` is ``torch.optim.AdamW`` as torch builds it by default (on a CPU the per-parameter
-loop, which reads each parameter's step count with ``.item()``), ``adamw_fused`` the same with ``fused=True``.
+loop, which reads each parameter's step count with ``.item()``), ``adamw_foreach`` with ``foreach=True``,
+``adamw_fused`` with ``fused=True``.
 Both configurations log to a ``CSVLogger`` with the Trainer's default ``log_every_n_steps=50``; no progress
 bar, model summary or checkpointing. ``--threads`` torch threads (default 1).
 
@@ -41,7 +42,7 @@ Two measurements, for each size and optimizer:
 The target (issue 11): ratio <= 1.03, and no extra sync on non-logging steps. Run from the repository root
 (it imports ``tests.helpers``)::
 
-    python -m benchmarks.overhead          # defaults: --size tiny small --optimizers adamw adamw_fused
+    python -m benchmarks.overhead          # defaults: --size tiny small --optimizers adamw adamw_foreach adamw_fused
                                            # --repeats 7 --warmup 5 --steps 100 (tiny) / 30 (small)
                                            # --count-steps 101 --threads 1; ~4 minutes on 2 cores
     python -m benchmarks.overhead --size small --optimizers adamw_fused --repeats 15
@@ -144,7 +145,8 @@ class Decoder(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         fused = self.optimizer_name == "adamw_fused"
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01, fused=fused or None)
+        foreach = True if self.optimizer_name == "adamw_foreach" else None
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01, fused=fused or None, foreach=foreach)
 
 
 class Batches(Dataset[Tensor]):
@@ -283,9 +285,9 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, str], float]:
     parser.add_argument(
         "--optimizers",
         nargs="+",
-        choices=["adamw", "adamw_fused"],
-        default=["adamw", "adamw_fused"],
-        help="torch.optim.AdamW as torch builds it by default, and/or with fused=True (default: both)",
+        choices=["adamw", "adamw_foreach", "adamw_fused"],
+        default=["adamw", "adamw_foreach", "adamw_fused"],
+        help="torch.optim.AdamW as torch builds it by default, with foreach=True, with fused=True (default: all)",
     )
     parser.add_argument("--repeats", type=int, default=7, help="paired runs (bare + preset) per case (default 7)")
     parser.add_argument("--warmup", type=int, default=5, help="steps dropped at the start of each run (default 5)")

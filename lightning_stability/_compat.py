@@ -105,6 +105,20 @@ def epoch_loop(trainer: pl.Trainer) -> Any:
     return trainer.fit_loop.epoch_loop
 
 
+def reads_callback_metrics_after(trainer: pl.Trainer, batch_idx: int) -> bool:
+    """Whether Lightning reads ``callback_metrics`` after this batch (``ModelCheckpoint``, ``EarlyStopping``): the
+    epoch's last batch, or one after which validation runs (Lightning's ``_should_check_val_fx``: every
+    ``val_check_batch`` batches of the epoch, or of the run with ``check_val_every_n_epoch=None``)."""
+    batches = trainer.num_training_batches
+    if isinstance(batches, int) and batch_idx + 1 == batches:
+        return True
+    every = trainer.val_check_batch
+    if not (trainer.enable_validation and isinstance(every, int) and every > 0):
+        return False
+    counted = epoch_loop(trainer).total_batch_idx if trainer.check_val_every_n_epoch is None else batch_idx
+    return (counted + 1) % every == 0
+
+
 def override_accumulation_decision(trainer: pl.Trainer, decide: Callable[[], bool] | None) -> None:
     """Make Lightning's "is this the last micro-batch of the step?" follow ``decide`` (``None`` restores it)."""
     loop = trainer.fit_loop.epoch_loop

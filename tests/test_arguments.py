@@ -152,7 +152,14 @@ ENTRIES: dict[str, Entry] = {
     ),
     "LRBackoff": (
         ls.LRBackoff,
-        {"signal": ["loss"], "threshold": [0], "factor": [1.0, 0], "recovery": [1.0], "floor": [-1.0]},
+        {
+            "signal": ["loss"],
+            "threshold": [0],
+            "factor": [1.0, 0],
+            "recovery": [1.0],
+            "floor": [-1.0],
+            "every": [0, 1.5],
+        },
     ),
     "register_attention": (
         lambda **kw: ls.register_attention(**{"cls": _Attention, "fn": lambda module, args, kwargs: None, **kw}),

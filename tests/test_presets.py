@@ -115,7 +115,7 @@ def test_175b_on_two_cpu_processes_shards_with_fsdp_and_trains(tmp_path: Path) -
     assert rank0["weights"] == rank1["weights"]  # gathered full weights, identical on both ranks
     assert rank0["loss_scale"] == 32768.0
     # the preset's LR back-off runs on both ranks (AdamW), alike
-    assert rank0["precursors"]["adam_actions"] and rank0["precursors"] == rank1["precursors"]
+    assert rank0["precursors"]["backoff_on"] and rank0["precursors"] == rank1["precursors"]
 
 
 def test_preset_fields_are_checked_and_lightnings_short_precisions_accepted() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import lightning.pytorch as pl
 import torch
@@ -31,7 +31,7 @@ from lightning_stability.health.report_loggers import send_report
 from lightning_stability.health.responses import RESPONSES, Response
 from lightning_stability.health.rollback import HostFlag, Rollback, newest_clean_step, restore_checkpoint
 from lightning_stability.health.signals import capacity, mean_over_ranks, peak_memory_over_ranks
-from lightning_stability.health.spike_stats import NEW_LEVEL_AFTER, IntervalMean, SpikeStats, zclip_threshold
+from lightning_stability.health.spike_stats import NEW_LEVEL_AFTER, IntervalMean, Scored, SpikeStats, zclip_threshold
 from lightning_stability.ledger import LedgerCallback, OnHost, OptimizerRecord, Outcome, StepLedger, loss_scaler
 from lightning_stability.ledger.gradients import StepGradients
 from lightning_stability.ledger.verdict import CheckpointRing, HealthVerdict
@@ -47,6 +47,17 @@ class _Constants:
         self.zero = torch.zeros((), device=device)
         self.nan = torch.full((1,), math.nan, device=device)
         self.grad_only = torch.tensor([False, True], device=device)  # HOST DATA: once
+
+
+class _Answer(NamedTuple):
+    """What the response to a step's verdict leaves: the values the statistics see (the clipped norm under
+    ``"clip"``), the clip threshold (NaN without one), what the statistics fold in, the rollback's damage flag."""
+
+    values: Tensor
+    threshold: Tensor
+    deviation: Tensor
+    include: Tensor
+    damaged: Tensor | bool
 
 
 class TrainingHealthMonitor(LedgerCallback):
@@ -230,61 +241,101 @@ class TrainingHealthMonitor(LedgerCallback):
 
     # ------------------------------------------------------------------ the step
     def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer) -> None:
+        """The verdict on this step (scores against the running statistics), then the response to it, then what
+        the step leaves: the statistics, the metrics, the history's row, the update measured on logging steps."""
         lr = optimizer.param_groups[0]["lr"]
         host = {} if isinstance(lr, Tensor) else {"lr": float(lr)}
         if self.response == "rollback" and self._rollback_or_skip(trainer, ledger):
-            # the rollback step or the data window after it: a host decision, no sync
-            ledger.mark_skip(Outcome.SKIPPED_ROLLBACK, True)
-            row = self.history.add(ledger.step_label, [], host, ledger.record_of().device)
-            self.history.set_outcome(row, int(Outcome.SKIPPED_ROLLBACK))
-            self._row, self._measured, self._grads = None, False, None
-            self.record_metric("stability/rollbacks", float(self.rollback.rollbacks))
-            if self.is_logging_step:
-                self._on_logging_step(ledger)
+            self._skip_for_rollback(ledger, host)  # the rollback step or the data window after it: no sync
             return
         grads = ledger.gradients()
-        loss = ledger.step.loss
         const = self._constants(grads.total.device)
+        # 1. the verdict: the update's loss and gradient norm, averaged over ranks, scored
+        scored, values, raw, z = self._score(ledger, grads, const)
+        # 2. the response: a non-finite value is never applied, whatever the response; then the response's own
+        ledger.mark_skip(Outcome.SKIPPED_NONFINITE, scored.nonfinite)
+        answer = self._respond(ledger, grads, scored, values, z, const)
+        verdict = ledger.health = HealthVerdict(scored.flags, scored.spikes, answer.damaged)  # StableCheckpoint's
+        # 3. what the step leaves: the statistics move, the metrics, the history's row
+        self.stats.update(answer.deviation, answer.include, scored.run)
+        self._record_step(
+            trainer, ledger, grads, answer.values, scored.finite, z, raw, answer.threshold, verdict, lr, host
+        )
+
+    def _skip_for_rollback(self, ledger: StepLedger, host: dict[str, float]) -> None:
+        ledger.mark_skip(Outcome.SKIPPED_ROLLBACK, True)
+        row = self.history.add(ledger.step_label, [], host, ledger.record_of().device)
+        self.history.set_outcome(row, int(Outcome.SKIPPED_ROLLBACK))
+        self._row, self._measured, self._grads = None, False, None
+        self.record_metric("stability/rollbacks", float(self.rollback.rollbacks))
+        if self.is_logging_step:
+            self._on_logging_step(ledger)
+
+    def _score(
+        self, ledger: StepLedger, grads: StepGradients, const: _Constants
+    ) -> tuple[Scored, Tensor, Tensor, Tensor]:
+        """The step's scores, the values scored (mean over ranks), the history's raw values and the z-scores."""
+        loss = ledger.step.loss
         if loss is None:  # the step's loss is not known: a placeholder the statistics skip; NaN in the history
             values = mean_over_ranks(torch.stack([const.zero, grads.total]))
             scored = self.stats.score(values, self.spike_z, const.grad_only)
             z, raw = torch.where(const.grad_only, scored.z, const.nan), torch.cat([const.nan, values[_GRAD:]])
-        else:
-            values = mean_over_ranks(torch.stack([loss.detach().float().to(const.zero.device), grads.total]))
-            scored = self.stats.score(values, self.spike_z)
-            z, raw = scored.z, values
-        spikes, include, deviation = scored.spikes, scored.include, scored.deviation
-        ledger.mark_skip(Outcome.SKIPPED_NONFINITE, scored.nonfinite)  # never applied, whatever the response
-        threshold = const.nan  # a fixed clip (GradientNormMonitor's) is a host value, read in after_step
+            return scored, values, raw, z
+        values = mean_over_ranks(torch.stack([loss.detach().float().to(const.zero.device), grads.total]))
+        scored = self.stats.score(values, self.spike_z)
+        return scored, values, values, scored.z
+
+    def _respond(
+        self, ledger: StepLedger, grads: StepGradients, scored: Scored, values: Tensor, z: Tensor, const: _Constants
+    ) -> _Answer:
+        """The response to the verdict: ``"clip"`` clips (ZClip), ``"skip"``/``"rollback"`` vote, ``"rollback"``
+        also notes whether the damage got in; what the statistics then fold in."""
+        threshold, deviation, include = const.nan, scored.deviation, scored.include
+        damaged: Tensor | bool = False
+        spikes = scored.spikes
         if self.response == "clip":
             mean, std = self.stats.mean_std(values.device)
             over = z[_GRAD] > self.clip_z
-            threshold = torch.where(over, zclip_threshold(mean[_GRAD], std[_GRAD], z[_GRAD], self.clip_z), math.inf)
-            grads.clip_(threshold)
-            values = torch.stack([values[_LOSS], torch.minimum(values[_GRAD], threshold)])  # ZClip: the clipped norm
+            limit = torch.where(over, zclip_threshold(mean[_GRAD], std[_GRAD], z[_GRAD], self.clip_z), math.inf)
+            grads.clip_(limit)
+            values = torch.stack([values[_LOSS], torch.minimum(values[_GRAD], limit)])  # ZClip: the clipped norm
             deviation = torch.minimum(deviation, self.stats.zscore(values)[1])  # folded in clipped, always
             include = include | (scored.finite & const.grad_only)
-            threshold = threshold.reshape(1)
+            threshold = limit.reshape(1)
             self.record_metric("stability/clip_threshold", threshold[0])
         elif self.response in ("skip", "rollback"):
             # skip_on="loss": the loss's flag alone (a gradient-norm spike without one is applied)
             ledger.mark_skip(Outcome.SKIPPED_SPIKE, spikes[_LOSS] if self.skip_on == "loss" else spikes.any())
-        damaged: Tensor | bool = False
         if self.response == "rollback":
             # the damage got in when this step spiked on the weights of a spike whose update was skipped
             spiked, before = spikes.any(), self._spiked
             if isinstance(before, Tensor) or before:
-                damaged = spiked & before if isinstance(before, Tensor) else spiked
-                self._damaged.send(damaged)
+                got_in = spiked & before if isinstance(before, Tensor) else spiked
+                self._damaged.send(got_in)
+                damaged = got_in
             self._spiked = spiked
-        # the verdict, as data: StableCheckpoint reads it from the ledger, the history records its flags
-        verdict = ledger.health = HealthVerdict(scored.flags, spikes, damaged)
-        self.stats.update(deviation, include, scored.run)
+        return _Answer(values, threshold, deviation, include, damaged)
+
+    def _record_step(
+        self,
+        trainer: pl.Trainer,
+        ledger: StepLedger,
+        grads: StepGradients,
+        values: Tensor,
+        finite: Tensor,
+        z: Tensor,
+        raw: Tensor,
+        threshold: Tensor,
+        verdict: HealthVerdict,
+        lr: Any,
+        host: dict[str, float],
+    ) -> None:
+        const = self._constants(values.device)
         # the loss's mean over the logging interval, every step so that EarlyStopping/ModelCheckpoint find it at
         # any epoch end (device ops, no sync)
         loss_z, grad_norm_z = z.unbind()
         metrics = (
-            ("stability/loss_mean", self._interval.add(values, scored.finite)[_LOSS]),
+            ("stability/loss_mean", self._interval.add(values, finite)[_LOSS]),
             ("stability/rollbacks", float(self.rollback.rollbacks)),
             ("stability/loss_z", loss_z),
             ("stability/grad_norm_z", grad_norm_z),
@@ -310,6 +361,8 @@ class TrainingHealthMonitor(LedgerCallback):
     def after_step(self, trainer: pl.Trainer, ledger: StepLedger) -> None:
         if self._row is not None:
             self.history.set_outcome(self._row, ledger.outcome)
+            step = ledger.step
+            self.history.set_value(self._row, "lr", step.scale.used_lrs(step.optimizer)[0])  # times any update factor
             # the report's clip line where this monitor does not clip: the fixed clip the step's gradients got
             fixed = self._grads.fixed_threshold if self._grads is not None else None
             if fixed is not None:

@@ -104,6 +104,16 @@ class HealthHistory:
         device value when the row reaches the host."""
         self._host[index][column] = value
 
+    def set_value(self, index: int, column: str, value: Tensor | float) -> None:
+        """A value of row ``index`` known after the row was written (the LR the update used): a device value is
+        copied into the row on the device, a host number kept as :meth:`set_host` keeps it."""
+        if not isinstance(value, Tensor):
+            self.set_host(index, column, float(value))
+            return
+        assert self._buf is not None
+        self._host[index].pop(column, None)
+        self._buf[index, COLUMNS.index(column)].copy_(value.reshape(()))
+
     def pending(self) -> Tensor | None:
         """The rows since the last :meth:`take`, flattened (a view: queue it for the transfer)."""
         if self._buf is None or not self._labels:

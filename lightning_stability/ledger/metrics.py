@@ -92,8 +92,8 @@ class MetricQueue:
             if to_loggers:
                 self.put(track.index, key, value)
                 handle = OnHost(float(value)) if not isinstance(value, Tensor) else OnHost()
-                if isinstance(value, Tensor):
-                    self._handles[(track.index, key)] = handle
+                if isinstance(value, Tensor):  # a key two callbacks record in one step: one value, one handle
+                    handle = self._handles.setdefault((track.index, key), handle)
         return handle
 
     def publish(

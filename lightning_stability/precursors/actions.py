@@ -1,5 +1,7 @@
 """Pure math of the early actions: QK-clip, StableAdamW's update clipping, a momentum reset. In place, on the device.
 
+Each is an edit right after the update (row 11 of ``lightning_stability/ledger/step.py``).
+
 * **QK-clip** (Kimi K2, arXiv 2507.20534, MuonClip; Megatron-Core ``clip_qk`` of its attention modules,
   ``qk_clip_threshold`` / ``qk_clip_alpha``): after the optimizer step, for each head ``h`` whose largest
   pre-softmax logit ``S_h`` exceeded ``tau``, ``eta_h = tau / S_h``; that head's query projection (weights and
@@ -14,7 +16,8 @@
   ``RMS_t = sqrt(mean(g_t^2 / max(u_t, eps^2)))`` with ``u_t`` the bias-corrected second moment *including*
   ``g_t``, and the tensor's learning rate ``lr / max(1, RMS_t / d)`` (``d = 1``). :func:`update_clip_coefficients`
   computes ``1 / max(1, RMS_t / d)`` from the gradients and the state before the step; :func:`clip_updates_`
-  applies it after an ordinary (Adam)W step, so the optimizer is not replaced.
+  applies it after an ordinary (Adam)W step, from a copy of the weights taken before it, so the optimizer is not
+  replaced.
 * **Momentum reset** (SPAM, Huang et al., ICLR 2025: a gradient spike poisons Adam's moments for many steps):
   :func:`reset_moments_` zeroes the moments of the tensors a spike hit and leaves the step count alone.
   OLMo-core's ``SkipStepAdamW`` once left its step count unincremented, which fixed the bias correction at step
@@ -38,7 +41,6 @@ from torch import Tensor, nn
 from lightning_stability import _compat
 from lightning_stability.errors import StabilityConfigError, check_number, config_error
 from lightning_stability.norms import is_dtensor, local_tensor, per_tensor_norms_of_parts
-from lightning_stability.precursors.adam import adam_updates
 from lightning_stability.precursors.attention import registered_projection
 
 #: Kimi K2's threshold on the max attention logit, and its split of the clip between W_q and W_k.
@@ -227,95 +229,44 @@ def clip_updates_(
     params: Sequence[Tensor],
     before: Sequence[Tensor],
     coefficients: Tensor,
-    lr: float,
+    lr: float | Tensor,
     weight_decay: float = 0.0,
 ) -> None:
     """Turn the (Adam)W step just taken into StableAdamW's: the Adam part of each update scaled by its coefficient.
 
     torch's AdamW computes ``p = p0 (1 - lr wd) - lr u``; StableAdamW takes ``p0 (1 - lr wd) - c lr u`` (the decay
-    at the full LR, as in the paper's reference code). So ``p <- c p + (1 - c) p0 (1 - lr wd)``. ``before``: each
-    parameter's copy from before the step; ``weight_decay``: 0 for Adam (decay folded into the gradient).
+    at the full LR, as in the paper's reference code). So ``p <- c p + (1 - c) p0 (1 - lr wd)``. ``before``: this
+    rank's part of each parameter from before the step (a sharded parameter is edited on its local shard);
+    ``lr``: the LR the step used; ``weight_decay``: 0 for Adam (decay folded into the gradient). No host sync.
     """
     with torch.no_grad():
         for p, p0, c in zip(params, before, coefficients.unbind(), strict=True):
-            c = c.to(p.dtype)
-            p.mul_(c).add_(p0 * (1 - lr * weight_decay) * (1 - c))
-
-
-def rescale_updates_(params: Sequence[Tensor], updates: list[Tensor], coefficients: Tensor) -> None:
-    """Scale the Adam steps ``updates`` that ``params`` have just taken by ``coefficients``, copy-free.
-
-    Adam subtracted each update ``u`` (:attr:`~.adam.AdamUpdates.updates`); ``p += (1 - c) * u`` leaves ``c`` of
-    it (decoupled weight decay stays at the full LR, as in StableAdamW's reference code). ``coefficients``: a 0-dim
-    tensor for every tensor (one fused multiply), or ``(n,)``, one per tensor; 1 leaves a tensor as it is, so a
-    caller passes 1 for a step that was skipped. Works on each rank's part of a sharded tensor. ``updates`` are
-    used up (scaled in place). No host sync.
-    """
-    if not params:
-        return
-    with torch.no_grad():
-        if coefficients.dim() == 0:
-            _compat.foreach_mul_(updates, 1 - coefficients)
-        else:
-            _compat.foreach_mul_scalars_(updates, list((1 - coefficients).unbind()))
-        _compat.foreach_add_([local_tensor(p) for p in params], updates)
-
-
-def rescale_adam_updates_(
-    optimizer: torch.optim.Optimizer,
-    params: Sequence[Tensor],
-    coefficients: Tensor,
-    lrs: Sequence[float | Tensor] | None = None,
-) -> None:
-    """Scale the Adam part of the update ``optimizer`` just applied to each of ``params`` by its coefficient, copy-free.
-
-    Right after an Adam(W) step, ``lr * m_hat / (sqrt(v_hat) + eps)`` recomputed from the state is the step torch
-    applied (decoupled weight decay aside): adding ``(1 - c)`` of it back leaves ``c`` of it, which is
-    :func:`clip_updates_` without a copy of the weights from before the step (the decay stays at the full LR).
-    ``coefficients``: ``(len(params),)`` on the device; a coefficient of 1 leaves its tensor alone, so a caller
-    passes 1 for a step that was skipped (the state then holds the previous step's moments). ``lrs``: each param
-    group's LR as the step used it (default: the groups' ``lr`` now). Tensors without state are left alone. No host
-    sync. (:func:`rescale_updates_` does the same from updates a caller already has.)
-
-    Raises:
-        StabilityConfigError: for ``amsgrad`` param groups (the denominator is the running max: not recomputed).
-    """
-    wanted = {id(p): i for i, p in enumerate(params)}
-    for group in optimizer.param_groups:
-        if group.get("amsgrad", False) and any(id(p) in wanted for p in group["params"]):
-            raise config_error("amsgrad", True, "is not supported by the update rescaling", "use amsgrad=False")
-    found = adam_updates(optimizer, lrs)
-    keep = [k for k, p in enumerate(found.params) if id(p) in wanted]
-    if keep:
-        chosen = [found.params[k] for k in keep]
-        mine = torch.stack([coefficients[wanted[id(p)]] for p in chosen])
-        rescale_updates_(chosen, [found.updates[k] for k in keep], mine)
+            local = local_tensor(p)
+            c = c.to(local.dtype)
+            local.mul_(c).add_(p0 * ((1 - lr * weight_decay) * (1 - c)))
 
 
 # ---------------------------------------------------------------------------------------------- momentum reset
-def reset_moments_(optimizer: torch.optim.Optimizer, params: Sequence[Tensor]) -> int:
-    """Zero the Adam moments (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``) of ``params``; ``step`` untouched.
-
-    Returns:
-        How many of ``params`` had state (the others had not stepped yet: nothing to reset).
+def reset_moments_(optimizer: torch.optim.Optimizer, params: Sequence[Tensor], hit: Tensor) -> None:
+    """Zero the Adam moments (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``) of the ``params`` where ``hit`` (a
+    ``(len(params),)`` bool tensor) is true, on each rank's part of them; ``step`` untouched. No host sync.
 
     Raises:
         StabilityConfigError: when a parameter is not one of ``optimizer``'s.
     """
     owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    reset = 0
+    keep = (~hit).to(torch.float32)
     with torch.no_grad():
-        for p in params:
+        for p, k in zip(params, keep.unbind(), strict=True):
             if id(p) not in owned:
                 raise config_error(
                     "params", tuple(p.shape), "holds a tensor the optimizer does not update", "pass its params"
                 )
             state = optimizer.state.get(p, {})
-            moments = [state[k] for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if k in state]
-            for moment in moments:
-                moment.zero_()
-            reset += bool(moments)
-    return reset
+            for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                if key in state:
+                    moment = local_tensor(state[key])
+                    moment.mul_(k.to(moment.dtype))
 
 
 def first_update_gain(beta1: float, beta2: float, step: int) -> float:

@@ -1,37 +1,39 @@
 """PrecursorMonitor: what comes before a loss spike, logged as ``stability/...`` metrics, and opt-in early actions.
 
-Precursors (each on logging steps, in the step's one device-to-host transfer; nothing is computed on other steps
-unless an action needs it, and nothing is read on the host there):
+It measures; the step acts (``lightning_stability/ledger/step.py``). Precursors (each on logging steps, in the
+step's one device-to-host transfer; nothing is computed on other steps unless an action needs it, and nothing is
+read on the host there):
 
 * ``stability/attention_logit_max`` and ``.../<module>``: the largest pre-softmax attention logit of the step, over
   all heads, and per attention module (:class:`~lightning_stability.precursors.attention.AttentionLogits`);
 * ``stability/log_z`` and ``stability/log_z_drift``: the LM head's mean log-sum-exp and its drift from an EMA of
   the measured values (:class:`~lightning_stability.precursors.logits.LogPartition`);
-* ``stability/adam_update_rms_max``: the largest RMS of a tensor's Adam step, and ``stability/adam_eps_share``: the
-  share of coordinates (over every tensor) where Adam's epsilon dominates the denominator
-  (:func:`~lightning_stability.precursors.adam.adam_updates`);
-* ``stability/adam_update_ratio`` and ``.../<layer>``: the applied Adam step's norm over the weights' norm, in
-  total and per layer (:mod:`~lightning_stability.precursors.update_ratio`; decoupled weight decay left out).
+* ``stability/update_ratio``: the update's norm over the weights' norm, all tensors together, and
+  ``stability/update_rms_max``: the largest RMS of a tensor's update, both measured across the update for any
+  optimizer (the step's ``UpdateSize``: the same figure ``TrainingHealthMonitor`` logs);
+* ``stability/adam_eps_share``: with ``torch.optim.Adam``/``AdamW``, the share of coordinates (over every tensor)
+  where Adam's epsilon dominates the denominator (:func:`~lightning_stability.precursors.adam.adam_eps_share`).
 
-Early actions (off by default; each runs on every step, on the device, without a host sync):
+Early actions (off by default; each runs on the device, without a host sync):
 
-* ``qk_clip=100.0``: Kimi K2's QK-clip after each optimizer step (:func:`~.actions.apply_qk_clip_`, ``alpha`` 0.5):
+* ``lr_backoff=LRBackoff(...)``: while a precursor stays past its threshold, the update is scaled by ``factor``
+  per measured applied update (to ``floor`` at least); once it is back under, it recovers by ``recovery`` per
+  applied update, never past 1. The factor goes on the step's update scale (``StepLedger.scale_update``): each
+  param group's LR times the factor for that update, so every optimizer that reads ``group["lr"]`` applies its
+  own update, scaled. An LR schedule goes on as it is. The factor moves on what earlier updates showed.
+* ``qk_clip=100.0``: Kimi K2's QK-clip right after the update (:func:`~.actions.apply_qk_clip_`, ``alpha`` 0.5):
   each head whose largest logit of the step passed ``tau`` has its query and key projections scaled so that it
   falls back to ``tau``. The logits are max-reduced over ranks first, so every rank scales alike.
 * ``update_clip=1.0``: StableAdamW's per-tensor update clipping (:func:`~.actions.update_clip_coefficients`,
-  ``d = 1``) on top of the model's own Adam/AdamW.
-* ``lr_backoff=LRBackoff(...)``: while a precursor stays past its threshold, the Adam part of each applied update is
-  scaled down by ``factor`` per applied update (to ``floor`` at least); once it is back under, it recovers by
-  ``recovery`` per applied update, up to 1. Skipped updates leave it as it is (the applied-update clock). It
-  scales the update, not the param groups' ``lr`` (so an LR schedule goes on as it is).
+  ``d = 1``) on top of ``torch.optim.Adam``/``AdamW``: right after the update, each tensor keeps ``c`` of its Adam
+  step, from the step's copy of the weights before it (decoupled decay at the full LR).
 * ``reset_moments=True``: when ``TrainingHealthMonitor`` calls the step a spike and its update was applied anyway
   (``response="warn"`` or ``"clip"``, or under ``"skip"`` with ``skip_on="loss"`` a gradient-norm spike alone), the
   Adam moments of the tensors whose gradient RMS was more than ``reset_ratio`` times the RMS Adam expected
   (``sqrt(v_hat)``) are zeroed, the step counts left alone (SPAM; :func:`~.actions.reset_moments_`). A skipped
   spike's gradient never reaches the moments.
 
-The update clipping and the back-off scale the update torch just applied, copy-free, from the optimizer's state
-(:func:`~.actions.rescale_adam_updates_`): Adam and AdamW without ``amsgrad``.
+QK-clip, the update clipping and the moment reset are edits right after the update (row 11 of the step table).
 """
 
 from __future__ import annotations
@@ -49,22 +51,23 @@ from torch.distributed.tensor import Shard
 from torch.optim import Optimizer
 
 from lightning_stability import _compat
-from lightning_stability.errors import StabilityConfigError, check_bool, check_number, config_error
-from lightning_stability.ledger import LedgerCallback, OnHost, OptimizerRecord, StepLedger
+from lightning_stability.errors import StabilityConfigError, check_bool, check_int, check_number, config_error
+from lightning_stability.ledger import LedgerCallback, OnHost, OptimizerRecord, OptimizerStep, StepLedger
 from lightning_stability.ledger.track import Outcome
-from lightning_stability.norms import is_dtensor, local_tensor, per_tensor_norms
+from lightning_stability.ledger.update import UpdateSize
+from lightning_stability.norms import is_dtensor, per_tensor_norms
 from lightning_stability.precursors.actions import (
     QK_CLIP_ALPHA,
     QKProjection,
     apply_qk_clip_,
+    clip_updates_,
     qk_projection,
-    rescale_updates_,
+    reset_moments_,
     update_clip_coefficients,
 )
-from lightning_stability.precursors.adam import AdamUpdates, adam_updates, is_adam_like
+from lightning_stability.precursors.adam import adam_eps_share, is_adam
 from lightning_stability.precursors.attention import AttentionLogits, attention_modules
 from lightning_stability.precursors.logits import LogPartition, find_head
-from lightning_stability.precursors.update_ratio import layer_groups, update_to_weight_ratios
 
 Signal = Literal["update_ratio", "attention_logit", "log_z_drift", "update_rms_jump"]
 SIGNALS: tuple[str, ...] = ("update_ratio", "attention_logit", "log_z_drift", "update_rms_jump")
@@ -75,13 +78,18 @@ class LRBackoff:
     """The LR back-off of :class:`PrecursorMonitor`: which precursor, its threshold, how fast down and back up.
 
     Attributes:
-        signal: ``"update_ratio"``: the applied Adam step's norm over the weights' norm, all tensors together;
-            ``"attention_logit"``: the step's largest attention logit; ``"log_z_drift"``: ``|log Z - EMA|`` of the
-            LM head; ``"update_rms_jump"``: the Adam step's norm over its EMA (Marin saw it double before spikes).
+        signal: ``"update_ratio"``: the applied update's norm over the weights' norm, all tensors together (any
+            optimizer); ``"attention_logit"``: the step's largest attention logit; ``"log_z_drift"``: ``|log Z -
+            EMA|`` of the LM head; ``"update_rms_jump"``: the update's norm over its EMA (Marin saw it double
+            before spikes).
         threshold: past it, the update backs off (``update_ratio`` 0.02; for the others e.g. 100, 1.0, 2.0).
-        factor: the multiplier per applied update while past the threshold (0.5).
-        recovery: the multiplier per applied update once back under it, up to 1 (1.02: from 0.5 back to 1 in 35).
+        factor: the multiplier per measured applied update while past the threshold (0.5).
+        recovery: the multiplier per applied update once back under it, never past 1 (1.02: from 0.5 back to 1 in
+            35).
         floor: the smallest multiplier (0.01).
+        every: the update signals (``update_ratio``, ``update_rms_jump``) are measured on every ``every``-th
+            optimizer step (and on logging steps): each costs a transient copy of the weights. The others every
+            step.
     """
 
     signal: Signal = "update_ratio"
@@ -89,6 +97,7 @@ class LRBackoff:
     factor: float = 0.5
     recovery: float = 1.02
     floor: float = 0.01
+    every: int = 4
 
     def __post_init__(self) -> None:
         if self.signal not in SIGNALS:
@@ -103,6 +112,11 @@ class LRBackoff:
             raise config_error("recovery", self.recovery, "must be > 1 (else it never recovers)", "pass recovery=1.02")
         if self.floor > 1:
             raise config_error("floor", self.floor, "must be <= 1", "pass floor=0.01")
+        check_int("every", self.every, 1, "4")
+
+    @property
+    def measures_update(self) -> bool:
+        return self.signal in ("update_ratio", "update_rms_jump")
 
 
 class PrecursorMonitor(LedgerCallback):
@@ -119,14 +133,16 @@ class PrecursorMonitor(LedgerCallback):
         lr_backoff: an :class:`LRBackoff`, or ``None``: off.
         reset_moments: zero the moments of the tensors a spike hit (see the module doc).
         reset_ratio: how far above Adam's expected RMS a tensor's gradient RMS must be to count as hit (10).
-        other_optimizers: with an optimizer the Adam actions cannot act on (not Adam-like, or ``amsgrad``):
-            ``"error"`` (at fit start), or ``"warn"``: they are off for that fit, the precursors still logged (what
-            a preset uses, not knowing the model's optimizer).
+        other_optimizers: with an optimizer an action cannot act on (``update_clip`` and ``reset_moments`` need
+            ``torch.optim.Adam``/``AdamW`` or a subclass, ``update_clip`` without ``amsgrad``; the back-off needs an
+            optimizer whose update follows ``lr``, so not ``Rprop``): ``"error"`` (at fit start), or ``"warn"``:
+            that action is off for the fit, in one line, the precursors still logged (what a preset uses, not
+            knowing the model's optimizer).
         log_every_n_steps: default: the Trainer's.
 
     Raises:
         StabilityConfigError: for a bad argument; at setup, for an action the model or optimizer cannot take
-            (QK-clip without a known attention module, the Adam actions with another optimizer).
+            (QK-clip without a known attention module, an action with an optimizer it cannot act on).
 
     Example::
 
@@ -174,7 +190,8 @@ class PrecursorMonitor(LedgerCallback):
         if other_optimizers not in ("error", "warn"):
             raise config_error("other_optimizers", other_optimizers, "is not a choice", "pass 'error' or 'warn'")
         self.other_optimizers = other_optimizers
-        self._adam_actions = False  # the Adam actions act in this fit (set at fit start)
+        self._adam_actions = False  # the Adam actions (update clipping, moment reset) act in this fit (fit start)
+        self._backoff_on = False  # the back-off acts in this fit (fit start)
         self.attention, self.log_partition = attention, log_partition
         self.qk_clip, self.qk_clip_alpha = qk_clip, float(qk_clip_alpha)
         self.update_clip, self.lr_backoff = update_clip, lr_backoff
@@ -189,7 +206,6 @@ class PrecursorMonitor(LedgerCallback):
         self._log_z: LogPartition | None = None
         self._log_z_state: dict[str, Any] = {}
         self._rms_ema: Tensor | float | None = None
-        self._layers: tuple[tuple[int, ...], Tensor, Tensor, list[str]] | None = None
         self._open: _OpenStep | None = None
         self._fresh = True  # the next batch starts an optimizer step
         self._told = False  # the back-off's warning was given in this fit
@@ -241,8 +257,9 @@ class PrecursorMonitor(LedgerCallback):
         if self.qk_clip is not None and self._logits is not None:
             # after the strategy's wrapping: FSDP2 replaces the parameters with sharded ones
             self._projections = {name: qk_projection(m) for name, m in self._logits.modules.items()}
-        self._adam_actions = self.update_clip is not None or self.lr_backoff is not None or self.reset_moments
-        if len(trainer.optimizers) > 1 and (self._adam_actions or self.qk_clip is not None):
+        self._adam_actions = self.update_clip is not None or self.reset_moments
+        self._backoff_on = self.lr_backoff is not None
+        if len(trainer.optimizers) > 1 and (self._adam_actions or self._backoff_on or self.qk_clip is not None):
             # one back-off factor and one QK-clip per step of the module: with several optimizers each would act
             # once per optimizer step (QK-clip twice on the same maxima), not once per update of the module
             raise StabilityConfigError(
@@ -251,27 +268,34 @@ class PrecursorMonitor(LedgerCallback):
                 "actions off for this fit (PrecursorMonitor() still logs the precursors per optimizer; in a preset, "
                 "lr_backoff=None removes it), or train with one optimizer."
             )
-        for optimizer in trainer.optimizers if self._adam_actions else []:
-            why = ""
-            if not is_adam_like(optimizer):
-                why = f"the optimizer is {type(optimizer).__name__}"
-            elif any(g.get("amsgrad", False) for g in optimizer.param_groups):
-                why = "the optimizer uses amsgrad=True (its denominator is a running max)"
-            if why and self.other_optimizers == "warn":
-                rank_zero_warn(f"PrecursorMonitor: the update clipping, LR back-off and moment reset are off: {why}.")
-                self._adam_actions = False
-            elif why:
-                raise StabilityConfigError(
-                    f"PrecursorMonitor's update clipping, LR back-off and moment reset act on Adam's state; {why}. "
-                    "Fix: use torch.optim.Adam or AdamW (amsgrad=False), leave update_clip, lr_backoff and "
-                    "reset_moments off, or pass other_optimizers='warn' to turn them off for such a fit."
+        for optimizer in trainer.optimizers:
+            name = type(optimizer).__name__
+            if self._adam_actions:
+                why = ""
+                if not is_adam(optimizer):
+                    why = f"the optimizer is {name}, not torch.optim.Adam or AdamW"
+                elif self.update_clip is not None and any(g.get("amsgrad", False) for g in optimizer.param_groups):
+                    why = "the optimizer uses amsgrad=True (its denominator is a running max)"
+                if why:
+                    self._adam_actions = self._refuse_or_warn(
+                        "update clipping and moment reset act on Adam's moments", why, "update_clip, reset_moments"
+                    )
+            if self._backoff_on and isinstance(optimizer, torch.optim.Rprop):
+                self._backoff_on = self._refuse_or_warn(
+                    "LR back-off scales the update through the LR",
+                    "Rprop reads its LR only once, as its first step sizes",
+                    "lr_backoff",
                 )
-        names = {id(p): n for n, p in pl_module.named_parameters()}
-        self._names = names
-        if len(trainer.optimizers) == 1:  # the per-layer index of every tensor, built here rather than in a step
-            params = [p for g in trainer.optimizers[0].param_groups for p in g["params"]]
-            if params:
-                self._layer_index(params, local_tensor(params[0]).device)
+
+    def _refuse_or_warn(self, what: str, why: str, arguments: str) -> bool:
+        """Refuse (``other_optimizers="error"``) or warn once and turn the action off (returns ``False``)."""
+        if self.other_optimizers == "warn":
+            rank_zero_warn(f"PrecursorMonitor: the {what}: {why}, so it is off for this fit ({arguments}).")
+            return False
+        raise StabilityConfigError(
+            f"PrecursorMonitor's {what}; {why}. Fix: use torch.optim.Adam or AdamW, leave {arguments} off, or pass "
+            "other_optimizers='warn' to turn it off for such a fit."
+        )
 
     def _under_tensor_parallel(self, split: str) -> None:
         """Under tensor parallelism: the Adam figures and the back-off on them (the optimizer's state is sharded
@@ -334,7 +358,7 @@ class PrecursorMonitor(LedgerCallback):
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         # the first micro-batch of an optimizer step: forget the last step's maxima, measure if this step logs or
         # ends where Lightning reads callback_metrics
-        read = _read_after(trainer, batch_idx)
+        read = _compat.reads_callback_metrics_after(trainer, batch_idx)
         if self._fresh:
             self._fresh = False
             if self._logits is not None:
@@ -347,45 +371,97 @@ class PrecursorMonitor(LedgerCallback):
 
     # ------------------------------------------------------------------ the step
     def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer) -> None:
-        """Before the update: the coefficients of the update clipping and back-off, and the tensors a spike hit."""
-        open_step = self._open = _OpenStep(optimizer)
-        open_step.lrs = [g["lr"] for g in optimizer.param_groups]  # the step's (a schedule moves them after it)
-        # the tensors this step updates: Adam leaves one without a gradient alone (its state still holds a step)
-        open_step.stepped = {id(p) for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
-        if not self._adam_actions:
+        """Before the update: the back-off's factor on it, its measurement when a signal or a figure needs one, and
+        the edits right after it (update clipping, QK-clip, moment reset: row 11 of the step table)."""
+        step = ledger.step
+        config = self.lr_backoff
+        tick = (
+            self._backoff_on
+            and config is not None
+            and (not config.measures_update or ledger.record_of().steps % config.every == 0)
+        )
+        clipping = self._adam_actions and self.update_clip is not None
+        measured = (
+            self._reads or self.is_logging_step or clipping or (tick and config is not None and config.measures_update)
+        ) and step.measure_update() is not None
+        device = self._device(trainer)
+        if self._backoff_on:
+            ledger.scale_update("lr_backoff", self._backoff_tensor(device))
+        open_step = self._open = _OpenStep(optimizer, measured, tick)
+        if self._adam_actions:
+            params = [
+                p
+                for g in optimizer.param_groups
+                for p in g["params"]
+                if p.grad is not None and "exp_avg_sq" in optimizer.state.get(p, {})
+            ]
+            if params:
+                open_step.params = params
+                if clipping:
+                    open_step.clip_coef = self._clip_coefficients(optimizer, params, device)
+                if self.reset_moments:
+                    open_step.hit = self._hit_tensors(optimizer, params, device)
+                _agree_across_ranks(open_step)  # what each rank derived from its own gradients and state
+        step.after_update(self._edit)
+
+    def _clip_coefficients(self, optimizer: Optimizer, params: list[Tensor], device: torch.device) -> Tensor:
+        """StableAdamW's coefficient of each of ``params`` (``(n,)``), from its gradient and state before the step."""
+        parts = []
+        for group in optimizer.param_groups:
+            mine = {id(p) for p in group["params"]}
+            ps = [p for p in params if id(p) in mine]
+            if ps:
+                states = [optimizer.state[p] for p in ps]
+                parts.append(
+                    update_clip_coefficients(
+                        [p.grad for p in ps if p.grad is not None],
+                        [s["exp_avg_sq"] for s in states],
+                        [s["step"] for s in states],
+                        group["betas"][1],
+                        group["eps"],
+                        self.update_clip if self.update_clip is not None else 1.0,
+                    ).to(device)
+                )
+        return torch.cat(parts)
+
+    def _edit(self, step: OptimizerStep, outcome: Outcome | Tensor) -> None:
+        """Right after the update (row 11): the update clipping, the moment reset, QK-clip."""
+        open_step = self._open
+        if open_step is None:
             return
-        grads = ledger.gradients()
-        params = [p for p in grads.params if "exp_avg_sq" in optimizer.state.get(p, {})]
-        if not params:
-            return
-        open_step.params = params
-        device = grads.total.device
-        if self.update_clip is not None:
-            parts = []
-            for group in optimizer.param_groups:
-                mine = {id(p) for p in group["params"]}
-                ps = [p for p in params if id(p) in mine]
-                if ps:
-                    states = [optimizer.state[p] for p in ps]
-                    parts.append(
-                        update_clip_coefficients(
-                            [p.grad for p in ps if p.grad is not None],
-                            [s["exp_avg_sq"] for s in states],
-                            [s["step"] for s in states],
-                            group["betas"][1],
-                            group["eps"],
-                            self.update_clip,
-                        ).to(device)
-                    )
-            open_step.clip_coef = torch.cat(parts)
-        if self.reset_moments:
-            open_step.hit = self._hit_tensors(optimizer, params, device)
-        _agree_across_ranks(open_step)  # what each rank derived from its own gradients and state
-        if self.lr_backoff is not None:  # alike on every rank already: it moves on signals reduced over ranks
-            backoff = self._backoff_tensor(device)  # one factor for every tensor (0-dim) when alone
-            open_step.coef = backoff if open_step.clip_coef is None else open_step.clip_coef * backoff
-        else:
-            open_step.coef = open_step.clip_coef
+        optimizer = step.optimizer
+        applied = _applied(outcome, step.device)
+        if open_step.clip_coef is not None and step.update is not None:
+            self._clip_update(step, step.update, open_step.params, torch.where(applied, open_step.clip_coef, 1.0))
+        health = self._ledger.health if self._ledger is not None else None
+        if self.reset_moments and open_step.hit is not None and health is not None:
+            hit = open_step.hit & health.spike.to(open_step.hit.device) & applied
+            reset_moments_(optimizer, open_step.params, hit)
+            self.moment_resets = hit.sum().float() + self.moment_resets
+        maxima = open_step.maxima = self._attention_maxima()
+        if self.qk_clip is not None and maxima:
+            clipped = []
+            for name, projection in self._projections.items():
+                if name in maxima:
+                    eta = apply_qk_clip_(projection, maxima[name], self.qk_clip, self.qk_clip_alpha)
+                    clipped.append((eta < 1).sum())
+            if clipped:
+                self.clipped_heads = torch.stack(clipped).sum().float() + self.clipped_heads
+
+    def _clip_update(self, step: OptimizerStep, size: UpdateSize, params: list[Tensor], coef: Tensor) -> None:
+        """Each of ``params`` keeps ``coef`` of its Adam step, from the copy taken before it; decoupled decay (AdamW)
+        stays at the full LR, as in StableAdamW's reference code."""
+        optimizer = step.optimizer
+        before = {id(p): b for p, b in zip(size.params, size.before, strict=True)}
+        index = {id(p): i for i, p in enumerate(params)}
+        decoupled = isinstance(optimizer, torch.optim.AdamW)
+        for group, lr in zip(optimizer.param_groups, step.scale.used_lrs(optimizer), strict=True):
+            mine = [p for p in group["params"] if id(p) in index and id(p) in before]
+            if not mine:
+                continue
+            wd = group["weight_decay"] if decoupled or group.get("decoupled_weight_decay", False) else 0.0
+            coefficients = torch.stack([coef[index[id(p)]] for p in mine])
+            clip_updates_(mine, [before[id(p)] for p in mine], coefficients, lr, wd)
 
     def _backoff_tensor(self, device: torch.device) -> Tensor:
         backoff = self.backoff
@@ -420,48 +496,20 @@ class PrecursorMonitor(LedgerCallback):
         return grad_rms > self.reset_ratio * v_hat.sqrt()
 
     def after_step(self, trainer: pl.Trainer, ledger: StepLedger) -> None:
-        """After the update (applied or skipped): rescale it, QK-clip, reset hit moments, move the back-off."""
+        """After the update and its edits: the signals, the back-off's next factor, the figures."""
         open_step, self._open, self._fresh = self._open, None, True
+        reads, self._reads = self._reads or self.is_logging_step, False
         if open_step is None:
             return
-        optimizer = open_step.optimizer
         applied = _applied(ledger.outcome, self._device(trainer))
-        reads, self._reads = self._reads or self.is_logging_step, False
-        signal = self.lr_backoff.signal if self.lr_backoff is not None else None
-        found = None  # the updates just applied, recomputed once for the rescaling, the signals and the figures
-        coef: Tensor | None = None  # each one's rescaling coefficient (0-dim: one for all)
-        if (open_step.coef is not None or reads or signal in ("update_ratio", "update_rms_jump")) and is_adam_like(
-            optimizer
-        ):
-            found = adam_updates(optimizer, open_step.lrs, eps_share=reads, only=open_step.stepped)
-            coef = self._coef_for(open_step, found.params, found.norms.device)
-            if open_step.coef is not None:
-                rescale_updates_(found.params, found.updates, torch.where(applied, coef, 1.0))
-        if self.reset_moments and open_step.hit is not None and ledger.health is not None:
-            hit = open_step.hit & ledger.health.spike.to(open_step.hit.device) & applied
-            keep = (~hit).to(torch.float32)
-            with torch.no_grad():
-                for p, k in zip(open_step.params, keep.unbind(), strict=True):
-                    state = optimizer.state[p]
-                    for key in ("exp_avg", "exp_avg_sq"):
-                        moment = local_tensor(state[key])  # each rank its shard of a DTensor
-                        moment.mul_(k.to(moment.dtype))
-            self.moment_resets = hit.sum().float() + self.moment_resets
-        maxima = self._attention_maxima()
-        if self.qk_clip is not None and maxima:
-            clipped = []
-            for name, projection in self._projections.items():
-                if name in maxima:
-                    eta = apply_qk_clip_(projection, maxima[name], self.qk_clip, self.qk_clip_alpha)
-                    clipped.append((eta < 1).sum())
-            if clipped:
-                self.clipped_heads = torch.stack(clipped).sum().float() + self.clipped_heads
+        size = ledger.step.update if open_step.measured else None
+        maxima = open_step.maxima if open_step.maxima is not None else self._attention_maxima()
         log_z = self._log_z.end_step() if self._log_z is not None else None
-        signals = self._signals(found, coef, maxima, log_z, applied)
-        if self.lr_backoff is not None:
+        signals = self._signals(size, maxima, log_z, applied, open_step.tick)
+        if self._backoff_on and open_step.tick and self.lr_backoff is not None:
             self._move_backoff(signals.get(self.lr_backoff.signal), applied)
         if reads:  # into callback_metrics at once; to the loggers on logging steps only (no transfer otherwise)
-            self._record(open_step, found, maxima, log_z, signals)
+            self._record(open_step, size, maxima, log_z)
 
     def _device(self, trainer: pl.Trainer) -> torch.device:
         return trainer.lightning_module.device if trainer.lightning_module is not None else torch.device("cpu")
@@ -481,11 +529,11 @@ class PrecursorMonitor(LedgerCallback):
 
     def _signals(
         self,
-        found: AdamUpdates | None,
-        coef: Tensor | None,
+        size: UpdateSize | None,
         maxima: dict[str, Tensor],
         log_z: tuple[Tensor, Tensor] | None,
-        applied_step: Tensor,
+        applied: Tensor,
+        tick: bool,
     ) -> dict[str, Tensor]:
         """The step's precursor values (device tensors), those measured; each alike on every rank."""
         out: dict[str, Tensor] = {}
@@ -493,84 +541,58 @@ class PrecursorMonitor(LedgerCallback):
             out["attention_logit"] = torch.stack([m.amax() for m in maxima.values()]).amax()
         if log_z is not None:
             out["log_z_drift"] = log_z[1].abs()
-        if found is not None and found.params:
-            applied = found.norms if coef is None else found.norms * coef
-            weights = per_tensor_norms([p.detach() for p in found.params])
-            total = applied.norm()
-            ratio = total / weights.norm().clamp(min=torch.finfo(torch.float32).tiny)
-            if _world_size() > 1:  # alike on every rank (and in rank 0's checkpoint), also if a rank's state strayed
-                both = torch.stack([ratio, total])
-                dist.all_reduce(both, op=dist.ReduceOp.MAX)
-                ratio, total = both.unbind()
-            out["update_ratio"] = ratio
-            out["_update_norms"] = applied
-            out["_weight_norms"] = weights
+        if size is not None and size.ratio is not None and size.update_norm is not None:
+            out["update_ratio"] = size.ratio  # max-reduced over ranks by the step
+            total = size.update_norm
             ema = self._rms_ema
             if isinstance(ema, Tensor) and ema.device != total.device:  # resumed: restored on the CPU
                 ema = self._rms_ema = ema.to(total.device)
             out["update_rms_jump"] = total / (ema if isinstance(ema, Tensor) else total)
-            if not isinstance(ema, Tensor):
-                self._rms_ema = total.detach().clone()
-            else:  # on the applied-update clock: a skipped step leaves it
-                ema.copy_(torch.where(applied_step.to(ema.device), ema * 0.99 + 0.01 * total, ema))
+            if tick:  # on the back-off's clock, applied updates only
+                if not isinstance(ema, Tensor):
+                    self._rms_ema = total.detach().clone()
+                else:
+                    ema.copy_(torch.where(applied.to(ema.device), ema * 0.99 + 0.01 * total, ema))
         return out
 
-    def _coef_for(self, open_step: _OpenStep, params: list[Tensor], device: torch.device) -> Tensor:
-        """The coefficient each of ``params`` is rescaled by this step (1 where none): 0-dim when one for all."""
-        if open_step.coef is None:
-            return torch.ones((), device=device)
-        if open_step.coef.dim() == 0:
-            return open_step.coef  # the back-off alone: one factor for every tensor
-        if len(params) == len(open_step.params) and all(p is q for p, q in zip(params, open_step.params, strict=True)):
-            return open_step.coef  # the same tensors in the same order: no gather
-        index = {id(p): i for i, p in enumerate(open_step.params)}
-        # a tensor taking its first step has no update clip yet (no state before it): the back-off alone
-        alone = self._backoff_tensor(device) if self.lr_backoff is not None else torch.ones((), device=device)
-        return torch.stack([open_step.coef[index[id(p)]] if id(p) in index else alone for p in params])
-
     def _move_backoff(self, signal: Tensor | None, applied: Tensor) -> None:
-        """One tick of the back-off, on applied updates only."""
+        """One tick of the back-off, on applied updates only: down by ``factor`` past the threshold, else up by
+        ``recovery`` per applied update since the last tick, never past 1."""
         config = self.lr_backoff
         if config is None or signal is None:
             return
         factor = self._backoff_tensor(signal.device)  # every signal is alike on every rank (see _signals)
         past = signal > config.threshold
-        moved = torch.where(
-            past, (factor * config.factor).clamp(min=config.floor), (factor * config.recovery).clamp(max=1.0)
-        )
-        factor.copy_(torch.where(applied.to(signal.device), moved, factor))
+        up = config.recovery ** (config.every if config.measures_update else 1)
+        moved = torch.where(past, (factor * config.factor).clamp(min=config.floor), (factor * up).clamp(max=1.0))
+        # a new tensor: the step that used the old one keeps it in its record (``step.scale``)
+        self.backoff = torch.where(applied.to(signal.device), moved, factor)
 
     def _record(
         self,
         open_step: _OpenStep,
-        found: AdamUpdates | None,
+        size: UpdateSize | None,
         maxima: dict[str, Tensor],
         log_z: tuple[Tensor, Tensor] | None,
-        signals: dict[str, Tensor],
     ) -> None:
         if maxima:
-            self.record_metric("stability/attention_logit_max", signals["attention_logit"])
+            self.record_metric("stability/attention_logit_max", torch.stack([m.amax() for m in maxima.values()]).amax())
             for name, heads in maxima.items():
                 self.record_metric(f"stability/attention_logit_max/{name}", heads.amax())
         if log_z is not None:
             self.record_metric("stability/log_z", log_z[0])
             self.record_metric("stability/log_z_drift", log_z[1])
-        if found is not None and found.params and found.eps_share is not None:
-            device = signals["_update_norms"].device
-            index, weights, layers = self._layer_index(found.params, device)
-            share = (found.eps_share * weights).sum()  # each tensor's share weighted by its size
-            rms = found.norms / self._roots(found.params, device)  # the Adam step's RMS, before any rescaling
-            self.record_metric("stability/adam_update_rms_max", rms.max())
-            self.record_metric("stability/adam_eps_share", share)
-            self.record_metric("stability/adam_update_ratio", signals["update_ratio"])
-            ratios = update_to_weight_ratios(signals["_update_norms"], signals["_weight_norms"], index, len(layers))
-            for name, ratio in zip(layers, ratios.unbind(), strict=True):
-                self.record_metric(f"stability/adam_update_ratio/{name}", ratio)
+        if size is not None and size.ratio is not None and size.update_norms is not None:
+            rms = size.update_norms / self._roots(size.params, size.update_norms.device)
+            self.record_metric("stability/update_ratio", size.ratio)
+            self.record_metric("stability/update_rms_max", rms.max())
+            if is_adam(open_step.optimizer):
+                self.record_metric("stability/adam_eps_share", adam_eps_share(open_step.optimizer, size.params))
         if self.qk_clip is not None:
             self.record_metric("stability/qk_clipped_heads", self.clipped_heads)
         if open_step.clip_coef is not None:
             self.record_metric("stability/update_clip_min", open_step.clip_coef.min())
-        if self.lr_backoff is not None:
+        if self._backoff_on:
             sent = self.record_metric("stability/lr_backoff", self.backoff)
             if self.is_logging_step and not self._told:
                 self._backoff_sent = sent  # read in on_host: the first time it is below 1, say so once
@@ -589,23 +611,12 @@ class PrecursorMonitor(LedgerCallback):
             config = self.lr_backoff
             rank_zero_warn(
                 f"PrecursorMonitor's LR back-off is on by step {record.steps}: {config.signal!r} passed its threshold "
-                f"{config.threshold:g}, and the Adam updates are scaled by {factor:.3g} (stability/lr_backoff logs "
-                "the factor). Adam's update-to-weight ratio is at most about lr / RMS(weights), where the gradients "
-                "keep their sign. If your LR is meant as it is, raise the threshold (LRBackoff(threshold=...); in a "
-                "preset lr_backoff=...) or turn the back-off off (lr_backoff=None)."
+                f"{config.threshold:g}, and the updates are scaled by {factor:.3g} (stability/lr_backoff logs the "
+                "factor). With Adam, the update-to-weight ratio is at most about lr / RMS(weights), where the "
+                "gradients keep their sign. If your LR is meant as it is, raise the threshold "
+                "(LRBackoff(threshold=...); in a preset lr_backoff=...) or turn the back-off off (lr_backoff=None)."
             )
         return None
-
-    def _layer_index(self, params: list[Tensor], device: torch.device) -> tuple[Tensor, Tensor, list[str]]:
-        """Each tensor's layer (int64), its share of all the tensors' elements (fp32), the layers' names: built
-        once per set of tensors, from one tensor of host data."""
-        key = tuple(map(id, params))
-        if self._layers is None or self._layers[0] != key:
-            index, layers = layer_groups([self._names.get(id(p), "?") for p in params])
-            total = sum(p.numel() for p in params)
-            both = torch.tensor(index + [p.numel() / total for p in params], dtype=torch.float64, device=device)
-            self._layers = (key, both[: len(params)].long(), both[len(params) :].float(), layers)  # HOST DATA: per set
-        return self._layers[1], self._layers[2], self._layers[3]
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -634,7 +645,6 @@ class PrecursorMonitor(LedgerCallback):
             "_logits": None,
             "_log_z": None,
             "_open": None,
-            "_layers": None,
             "_projections": {},
             "_root_numel": None,
             "_fresh": True,
@@ -644,30 +654,16 @@ class PrecursorMonitor(LedgerCallback):
 
 
 class _OpenStep:
-    """What :meth:`PrecursorMonitor.on_step` leaves for :meth:`PrecursorMonitor.after_step`."""
+    """What :meth:`PrecursorMonitor.on_step` leaves for the edit after the update and for ``after_step``."""
 
-    def __init__(self, optimizer: Optimizer) -> None:
+    def __init__(self, optimizer: Optimizer, measured: bool, tick: bool) -> None:
         self.optimizer = optimizer
-        self.params: list[Tensor] = []
-        self.lrs: list[Any] = []  # the param groups' LRs as the step used them
-        self.coef: Tensor | None = None  # per tensor: the update clip times the back-off (0-dim: the back-off alone)
-        self.clip_coef: Tensor | None = None  # per tensor: the update clip alone
+        self.measured = measured  # the step measures this update (ledger.step.update)
+        self.tick = tick  # the back-off moves on this step
+        self.params: list[Tensor] = []  # the tensors with Adam state and a gradient (the Adam actions')
+        self.clip_coef: Tensor | None = None  # per tensor: the update clip
         self.hit: Tensor | None = None  # per tensor: its gradient spiked (moment reset)
-        self.stepped: set[int] = set()  # ids of the tensors with a gradient: those the step updates
-
-
-def _read_after(trainer: pl.Trainer, batch_idx: int) -> bool:
-    """Whether Lightning reads ``callback_metrics`` after this batch (``ModelCheckpoint``, ``EarlyStopping``): the
-    epoch's last batch, or one after which validation runs."""
-    batches = trainer.num_training_batches
-    if isinstance(batches, int) and batch_idx + 1 == batches:
-        return True
-    every = trainer.val_check_batch
-    if not (trainer.enable_validation and isinstance(every, int) and every > 0):
-        return False
-    # validation every N batches of the run when check_val_every_n_epoch=None, else of the epoch (Lightning's rule)
-    counted = _compat.epoch_loop(trainer).total_batch_idx if trainer.check_val_every_n_epoch is None else batch_idx
-    return (counted + 1) % every == 0
+        self.maxima: dict[str, Tensor] | None = None  # the step's attention maxima, over ranks (the edit's)
 
 
 def _world_size() -> int:

@@ -39,7 +39,7 @@ result = {
     "global_step": trainer.global_step,
     "weights": weights,
     "loss_scale": float(scaler.get_scale()) if scaler is not None else None,
-    "precursors": {"backoff": float(precursors.backoff), "adam_actions": precursors._adam_actions},
+    "precursors": {"backoff": float(precursors.backoff), "backoff_on": precursors._backoff_on},
     "torch": torch.__version__,
 }
 with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w") as f:

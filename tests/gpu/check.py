@@ -491,7 +491,7 @@ def check_precursors(args: argparse.Namespace, report: Callable[[str], None]) ->
     wanted = {
         "stability/attention_logit_max",
         "stability/log_z",
-        "stability/adam_update_ratio",
+        "stability/update_ratio",
         "stability/qk_clipped_heads",
         "stability/update_clip_min",
         "stability/lr_backoff",

@@ -393,3 +393,40 @@ def test_a_vote_cast_inside_the_optimizers_closure_is_enforced_when_the_closure_
     assert all(torch.equal(a, b) for a, b in zip(before, layer.parameters(), strict=True))
     assert ledger.outcome is Outcome.SKIPPED_SPIKE
     assert ledger.record_of(optimizer).counts.tolist() == [0, 0, 0, 1, 0]
+
+
+@pytest.mark.parametrize("device_flags", [False, True], ids=["host", "device"])
+def test_a_later_vote_for_the_same_reason_does_not_undo_an_earlier_one(device_flags: bool) -> None:
+    """Two callbacks vote for one reason, the first to skip, the second not: the votes combine (any says skip),
+    the later never overwrites the earlier. Weights and state are left as they were."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class Vote(pl.Callback):
+        def __init__(self, flag: bool) -> None:
+            self.flag = flag
+
+        def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+            flag = torch.tensor(self.flag) if device_flags else self.flag
+            StepLedger.of(trainer).mark_skip(Outcome.SKIPPED_SPIKE, flag, optimizer)
+
+    class AdamModel(BoringModel):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    model = AdamModel()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = pl.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[Vote(True), Vote(False)],
+    )
+    trainer.fit(model)
+    assert int(StepLedger.of(trainer).outcome) == Outcome.SKIPPED_SPIKE
+    for p, b in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p.detach(), b)
+    assert not trainer.optimizers[0].state  # AdamW never stepped

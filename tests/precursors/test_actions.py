@@ -222,7 +222,7 @@ def test_momentum_reset_leaves_the_step_count_and_the_other_tensors_alone() -> N
         hit.grad, other.grad = grad.clone(), torch.ones(3)
         optimizer.step()
     saved_other = {k: v.clone() for k, v in optimizer.state[other].items()}
-    assert reset_moments_(optimizer, [hit]) == 1
+    reset_moments_(optimizer, [hit, other], torch.tensor([True, False]))
     assert float(optimizer.state[hit]["step"]) == 50  # the step count is not touched
     assert not optimizer.state[hit]["exp_avg"].any() and not optimizer.state[hit]["exp_avg_sq"].any()
     for key, value in optimizer.state[other].items():
@@ -235,8 +235,8 @@ def test_momentum_reset_leaves_the_step_count_and_the_other_tensors_alone() -> N
     assert float(optimizer.state[hit]["step"]) == 51
     assert first_update_gain(0.9, 0.95, 10**6) == pytest.approx(0.1 / math.sqrt(0.05))  # 0.45; OLMo-core's bug: 2.2
     with pytest.raises(StabilityConfigError, match="does not update"):
-        reset_moments_(optimizer, [nn.Parameter(torch.zeros(2))])
-    assert reset_moments_(torch.optim.Adam([p := nn.Parameter(torch.zeros(1))]), [p]) == 0
+        reset_moments_(optimizer, [nn.Parameter(torch.zeros(2))], torch.tensor([True]))
+    reset_moments_(torch.optim.Adam([p := nn.Parameter(torch.zeros(1))]), [p], torch.tensor([True]))  # no state yet
 
 
 class PackedAttention(nn.Module):

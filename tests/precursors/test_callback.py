@@ -28,10 +28,12 @@ class Snapshots(pl.Callback):
     def __init__(self) -> None:
         self.weights: list[dict[str, Tensor]] = []
         self.outcomes: list[int] = []
+        self.module_lr: float | None = None
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self.weights.append({n: p.detach().clone() for n, p in pl_module.named_parameters()})
         self.outcomes.append(int(StepLedger.of(trainer).outcome))
+        self.module_lr = trainer.optimizers[0].param_groups[0]["lr"]
 
 
 class SkipAt(pl.Callback):
@@ -58,15 +60,13 @@ def test_the_precursors_are_logged_on_logging_steps(tmp_path: Path) -> None:
         "stability/attention_logit_max/block.self_attn",
         "stability/log_z",
         "stability/log_z_drift",
-        "stability/adam_update_rms_max",
+        "stability/update_rms_max",
         "stability/adam_eps_share",
-        "stability/adam_update_ratio",
-        "stability/adam_update_ratio/block.linear1",  # no numbered blocks here: per module
-        "stability/adam_update_ratio/lm_head",
+        "stability/update_ratio",
     ):
         assert key in header, key
     logged = [dict(zip(header, r.split(","), strict=True)) for r in rows[1:]]
-    values = [float(r["stability/adam_update_ratio"]) for r in logged if r["stability/adam_update_ratio"]]
+    values = [float(r["stability/update_ratio"]) for r in logged if r["stability/update_ratio"]]
     assert len(values) == 2 and all(0 < v < 1 for v in values)  # steps 4 and 8 (labels 3 and 7)
 
 
@@ -138,40 +138,45 @@ def test_qk_clip_brings_each_heads_largest_logit_back_to_tau() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- update scaling
-def test_the_backoff_halves_the_adam_update_and_the_skip_keeps_it_where_it_was() -> None:
-    """A threshold every update passes: the first update is Adam's own (no state yet), each later applied one is
-    scaled by 0.5 more (decoupled decay at the full LR), and a skipped step moves neither the weights nor the
-    back-off (the applied-update clock)."""
-    backoff = LRBackoff("update_ratio", threshold=1e-12, factor=0.5, floor=0.01)
+def test_the_backoff_halves_the_lr_per_applied_update_and_the_skip_keeps_it_where_it_was() -> None:
+    """A threshold every update passes, measured every step: the first update is AdamW's own, each later applied
+    one uses half the LR of the one before (stability/lr logs it), and a skipped step moves neither the weights nor
+    the back-off (the applied-update clock)."""
+    backoff = LRBackoff("update_ratio", threshold=1e-12, factor=0.5, floor=0.01, every=1)
     steps, skipped = 5, {3}
-    monitored = Snapshots()
-    monitor = PrecursorMonitor(attention=False, log_partition=False, lr_backoff=backoff)
-    quiet_trainer(max_steps=steps, callbacks=[SkipAt(skipped), monitor, monitored]).fit(fresh(weight_decay=0.1))
-    plain = Snapshots()
-    quiet_trainer(max_steps=steps, callbacks=[SkipAt(skipped), plain]).fit(fresh(weight_decay=0.1))
+    monitored, lrs = Snapshots(), LoggedLR()
+    monitor = PrecursorMonitor(attention=False, log_partition=False, lr_backoff=backoff, log_every_n_steps=1)
+    quiet_trainer(max_steps=steps, callbacks=[SkipAt(skipped), monitor, monitored, lrs]).fit(fresh(weight_decay=0.1))
     assert monitored.outcomes == [0, 0, 0, int(Outcome.SKIPPED_SPIKE), 0]
-    # the weights agree up to the first scaled update (step 2): Adam's own first update
-    for name, w in plain.weights[0].items():
-        torch.testing.assert_close(monitored.weights[0][name], w)
-    # step 2 from the same weights and state: the monitor's update is half of AdamW's, decay aside
-    lr, wd = 1e-2, 0.1
-    for name, w in plain.weights[1].items():
-        w0 = plain.weights[0][name]
-        decayed = w0 * (1 - lr * wd)
-        torch.testing.assert_close(monitored.weights[1][name] - decayed, 0.5 * (w - decayed), rtol=1e-4, atol=1e-7)
+    assert lrs.lrs == pytest.approx([1e-2, 5e-3, 2.5e-3, 1.25e-3, 1.25e-3])  # the skipped step's LR was not moved on
     for name, w in monitored.weights[2].items():  # the skipped step: nothing moved
         torch.testing.assert_close(monitored.weights[3][name], w, rtol=0, atol=0)
-    # four applied updates, each past the threshold (the skipped one does not count)
-    assert float(monitor.backoff) == pytest.approx(0.5**4)
+    assert float(monitor.backoff) == pytest.approx(0.5**4)  # four applied updates, each past the threshold
+    assert monitored.module_lr == 1e-2  # put back after every update: the optimizer's own LR is untouched
 
 
-def test_the_backoff_recovers_once_the_signal_is_back_under_its_threshold() -> None:
+class LoggedLR(pl.Callback):
+    """The LR each update used, as the step recorded it (the ledger's outcome of the update's scale)."""
+
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        step = StepLedger.of(trainer).step
+        self.lrs.append(float(step.scale.used_lrs(step.optimizer)[0]))
+
+
+def test_the_backoff_never_recovers_past_one() -> None:
+    """Under the threshold the factor grows by ``recovery`` per applied update up to 1 and no further: an update is
+    never made larger than the optimizer's own."""
     monitor = PrecursorMonitor(
-        attention=False, log_partition=False, lr_backoff=LRBackoff("update_ratio", 1e9, recovery=1.2)
+        attention=False, log_partition=False, lr_backoff=LRBackoff("update_ratio", 1e9, recovery=1.5, every=1)
     )
-    monitor.backoff = 0.2  # as if backed off before (a resumed checkpoint's value)
-    quiet_trainer(max_steps=4, callbacks=[monitor]).fit(fresh())
-    assert float(monitor.backoff) == pytest.approx(0.2 * 1.2**4)  # one tick per applied update
+    monitor.backoff = 0.9
+    lrs = LoggedLR()
+    quiet_trainer(max_steps=5, callbacks=[monitor, lrs]).fit(fresh())
+    assert float(monitor.backoff) == 1.0
+    assert lrs.lrs == pytest.approx([0.9e-2, 1e-2, 1e-2, 1e-2, 1e-2])
 
 
 def test_update_clipping_scales_each_tensor_by_stableadamws_coefficient() -> None:
@@ -287,16 +292,33 @@ def test_the_adam_actions_refuse_another_optimizer() -> None:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    torch.manual_seed(0)
-    with pytest.raises(StabilityConfigError, match="SGD"):
-        quiet_trainer(max_steps=1, callbacks=[PrecursorMonitor(lr_backoff=LRBackoff())]).fit(SGDLM())
-    # what a preset uses: the actions off for this fit, the precursors still logged
-    monitor = PrecursorMonitor(lr_backoff=LRBackoff(threshold=1e-12), other_optimizers="warn")
+    class NAdamLM(TinyLM):  # betas and eps like Adam, another update: not Adam's moments to clip or reset
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.NAdam(self.parameters(), lr=0.01)
+
+    for module in (SGDLM, NAdamLM):
+        torch.manual_seed(0)
+        with pytest.raises(StabilityConfigError, match=f"optimizer is {module.__name__[:-2]}, not torch.optim.Adam"):
+            quiet_trainer(max_steps=1, callbacks=[PrecursorMonitor(update_clip=1.0)]).fit(module())
+    # what a preset uses: the Adam actions off for this fit, in one line; the back-off and the precursors go on
+    monitor = PrecursorMonitor(
+        reset_moments=True, lr_backoff=LRBackoff(threshold=1e-12, every=1), other_optimizers="warn"
+    )
     trainer = quiet_trainer(max_steps=4, log_every_n_steps=2, callbacks=[monitor])
-    with pytest.warns(UserWarning, match="off: the optimizer is SGD"):
+    with pytest.warns(UserWarning, match="optimizer is SGD, not torch.optim.Adam or AdamW, so it is off"):
         trainer.fit(SGDLM())
-    assert float(monitor.backoff) == 1.0
+    assert float(monitor.backoff) == 0.5**4
     assert "stability/attention_logit_max" in trainer.callback_metrics
+
+
+def test_the_backoff_refuses_rprop_whose_lr_is_only_its_first_step_size() -> None:
+    class RpropLM(TinyLM):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Rprop(self.parameters(), lr=0.01)
+
+    torch.manual_seed(0)
+    with pytest.raises(StabilityConfigError, match=r"Rprop reads its LR only once.*Fix"):
+        quiet_trainer(max_steps=1, callbacks=[PrecursorMonitor(lr_backoff=LRBackoff())]).fit(RpropLM())
 
 
 def test_qk_clip_needs_a_known_attention_module() -> None:
@@ -348,7 +370,7 @@ def test_the_actions_refuse_several_optimizers_and_the_precursors_log_per_optimi
         quiet_trainer(max_steps=2, callbacks=[PrecursorMonitor(lr_backoff=LRBackoff())]).fit(TwoOptimizerLM())
     trainer = quiet_trainer(max_steps=8, log_every_n_steps=2, callbacks=[PrecursorMonitor()])
     trainer.fit(TwoOptimizerLM())
-    assert {"stability/adam_update_ratio/AdamW", "stability/adam_update_ratio/AdamW-1"} <= set(trainer.callback_metrics)
+    assert {"stability/update_ratio/AdamW", "stability/update_ratio/AdamW-1"} <= set(trainer.callback_metrics)
 
 
 def test_lr_find_then_fit(tmp_path: Path) -> None:
@@ -371,7 +393,7 @@ def test_model_checkpoint_and_early_stopping_monitor_precursors_with_the_trainer
     every epoch's end, where ModelCheckpoint and EarlyStopping read them."""
     from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
-    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="stability/adam_update_ratio", save_top_k=1)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="stability/update_ratio", save_top_k=1)
     stopping = EarlyStopping(monitor="stability/attention_logit_max", mode="max", patience=10)
     trainer = pl.Trainer(
         max_epochs=3,
@@ -418,7 +440,7 @@ def test_the_backoff_leaves_a_tensor_without_a_gradient_where_adam_left_it() -> 
 def test_the_steps_before_validation_are_the_ones_lightning_validates_after() -> None:
     """With check_val_every_n_epoch=None validation runs every N batches of the run, across epochs (Lightning's
     rule): the monitor measures the step right before each, where ModelCheckpoint reads callback_metrics."""
-    from lightning_stability.precursors.callback import _read_after
+    from lightning_stability._compat import reads_callback_metrics_after
 
     class Validated(TinyLM):
         def validation_step(self, batch: Tensor, batch_idx: int) -> None:
@@ -432,7 +454,7 @@ def test_the_steps_before_validation_are_the_ones_lightning_validates_after() ->
 
     class Spy(pl.Callback):
         def on_train_batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, batch_idx: int) -> None:
-            if _read_after(trainer, batch_idx):
+            if reads_callback_metrics_after(trainer, batch_idx):
                 read.append(trainer.global_step + 1)  # the step this batch ends
 
         def on_validation_start(self, trainer: pl.Trainer, module: Any) -> None:
@@ -455,7 +477,7 @@ def test_the_steps_before_validation_are_the_ones_lightning_validates_after() ->
 
 def test_the_backoff_says_once_when_it_first_acts_and_never_when_it_does_not() -> None:
     def fit(threshold: float) -> list[str]:
-        monitor = PrecursorMonitor(lr_backoff=LRBackoff("update_ratio", threshold), log_every_n_steps=2)
+        monitor = PrecursorMonitor(lr_backoff=LRBackoff("update_ratio", threshold, every=1), log_every_n_steps=2)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             quiet_trainer(max_steps=8, callbacks=[monitor]).fit(fresh())

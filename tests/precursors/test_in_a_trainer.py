@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from lightning_stability.precursors import AttentionLogits, LogPartition, adam_update_stats
+from lightning_stability.precursors import AttentionLogits, LogPartition, adam_eps_share
 from tests.helpers import count_syncs_per_step, quiet_trainer
 
 
@@ -45,8 +45,8 @@ class Precursors(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
         z = self.log_z.end_step()
         assert z is not None
-        stats = adam_update_stats(trainer.optimizers[0])
-        self.rows.append(torch.cat([self.attention.per_layer(), torch.stack(z), stats.update_rms, stats.eps_share]))
+        share = adam_eps_share(trainer.optimizers[0], list(pl_module.parameters()))
+        self.rows.append(torch.cat([self.attention.per_layer(), torch.stack(z), share.reshape(1)]))
         self.attention.reset()
 
 

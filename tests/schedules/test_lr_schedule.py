@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_stability.errors import StabilityConfigError
 from lightning_stability.grad_norm import GradientNormMonitor
+from lightning_stability.ledger.update import supports_tensor_lr
 from lightning_stability.schedules import (
     CosineSchedule,
     InverseSqrtSchedule,
@@ -27,7 +28,6 @@ from lightning_stability.schedules import (
     linear,
     warmup_constant_cosine,
 )
-from lightning_stability.ledger.update import supports_tensor_lr
 from lightning_stability.schedules.callback import ScheduledLR, WarmupConstantCosineLR
 from tests.helpers import TinyModule, count_host_data_per_step, count_syncs_per_step, quiet_trainer
 

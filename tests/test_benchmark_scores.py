@@ -6,14 +6,14 @@ import math
 
 import pytest
 
-from lightning_stability.errors import StabilityConfigError
-from lightning_stability.precursors.scores import (
+from benchmarks.scores import (
     best_final_loss,
     capped_loss,
     lr_sensitivity,
     max_trainable_lr,
     spike_score,
 )
+from lightning_stability.errors import StabilityConfigError
 
 
 def test_capped_loss_counts_a_diverged_run_as_the_initial_loss() -> None:
