@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -166,7 +168,31 @@ def _positive(text: str) -> int:
     return value
 
 
+#: the exit status of a command whose reader went away (``plan | head``): 128 + SIGPIPE, what a shell reports for
+#: ``yes | head`` under ``set -o pipefail``
+BROKEN_PIPE = 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``lightning-stability`` with ``argv`` (default: the process's arguments); returns the exit status.
+
+    When the output's reader goes away early (``lightning-stability plan | head``) it stops quietly, as Unix tools
+    do: no traceback, exit status :data:`BROKEN_PIPE`.
+    """
+    try:
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout.flush()  # a closed pipe shows here rather than at the interpreter's exit
+    except BrokenPipeError:
+        # the rest of the output, and the interpreter's own flush at exit, go nowhere instead of failing again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return BROKEN_PIPE
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(
         prog="lightning-stability", description="Stable large-model training for Lightning."
     )

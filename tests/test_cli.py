@@ -191,3 +191,23 @@ def test_plan_without_a_shape_says_what_it_did_not_count(capsys: pytest.CaptureF
     out = capsys.readouterr().out
     assert "not counted: activations, FSDP gather buffers (the model's shape is unknown)" in out
     assert "buffers                      1.00" in out  # the overhead alone: no guessed unit
+
+
+@pytest.mark.parametrize("argv", [["plan", "--params", "7e9"], ["presets"], ["presets", "175b"]])
+def test_a_reader_that_goes_away_ends_the_command_quietly(argv: list[str]) -> None:
+    """`lightning-stability plan | head`: the pipe's reader is gone before the command writes (its read end is
+    closed before the command starts): no traceback, the exit status of a tool that SIGPIPE stopped."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "lightning_stability.cli", *argv],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, "")
