@@ -193,6 +193,55 @@ def test_plan_without_a_shape_says_what_it_did_not_count(capsys: pytest.CaptureF
     assert "buffers                      1.00" in out  # the overhead alone: no guessed unit
 
 
+def test_a_gpu_memory_without_a_unit_is_gib_and_says_so_in_help(capsys: pytest.CaptureFixture[str]) -> None:
+    # was: 80 bytes, "DOES NOT FIT in 0.00 GiB"
+    args = ["plan", "--params", "7e9", "--gpus-per-node", "8", "--sharding", "full"]
+    assert main([*args, "--gpu-memory", "80"]) == 0
+    bare = capsys.readouterr().out
+    assert re.search(r"^total +\d+\.\d\d  fits in 72\.00 GiB usable of 80\.00 GiB", bare, re.M), bare
+    assert main([*args, "--gpu-memory", "80GiB"]) == 0
+    assert capsys.readouterr().out == bare
+    assert main([*args]) == 0  # the default: 80 GiB
+    assert capsys.readouterr().out == bare
+    assert main([*args, "--gpu-memory", "40GB"]) == 1  # a unit given is kept: 37.25 GiB
+    assert "of 37.25 GiB" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert "a bare number is GiB" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize(
+    ("argument", "value", "said"),
+    [
+        ("--gpu-memory", "80G", "'80G' is not a memory size. Fix: a number of GiB (--gpu-memory 80)"),
+        ("--gpu-memory", "eighty", "'eighty' is not a memory size. Fix:"),
+        ("--gpu-memory", "0", "'0' is no memory. Fix:"),
+        ("--gpu-memory", "-5", "'-5' is not a memory size. Fix:"),
+        ("--params", "7", "7 is 7 parameters, below the 1e+06 this planner plans (a slip for billions?). Fix:"),
+        ("--params", "7X", "'7X' is not a parameter count. Fix: e.g. --params 7e9 or --params 7B"),
+        ("--micro-batch", "0", "must be an integer >= 1, got 0"),
+        ("--effective-batch", "0", "must be an integer >= 1, got 0"),
+        ("--seq-len", "2k", "must be an integer >= 1, got 2k"),
+        ("--gpus-per-node", "-1", "must be an integer >= 1, got -1"),
+    ],
+)
+def test_a_bad_size_is_refused_naming_the_argument_the_value_and_the_fix(
+    argument: str, value: str, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--params", "7e9", argument, value])
+    assert exit_info.value.code == 2
+    assert f"argument {argument}: {said}" in capsys.readouterr().err
+
+
+def test_params_takes_a_suffix(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--params", "7e9"]) == main(["plan", "--params", "7B"])
+    counted, suffixed = capsys.readouterr().out.split("Memory plan per GPU")[1:]
+    assert counted == suffixed and counted.startswith(": 7B params")
+    main(["plan", "--params", "350M"])
+    assert "Memory plan per GPU: 0.35B params (shape: GPT-3 Medium assumed)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv", [["plan", "--params", "7e9"], ["presets"], ["presets", "175b"]])
 def test_a_reader_that_goes_away_ends_the_command_quietly(argv: list[str]) -> None:
     """`lightning-stability plan | head`: the pipe's reader is gone before the command writes (its read end is
