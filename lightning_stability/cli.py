@@ -120,10 +120,12 @@ def _plan(args: argparse.Namespace) -> int:
             own_precision=args.precision is not None,
         )
     precision = args.precision or (built.precision if built else "bf16-mixed")
-    sharding = args.sharding or (built.sharding if built else "full")
+    tensor_parallel = args.tensor_parallel or (built.tensor_parallel if built else 1)
+    # without a preset, what a plain Trainer runs: one replica per GPU (DDP); tensor parallelism runs only inside
+    # StableFSDPStrategy, which shards fully
+    sharding = args.sharding or (built.sharding if built else "full" if tensor_parallel > 1 else "none")
     checkpointing = args.activation_checkpointing or bool(built and built.activation_checkpointing)
     effective = args.effective_batch or (preset.effective_batch if preset else None)
-    tensor_parallel = args.tensor_parallel or (built.tensor_parallel if built else 1)
     settings = dict(
         nodes=nodes,
         gpus_per_node=args.gpus_per_node,
@@ -147,6 +149,17 @@ def _plan(args: argparse.Namespace) -> int:
             f"preset {preset.name}: precision {precision}, sharding {sharding}, activation checkpointing "
             f"{checkpointing}, effective batch {effective}, tensor parallel {tensor_parallel}"
             + (f" ({'; '.join(built.notes)})" if built and built.notes else "")
+        )
+    else:
+        if args.sharding:
+            why = "--sharding"
+        elif sharding == "full":
+            why = "StableFSDPStrategy, which tensor parallelism runs in"
+        else:
+            why = "one replica per GPU, as a plain Trainer or DDP runs; --sharding full plans StableFSDPStrategy"
+        print(
+            f"no preset: precision {precision}, sharding {sharding} ({why}), activation checkpointing "
+            f"{checkpointing}, tensor parallel {tensor_parallel}; --preset NAME plans what a preset builds"
         )
     print(plan.table())
     print(advice.text())
@@ -267,7 +280,12 @@ def _run(argv: Sequence[str] | None) -> int:
         "tensor-parallel size that fits",
         formatter_class=_Help,
     )
-    plan.add_argument("--preset", default=None, help="take precision, sharding, checkpointing, nodes and batch from it")
+    plan.add_argument(
+        "--preset",
+        default=None,
+        help="take precision, sharding, checkpointing, nodes and batch from it (default: none, a plain Trainer's "
+        "settings: bf16-mixed, one replica per GPU)",
+    )
     plan.add_argument(
         "--params", type=_params, required=True, help="number of parameters, e.g. 175e9, 7B or 350M (K, M, B, T)"
     )
@@ -284,9 +302,16 @@ def _run(argv: Sequence[str] | None) -> int:
         help="memory of one GPU: a bare number is GiB (80: 80 GiB, an 80 GB A100/H100), or give the unit: 80GiB, "
         "40GB (10**9 bytes), 81920MiB (default: 80 GiB)",
     )
-    plan.add_argument("--precision", default=None, help="16-mixed, bf16-mixed or 32-true (default: the preset's)")
+    plan.add_argument(
+        "--precision", default=None, help="16-mixed, bf16-mixed or 32-true (default: the preset's, else bf16-mixed)"
+    )
     plan.add_argument("--optimizer", default="adamw", help="adamw, sgd or sgd_momentum")
-    plan.add_argument("--sharding", default=None, help="full, grad_op, optimizer or none (default: from the preset)")
+    plan.add_argument(
+        "--sharding",
+        default=None,
+        help="full (FSDP, ZeRO-3), grad_op, optimizer or none (default: the preset's; without --preset none, one "
+        "replica per GPU as a plain Trainer runs, or full with --tensor-parallel above 1)",
+    )
     plan.add_argument("--seq-len", type=_positive, default=2048, help="sequence length")
     plan.add_argument("--micro-batch", type=_positive, default=1, help="sequences per GPU per forward pass")
     plan.add_argument(

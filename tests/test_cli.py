@@ -169,7 +169,7 @@ def test_plan_175b_from_a_parameter_count_alone_takes_gpt3s_shape_and_fits(capsy
 
 def test_plan_prints_the_tensor_parallel_advice(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["plan", "--params", "175e9", "--layers", "96", "--hidden", "12288", "--heads", "96", "--vocab", "51200"]
-    args += ["--nodes", "8", "--gpus-per-node", "8", "--sequence-parallel", "--flash-attention"]
+    args += ["--nodes", "8", "--gpus-per-node", "8", "--sequence-parallel", "--flash-attention", "--sharding", "full"]
     assert main(args) == 1  # TP 1 does not fit without activation checkpointing
     out = capsys.readouterr().out
     assert "tensor parallel: needed: TP 4 is the smallest size that fits" in out  # 129, 85, 64, 53 GiB in 72
@@ -187,7 +187,9 @@ def test_plan_prints_the_tensor_parallel_advice(capsys: pytest.CaptureFixture[st
 
 
 def test_plan_without_a_shape_says_what_it_did_not_count(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--params", "70e9", "--gpus-per-node", "8", "--gpu-memory", "80GiB"]) == 1
+    assert (
+        main(["plan", "--params", "70e9", "--gpus-per-node", "8", "--gpu-memory", "80GiB", "--sharding", "full"]) == 1
+    )
     out = capsys.readouterr().out
     assert "not counted: activations, FSDP gather buffers (the model's shape is unknown)" in out
     assert "buffers                      1.00" in out  # the overhead alone: no guessed unit
@@ -236,8 +238,8 @@ def test_a_bad_size_is_refused_naming_the_argument_the_value_and_the_fix(
 
 def test_params_takes_a_suffix(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--params", "7e9"]) == main(["plan", "--params", "7B"])
-    counted, suffixed = capsys.readouterr().out.split("Memory plan per GPU")[1:]
-    assert counted == suffixed and counted.startswith(": 7B params")
+    counted, suffixed = capsys.readouterr().out.split("no preset:")[1:]
+    assert counted == suffixed and "Memory plan per GPU: 7B params" in counted
     main(["plan", "--params", "350M"])
     assert "Memory plan per GPU: 0.35B params (shape: GPT-3 Medium assumed)" in capsys.readouterr().out
 
@@ -260,3 +262,25 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(argv: list[str]) -> No
     finally:
         os.close(write)
     assert (done.returncode, done.stderr) == (141, "")
+
+
+def test_plan_without_a_preset_plans_a_plain_trainer_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    # was: full sharding assumed without a word ("46 GiB, fits" for 7B on 8 GPUs, where a plain Trainer needs 134)
+    args = ["plan", "--params", "7e9", "--gpus-per-node", "8"]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("no preset: precision bf16-mixed, sharding none (one replica per GPU, as a plain Trainer")
+    assert "sharding=none (no sharding (DDP))" in out and re.search(r"^total +134\.23  DOES NOT FIT", out, re.M)
+    assert "sharding: needed: plain full sharding fits (46.07 GiB of 72.00 usable; unsharded 134.23)" in out
+    # the same plan as a preset that does not shard ("gpt": bf16, one replica per GPU) on those GPUs
+    assert main(["plan", "--preset", "gpt", "--params", "7e9", "--gpus-per-node", "8"]) == 1
+    assert capsys.readouterr().out.split("\n", 1)[1] == out.split("\n", 1)[1]
+    assert main([*args, "--sharding", "full"]) == 0
+    assert "sharding full (--sharding)" in capsys.readouterr().out
+    # tensor parallelism runs inside StableFSDPStrategy: with it, full sharding is what runs
+    assert main([*args, "--tensor-parallel", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "sharding full (StableFSDPStrategy, which tensor parallelism runs in)" in out and "sharding=full" in out
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert "without --preset none, one replica per GPU" in " ".join(capsys.readouterr().out.split())
