@@ -28,12 +28,12 @@ from lightning_stability.amp.callback import LossScaleTuner
 from lightning_stability.checkpoint.callback import StableCheckpoint
 from lightning_stability.checkpoint.io import AtomicCheckpointIO, local_path
 from lightning_stability.cluster.watchdog import WatchdogSettings, watchdog_settings
-from lightning_stability.errors import StabilityConfigError, check_instance
+from lightning_stability.errors import StabilityConfigError, check_instance, config_error
 from lightning_stability.grad_norm import GradientNormMonitor
 from lightning_stability.health.callback import TrainingHealthMonitor
 from lightning_stability.ledger.callback import LedgerCallback
 from lightning_stability.precursors.callback import LRBackoff, PrecursorMonitor
-from lightning_stability.presets import FIELDS, Preset, get_preset, layout
+from lightning_stability.presets import FIELDS, PRESETS, Preset, get_preset, layout
 from lightning_stability.progress import stability_progress_bar
 from lightning_stability.schedules.callback import WarmupConstantCosineLR
 from lightning_stability.strategies import StableFSDPStrategy
@@ -111,16 +111,26 @@ class StableTrainer(pl.Trainer):
                 preset's.
 
         Raises:
-            StabilityConfigError: for an unknown preset, override or bad value; for a callback in ``callbacks``
+            StabilityConfigError: for no preset (``None``: a Trainer without a preset is ``lightning.Trainer`` or
+                ``StableTrainer()``), an unknown preset, override or bad value; for a callback in ``callbacks``
                 of a kind the preset already attaches (the error names the field to change, or the override that
-                turns the preset's off).
+                turns the preset's off); for ``gradient_clip_val`` while the preset clips (``max_norm``).
 
         Example::
 
             trainer = StableTrainer.from_preset("175b", accelerator="cpu", devices=2, max_steps=10)
             trainer = StableTrainer.from_preset("gpt", health=None, callbacks=[TrainingHealthMonitor(spike_z=4.0)])
         """
-        preset_name = name.name if isinstance(name, Preset) else str(name)
+        if not isinstance(name, (str, Preset)):
+            # from_preset(config.get("preset")) with the key unset: a Trainer with no stability callbacks, unnoticed
+            raise config_error(
+                "name",
+                name,
+                f"is not a preset: from_preset builds one of {', '.join(PRESETS)}",
+                "pass a preset's name, e.g. StableTrainer.from_preset('gpt') (`lightning-stability presets` lists "
+                "them) or a Preset; for a Trainer without a preset, build lightning.Trainer(...) or StableTrainer(...)",
+            )
+        preset_name = name.name if isinstance(name, Preset) else name
         unknown = sorted(set(overrides) - set(FIELDS) - _TRAINER_ARGS)
         if unknown:
             raise StabilityConfigError(
