@@ -160,6 +160,7 @@ def _preset_arguments(
     if "precision" in fields:  # Lightning's short spellings
         fields["precision"] = _ALIASES.get(str(fields["precision"]), fields["precision"])
     preset = replace(preset, **fields)
+    _check_clipping(preset, args.get("gradient_clip_val"))
     extra = args.pop("callbacks", None) or []
     extra = [extra] if isinstance(extra, Callback) else list(extra)
     notes: list[str] = []
@@ -176,6 +177,21 @@ def _preset_arguments(
         rank_zero_info(f"StableTrainer preset {preset.name!r} on this hardware: " + "; ".join(notes) + ".")
     args["callbacks"] = [*callbacks, *extra]
     return preset, args
+
+
+def _check_clipping(preset: Preset, clip: Any) -> None:
+    """``gradient_clip_val`` beside the preset's clipping (``max_norm``) would clip twice: refused here, naming the
+    preset's override, rather than by the ``GradientNormMonitor`` the user never built."""
+    if not clip or preset.max_norm is None:
+        return
+    raise StabilityConfigError(
+        f"StableTrainer.from_preset({preset.name!r}) clips the gradient norm at max_norm={preset.max_norm} (its "
+        f"GradientNormMonitor), and Trainer(gradient_clip_val={clip}) would clip a second time. Fix: keep one: "
+        f"StableTrainer.from_preset({preset.name!r}, max_norm=None, gradient_clip_val={clip}) clips with "
+        f"Lightning's (the norm is still measured and logged), or drop gradient_clip_val and pass "
+        f"max_norm={clip} to clip at your value with the preset's. (StableTrainer(preset=...) and LightningCLI: "
+        "preset_overrides={'max_norm': None}.)"
+    )
 
 
 def _hardware(preset: Preset, args: dict[str, Any], notes: list[str], chosen: bool) -> tuple[Preset, dict[str, Any]]:

@@ -491,3 +491,22 @@ def test_tensor_parallelism_is_advised_only_where_plain_sharding_does_not_fit() 
     assert all(p.title.count("sharding=full") for p in advice.plans[1:])  # TP runs with full sharding here
     assert advice.text().startswith("tensor parallel: needed: TP 4 with full sharding is the smallest size")
     assert "tensor_parallel=4 and fsdp=True" in advice.text()
+
+
+# ------------------------------------------------------------------ the preset's clipping and gradient_clip_val
+def test_gradient_clip_val_beside_the_presets_clipping_names_the_presets_override(tmp_path: Any) -> None:
+    # was: "pass `max_norm=None` to GradientNormMonitor", a callback the preset's user never built
+    args = dict(accelerator="cpu", default_root_dir=tmp_path, **QUIET)
+    fix = r"Fix: .*StableTrainer\.from_preset\('gpt', max_norm=None, gradient_clip_val=1\.0\) clips with Lightning's"
+    with pytest.raises(StabilityConfigError, match=r"from_preset\('gpt'\) clips the gradient norm at max_norm=0\.5"):
+        StableTrainer.from_preset("gpt", gradient_clip_val=1.0, **args)
+    with pytest.raises(StabilityConfigError, match=fix):
+        StableTrainer.from_preset("gpt", gradient_clip_val=1.0, **args)
+    with pytest.raises(StabilityConfigError, match=r"preset_overrides=\{'max_norm': None\}"):
+        StableTrainer(preset="gpt", gradient_clip_val=1.0, **args)  # as LightningCLI builds it
+    # the fix trains: Lightning clips, the preset's monitor measures
+    trainer = StableTrainer.from_preset("tiny", max_norm=None, gradient_clip_val=0.01, max_steps=3, **args)
+    assert one(trainer, GradientNormMonitor).max_norm is None and trainer.gradient_clip_val == 0.01
+    trainer.fit(TinyModule())
+    assert trainer.global_step == 3
+    assert float(trainer.callback_metrics["stability/grad_norm"]) > 0.01  # measured before Lightning's clip
