@@ -20,7 +20,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.plugins import CheckpointIO, MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy, StrategyRegistry
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_stability import _compat
 from lightning_stability.accumulation.callback import GradientAccumulation
@@ -33,7 +33,7 @@ from lightning_stability.grad_norm import GradientNormMonitor
 from lightning_stability.health.callback import TrainingHealthMonitor
 from lightning_stability.ledger.callback import LedgerCallback
 from lightning_stability.precursors.callback import LRBackoff, PrecursorMonitor
-from lightning_stability.presets import FIELDS, PRESETS, Preset, get_preset, layout
+from lightning_stability.presets import FIELDS, PRESETS, Preset, batch_mismatch, get_preset, layout
 from lightning_stability.progress import stability_progress_bar
 from lightning_stability.schedules.callback import WarmupConstantCosineLR
 from lightning_stability.strategies import StableFSDPStrategy
@@ -304,6 +304,43 @@ class _Part:
     off: str | None = None
 
 
+class EffectiveBatchCheck(Callback):
+    """Says once at fit start when the run's global batch is not the preset's ``effective_batch``.
+
+    The global batch is the training DataLoader's ``batch_size`` x the accumulation the Trainer runs
+    (``GradientAccumulation``'s, else ``accumulate_grad_batches``) x the data-parallel processes (the strategy's
+    ``distributed_sampler_kwargs``). Nothing is changed: a warning names the settings that reach the preset's
+    batch (:func:`~lightning_stability.presets.batch_mismatch`). A loader without a ``batch_size`` (a batch
+    sampler of its own, several loaders) is said in an info line, unchecked.
+
+    Args:
+        preset: the preset's name (in the message).
+        effective_batch: the global batch it was written for.
+    """
+
+    def __init__(self, preset: str, effective_batch: int) -> None:
+        self.preset, self.effective_batch = preset, effective_batch
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        loader = trainer.train_dataloader
+        batch_size = getattr(loader, "batch_size", None) or getattr(
+            getattr(loader, "batch_sampler", None), "batch_size", None
+        )
+        if not isinstance(batch_size, int):
+            rank_zero_info(
+                f"StableTrainer preset {self.preset!r} was written for a global batch of {self.effective_batch}; "
+                "this run's is not checked (its training loader has no batch_size)."
+            )
+            return
+        sampler = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        data_parallel = int(sampler.get("num_replicas", 1) or 1)
+        message = batch_mismatch(
+            self.preset, self.effective_batch, batch_size, trainer.accumulate_grad_batches, data_parallel
+        )
+        if message is not None:
+            rank_zero_warn(message)
+
+
 #: the preset's callbacks, in the order they are attached
 _PARTS = (
     _Part(GradientNormMonitor, lambda p, a: GradientNormMonitor(max_norm=p.max_norm), "max_norm"),
@@ -349,6 +386,12 @@ _PARTS = (
         ),
         "lr_backoff",
         "lr_backoff=None",
+    ),
+    _Part(
+        EffectiveBatchCheck,
+        lambda p, a: EffectiveBatchCheck(p.name, p.effective_batch) if p.effective_batch is not None else None,
+        "effective_batch",
+        "effective_batch=None",
     ),
 )
 
