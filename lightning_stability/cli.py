@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -117,10 +120,12 @@ def _plan(args: argparse.Namespace) -> int:
             own_precision=args.precision is not None,
         )
     precision = args.precision or (built.precision if built else "bf16-mixed")
-    sharding = args.sharding or (built.sharding if built else "full")
+    tensor_parallel = args.tensor_parallel or (built.tensor_parallel if built else 1)
+    # without a preset, what a plain Trainer runs: one replica per GPU (DDP); tensor parallelism runs only inside
+    # StableFSDPStrategy, which shards fully
+    sharding = args.sharding or (built.sharding if built else "full" if tensor_parallel > 1 else "none")
     checkpointing = args.activation_checkpointing or bool(built and built.activation_checkpointing)
     effective = args.effective_batch or (preset.effective_batch if preset else None)
-    tensor_parallel = args.tensor_parallel or (built.tensor_parallel if built else 1)
     settings = dict(
         nodes=nodes,
         gpus_per_node=args.gpus_per_node,
@@ -145,6 +150,17 @@ def _plan(args: argparse.Namespace) -> int:
             f"{checkpointing}, effective batch {effective}, tensor parallel {tensor_parallel}"
             + (f" ({'; '.join(built.notes)})" if built and built.notes else "")
         )
+    else:
+        if args.sharding:
+            why = "--sharding"
+        elif sharding == "full":
+            why = "StableFSDPStrategy, which tensor parallelism runs in"
+        else:
+            why = "one replica per GPU, as a plain Trainer or DDP runs; --sharding full plans StableFSDPStrategy"
+        print(
+            f"no preset: precision {precision}, sharding {sharding} ({why}), activation checkpointing "
+            f"{checkpointing}, tensor parallel {tensor_parallel}; --preset NAME plans what a preset builds"
+        )
     print(plan.table())
     print(advice.text())
     return 0 if plan.fits else 1
@@ -160,13 +176,78 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
     return value
 
 
+_NUMBER = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d+))?\s*([a-zA-Z]*)\s*$")
+_COUNT_SUFFIXES = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
+#: the smallest parameter count ``--params`` takes: below it the number is a slip for billions (``--params 7``)
+MIN_PARAMS = 1e6
+
+
+def _params(text: str) -> float:
+    """``--params``: a count (``7e9``, ``6738415616``) or a count with a suffix K, M, B or T (``7B``, ``350M``)."""
+    fix = "Fix: e.g. --params 7e9 or --params 7B (K, M, B, T: thousand, million, billion, trillion)"
+    match = _NUMBER.match(text)
+    if match is None or match.group(3).lower() not in _COUNT_SUFFIXES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a parameter count. {fix}")
+    mantissa, exponent, suffix = match.groups()
+    value = float(mantissa) * 10 ** int(exponent or 0) * _COUNT_SUFFIXES[suffix.lower()]
+    if value < MIN_PARAMS:
+        raise argparse.ArgumentTypeError(
+            f"{text} is {value:g} parameters, below the {MIN_PARAMS:g} this planner plans (a slip for billions?). {fix}"
+        )
+    return value
+
+
+def _gpu_memory(text: str) -> str:
+    """``--gpu-memory``: a size with its unit (``80GiB``, ``40GB``, ``81920MiB``); a bare number is GiB."""
+    from lightning_stability.errors import StabilityConfigError
+    from lightning_stability.planner import parse_memory
+
+    fix = "Fix: a number of GiB (--gpu-memory 80) or a size with its unit (80GiB, 40GB, 81920MiB)"
+    match = _NUMBER.match(text)
+    value = f"{text.strip()}GiB" if match is not None and not match.group(3) else text
+    try:
+        size = parse_memory("--gpu-memory", value)
+    except StabilityConfigError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a memory size. {fix}") from None
+    if size == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is no memory. {fix}")
+    return value
+
+
+#: the exit status of a command whose reader went away (``plan | head``): 128 + SIGPIPE, what a shell reports for
+#: ``yes | head`` under ``set -o pipefail``
+BROKEN_PIPE = 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``lightning-stability`` with ``argv`` (default: the process's arguments); returns the exit status.
+
+    When the output's reader goes away early (``lightning-stability plan | head``) it stops quietly, as Unix tools
+    do: no traceback, exit status :data:`BROKEN_PIPE`.
+    """
+    try:
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout.flush()  # a closed pipe shows here rather than at the interpreter's exit
+    except BrokenPipeError:
+        # the rest of the output, and the interpreter's own flush at exit, go nowhere instead of failing again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return BROKEN_PIPE
+
+
+def _run(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(
         prog="lightning-stability", description="Stable large-model training for Lightning."
     )
@@ -199,21 +280,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tensor-parallel size that fits",
         formatter_class=_Help,
     )
-    plan.add_argument("--preset", default=None, help="take precision, sharding, checkpointing, nodes and batch from it")
-    plan.add_argument("--params", type=float, required=True, help="number of parameters, e.g. 175e9")
-    plan.add_argument("--layers", type=int, default=None, help="transformer layers (for the activations)")
-    plan.add_argument("--hidden", type=int, default=None, help="hidden size (for the activations)")
-    plan.add_argument("--heads", type=int, default=None, help="attention heads (eager attention's scores)")
-    plan.add_argument("--vocab", type=int, default=None, help="vocabulary size (the logits)")
-    plan.add_argument("--nodes", type=int, default=None, help="machines (default: the preset's, else 1)")
-    plan.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per machine")
-    plan.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU, e.g. 80GiB, 40GB")
-    plan.add_argument("--precision", default=None, help="16-mixed, bf16-mixed or 32-true (default: the preset's)")
+    plan.add_argument(
+        "--preset",
+        default=None,
+        help="take precision, sharding, checkpointing, nodes and batch from it (default: none, a plain Trainer's "
+        "settings: bf16-mixed, one replica per GPU)",
+    )
+    plan.add_argument(
+        "--params", type=_params, required=True, help="number of parameters, e.g. 175e9, 7B or 350M (K, M, B, T)"
+    )
+    plan.add_argument("--layers", type=_positive, default=None, help="transformer layers (for the activations)")
+    plan.add_argument("--hidden", type=_positive, default=None, help="hidden size (for the activations)")
+    plan.add_argument("--heads", type=_positive, default=None, help="attention heads (eager attention's scores)")
+    plan.add_argument("--vocab", type=_positive, default=None, help="vocabulary size (the logits)")
+    plan.add_argument("--nodes", type=_positive, default=None, help="machines (default: the preset's, else 1)")
+    plan.add_argument("--gpus-per-node", type=_positive, default=1, help="GPUs per machine")
+    plan.add_argument(
+        "--gpu-memory",
+        type=_gpu_memory,
+        default="80",
+        help="memory of one GPU: a bare number is GiB (80: 80 GiB, an 80 GB A100/H100), or give the unit: 80GiB, "
+        "40GB (10**9 bytes), 81920MiB (default: 80 GiB)",
+    )
+    plan.add_argument(
+        "--precision", default=None, help="16-mixed, bf16-mixed or 32-true (default: the preset's, else bf16-mixed)"
+    )
     plan.add_argument("--optimizer", default="adamw", help="adamw, sgd or sgd_momentum")
-    plan.add_argument("--sharding", default=None, help="full, grad_op, optimizer or none (default: from the preset)")
-    plan.add_argument("--seq-len", type=int, default=2048, help="sequence length")
-    plan.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU per forward pass")
-    plan.add_argument("--effective-batch", type=int, default=None, help="global batch (default: the preset's)")
+    plan.add_argument(
+        "--sharding",
+        default=None,
+        help="full (FSDP, ZeRO-3), grad_op, optimizer or none (default: the preset's; without --preset none, one "
+        "replica per GPU as a plain Trainer runs, or full with --tensor-parallel above 1)",
+    )
+    plan.add_argument("--seq-len", type=_positive, default=2048, help="sequence length")
+    plan.add_argument("--micro-batch", type=_positive, default=1, help="sequences per GPU per forward pass")
+    plan.add_argument(
+        "--effective-batch", type=_positive, default=None, help="global batch (default: the preset's, else none)"
+    )
     plan.add_argument("--activation-checkpointing", action="store_true", help="plan with it on")
     plan.add_argument("--cpu-offload", action="store_true", help="optimizer state in host memory")
     plan.add_argument("--flash-attention", action="store_true", help="attention scores recomputed, not stored")

@@ -200,7 +200,8 @@ def plan_memory(
     overhead: int | str = "1GiB",
 ) -> MemoryPlan:
     """Plan the per-GPU memory of training ``model`` (a :class:`ModelShape`, an ``nn.Module``, possibly on the
-    ``meta`` device, or a parameter count) on ``nodes x gpus_per_node`` GPUs of ``gpu_memory`` each.
+    ``meta`` device, or a parameter count) on ``nodes x gpus_per_node`` GPUs of ``gpu_memory`` each (a size with its
+    unit, ``"80GiB"`` or ``"40GB"``, or bytes: a number under 1 MiB is refused as a unit left out).
 
     ``tensor_parallel=t`` splits each layer over ``t`` GPUs of a node (``StableFSDPStrategy(tensor_parallel=t)``;
     ``t`` must divide ``gpus_per_node``), ``sequence_parallel`` also splits the layer norms and dropouts over the
@@ -240,8 +241,13 @@ def plan_memory(
     _choice("sharding", sharding, SHARDINGS)
     _choice("mixed_layout", mixed_layout, {"zero": 0, "autocast": 0})
     capacity = parse_memory("gpu_memory", gpu_memory)
-    if capacity == 0:
-        raise config_error("gpu_memory", gpu_memory, "must be > 0", 'pass e.g. gpu_memory="80GiB"')
+    if capacity < MIN_GPU_MEMORY:  # gpu_memory=80 is 80 bytes: a unit left out
+        raise config_error(
+            "gpu_memory",
+            gpu_memory,
+            f"is {capacity} bytes, less than any GPU has (a number without a unit is bytes)",
+            'give the unit, e.g. gpu_memory="80GiB" or "40GB"',
+        )
     fixed_overhead = parse_memory("overhead", overhead)
     shape, assumed = _standard_shape(shape)
 
@@ -557,6 +563,8 @@ def _shape(model: object) -> ModelShape:
 GiB = float(1 << 30)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
+#: the smallest ``gpu_memory`` :func:`plan_memory` takes (1 MiB): a smaller one is a unit left out
+MIN_GPU_MEMORY = 1 << 20
 _MEMORY = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)(?:[eE]([+-]?\d+))?\s*([a-zA-Z]*)\s*$")
 
 

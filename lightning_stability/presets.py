@@ -53,7 +53,11 @@ class Preset:
         accumulation: ``GradientAccumulation(steps=...)``; 1: none.
         lr_scaling: ``GradientAccumulation(lr_scaling=...)``: ``"none"`` (the LR as configured), ``"linear"`` or
             ``"sqrt"``.
-        effective_batch: the global batch the recipe aims at (for the memory planner).
+        effective_batch: the global batch the recipe was written for: samples per optimizer step over all
+            data-parallel processes. The preset sets neither your DataLoader's ``batch_size`` nor the accumulation
+            from it: at fit start a warning says when ``batch_size x accumulation x data-parallel processes``
+            differs, and how to reach it; ``lightning-stability plan --preset`` plans the accumulation with it.
+            ``None``: not checked.
         fsdp: shard with ``StableFSDPStrategy`` (full sharding).
         activation_checkpointing: the strategy's activation checkpointing (needs ``fsdp``).
         tensor_parallel: ``StableFSDPStrategy(tensor_parallel=...)``; 1: none (needs ``fsdp``, and a
@@ -350,6 +354,31 @@ def layout(
         precision = "16-mixed"
         notes.append("bf16-mixed -> 16-mixed with a loss scaler (this GPU has no bf16; precision='32-true' keeps fp32)")
     return Layout(fsdp, checkpointing, tensor_parallel, precision, tuple(notes))
+
+
+def batch_mismatch(
+    preset: str, effective_batch: int, batch_size: int, accumulation: int, data_parallel: int
+) -> str | None:
+    """What to tell a run whose global batch (``batch_size x accumulation x data_parallel``) is not the
+    ``effective_batch`` its preset was written for, with the settings that reach it; ``None`` when it is."""
+    actual = batch_size * accumulation * data_parallel
+    if actual == effective_batch:
+        return None
+    ways = []
+    if effective_batch % (batch_size * data_parallel) == 0:
+        ways.append(f"accumulation={effective_batch // (batch_size * data_parallel)}")
+    if effective_batch % (accumulation * data_parallel) == 0:
+        ways.append(f"a DataLoader batch_size of {effective_batch // (accumulation * data_parallel)}")
+    reach = (
+        " or ".join(ways) or f"a batch_size and an accumulation whose product is {effective_batch / data_parallel:g}"
+    )
+    return (
+        f"Preset {preset!r} was written for a global batch of {effective_batch} samples per optimizer step "
+        f"(effective_batch={effective_batch}); this run trains on {actual} = {batch_size} (the DataLoader's "
+        f"batch_size) x {accumulation} (accumulation) x {data_parallel} (data-parallel processes). The preset sets "
+        f"neither the batch size nor the accumulation from it. Fix: to reach {effective_batch}, {reach}; or pass "
+        f"effective_batch={actual} (or None) to keep this run's batch and silence this."
+    )
 
 
 def list_presets() -> dict[str, str]:

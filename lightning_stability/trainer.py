@@ -20,7 +20,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.plugins import CheckpointIO, MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy, StrategyRegistry
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_stability import _compat
 from lightning_stability.accumulation.callback import GradientAccumulation
@@ -28,12 +28,12 @@ from lightning_stability.amp.callback import LossScaleTuner
 from lightning_stability.checkpoint.callback import StableCheckpoint
 from lightning_stability.checkpoint.io import AtomicCheckpointIO, local_path
 from lightning_stability.cluster.watchdog import WatchdogSettings, watchdog_settings
-from lightning_stability.errors import StabilityConfigError, check_instance
+from lightning_stability.errors import StabilityConfigError, check_instance, config_error
 from lightning_stability.grad_norm import GradientNormMonitor
 from lightning_stability.health.callback import TrainingHealthMonitor
 from lightning_stability.ledger.callback import LedgerCallback
 from lightning_stability.precursors.callback import LRBackoff, PrecursorMonitor
-from lightning_stability.presets import FIELDS, Preset, get_preset, layout
+from lightning_stability.presets import FIELDS, PRESETS, Preset, batch_mismatch, get_preset, layout
 from lightning_stability.progress import stability_progress_bar
 from lightning_stability.schedules.callback import WarmupConstantCosineLR
 from lightning_stability.strategies import StableFSDPStrategy
@@ -111,16 +111,26 @@ class StableTrainer(pl.Trainer):
                 preset's.
 
         Raises:
-            StabilityConfigError: for an unknown preset, override or bad value; for a callback in ``callbacks``
+            StabilityConfigError: for no preset (``None``: a Trainer without a preset is ``lightning.Trainer`` or
+                ``StableTrainer()``), an unknown preset, override or bad value; for a callback in ``callbacks``
                 of a kind the preset already attaches (the error names the field to change, or the override that
-                turns the preset's off).
+                turns the preset's off); for ``gradient_clip_val`` while the preset clips (``max_norm``).
 
         Example::
 
             trainer = StableTrainer.from_preset("175b", accelerator="cpu", devices=2, max_steps=10)
             trainer = StableTrainer.from_preset("gpt", health=None, callbacks=[TrainingHealthMonitor(spike_z=4.0)])
         """
-        preset_name = name.name if isinstance(name, Preset) else str(name)
+        if not isinstance(name, (str, Preset)):
+            # from_preset(config.get("preset")) with the key unset: a Trainer with no stability callbacks, unnoticed
+            raise config_error(
+                "name",
+                name,
+                f"is not a preset: from_preset builds one of {', '.join(PRESETS)}",
+                "pass a preset's name, e.g. StableTrainer.from_preset('gpt') (`lightning-stability presets` lists "
+                "them) or a Preset; for a Trainer without a preset, build lightning.Trainer(...) or StableTrainer(...)",
+            )
+        preset_name = name.name if isinstance(name, Preset) else name
         unknown = sorted(set(overrides) - set(FIELDS) - _TRAINER_ARGS)
         if unknown:
             raise StabilityConfigError(
@@ -150,6 +160,7 @@ def _preset_arguments(
     if "precision" in fields:  # Lightning's short spellings
         fields["precision"] = _ALIASES.get(str(fields["precision"]), fields["precision"])
     preset = replace(preset, **fields)
+    _check_clipping(preset, args.get("gradient_clip_val"))
     extra = args.pop("callbacks", None) or []
     extra = [extra] if isinstance(extra, Callback) else list(extra)
     notes: list[str] = []
@@ -166,6 +177,21 @@ def _preset_arguments(
         rank_zero_info(f"StableTrainer preset {preset.name!r} on this hardware: " + "; ".join(notes) + ".")
     args["callbacks"] = [*callbacks, *extra]
     return preset, args
+
+
+def _check_clipping(preset: Preset, clip: Any) -> None:
+    """``gradient_clip_val`` beside the preset's clipping (``max_norm``) would clip twice: refused here, naming the
+    preset's override, rather than by the ``GradientNormMonitor`` the user never built."""
+    if not clip or preset.max_norm is None:
+        return
+    raise StabilityConfigError(
+        f"StableTrainer.from_preset({preset.name!r}) clips the gradient norm at max_norm={preset.max_norm} (its "
+        f"GradientNormMonitor), and Trainer(gradient_clip_val={clip}) would clip a second time. Fix: keep one: "
+        f"StableTrainer.from_preset({preset.name!r}, max_norm=None, gradient_clip_val={clip}) clips with "
+        f"Lightning's (the norm is still measured and logged), or drop gradient_clip_val and pass "
+        f"max_norm={clip} to clip at your value with the preset's. (StableTrainer(preset=...) and LightningCLI: "
+        "preset_overrides={'max_norm': None}.)"
+    )
 
 
 def _hardware(preset: Preset, args: dict[str, Any], notes: list[str], chosen: bool) -> tuple[Preset, dict[str, Any]]:
@@ -278,6 +304,43 @@ class _Part:
     off: str | None = None
 
 
+class EffectiveBatchCheck(Callback):
+    """Says once at fit start when the run's global batch is not the preset's ``effective_batch``.
+
+    The global batch is the training DataLoader's ``batch_size`` x the accumulation the Trainer runs
+    (``GradientAccumulation``'s, else ``accumulate_grad_batches``) x the data-parallel processes (the strategy's
+    ``distributed_sampler_kwargs``). Nothing is changed: a warning names the settings that reach the preset's
+    batch (:func:`~lightning_stability.presets.batch_mismatch`). A loader without a ``batch_size`` (a batch
+    sampler of its own, several loaders) is said in an info line, unchecked.
+
+    Args:
+        preset: the preset's name (in the message).
+        effective_batch: the global batch it was written for.
+    """
+
+    def __init__(self, preset: str, effective_batch: int) -> None:
+        self.preset, self.effective_batch = preset, effective_batch
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        loader = trainer.train_dataloader
+        batch_size = getattr(loader, "batch_size", None) or getattr(
+            getattr(loader, "batch_sampler", None), "batch_size", None
+        )
+        if not isinstance(batch_size, int):
+            rank_zero_info(
+                f"StableTrainer preset {self.preset!r} was written for a global batch of {self.effective_batch}; "
+                "this run's is not checked (its training loader has no batch_size)."
+            )
+            return
+        sampler = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        data_parallel = int(sampler.get("num_replicas", 1) or 1)
+        message = batch_mismatch(
+            self.preset, self.effective_batch, batch_size, trainer.accumulate_grad_batches, data_parallel
+        )
+        if message is not None:
+            rank_zero_warn(message)
+
+
 #: the preset's callbacks, in the order they are attached
 _PARTS = (
     _Part(GradientNormMonitor, lambda p, a: GradientNormMonitor(max_norm=p.max_norm), "max_norm"),
@@ -323,6 +386,12 @@ _PARTS = (
         ),
         "lr_backoff",
         "lr_backoff=None",
+    ),
+    _Part(
+        EffectiveBatchCheck,
+        lambda p, a: EffectiveBatchCheck(p.name, p.effective_batch) if p.effective_batch is not None else None,
+        "effective_batch",
+        "effective_batch=None",
     ),
 )
 

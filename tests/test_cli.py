@@ -169,7 +169,7 @@ def test_plan_175b_from_a_parameter_count_alone_takes_gpt3s_shape_and_fits(capsy
 
 def test_plan_prints_the_tensor_parallel_advice(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["plan", "--params", "175e9", "--layers", "96", "--hidden", "12288", "--heads", "96", "--vocab", "51200"]
-    args += ["--nodes", "8", "--gpus-per-node", "8", "--sequence-parallel", "--flash-attention"]
+    args += ["--nodes", "8", "--gpus-per-node", "8", "--sequence-parallel", "--flash-attention", "--sharding", "full"]
     assert main(args) == 1  # TP 1 does not fit without activation checkpointing
     out = capsys.readouterr().out
     assert "tensor parallel: needed: TP 4 is the smallest size that fits" in out  # 129, 85, 64, 53 GiB in 72
@@ -187,7 +187,100 @@ def test_plan_prints_the_tensor_parallel_advice(capsys: pytest.CaptureFixture[st
 
 
 def test_plan_without_a_shape_says_what_it_did_not_count(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--params", "70e9", "--gpus-per-node", "8", "--gpu-memory", "80GiB"]) == 1
+    assert (
+        main(["plan", "--params", "70e9", "--gpus-per-node", "8", "--gpu-memory", "80GiB", "--sharding", "full"]) == 1
+    )
     out = capsys.readouterr().out
     assert "not counted: activations, FSDP gather buffers (the model's shape is unknown)" in out
     assert "buffers                      1.00" in out  # the overhead alone: no guessed unit
+
+
+def test_a_gpu_memory_without_a_unit_is_gib_and_says_so_in_help(capsys: pytest.CaptureFixture[str]) -> None:
+    # was: 80 bytes, "DOES NOT FIT in 0.00 GiB"
+    args = ["plan", "--params", "7e9", "--gpus-per-node", "8", "--sharding", "full"]
+    assert main([*args, "--gpu-memory", "80"]) == 0
+    bare = capsys.readouterr().out
+    assert re.search(r"^total +\d+\.\d\d  fits in 72\.00 GiB usable of 80\.00 GiB", bare, re.M), bare
+    assert main([*args, "--gpu-memory", "80GiB"]) == 0
+    assert capsys.readouterr().out == bare
+    assert main([*args]) == 0  # the default: 80 GiB
+    assert capsys.readouterr().out == bare
+    assert main([*args, "--gpu-memory", "40GB"]) == 1  # a unit given is kept: 37.25 GiB
+    assert "of 37.25 GiB" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert "a bare number is GiB" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize(
+    ("argument", "value", "said"),
+    [
+        ("--gpu-memory", "80G", "'80G' is not a memory size. Fix: a number of GiB (--gpu-memory 80)"),
+        ("--gpu-memory", "eighty", "'eighty' is not a memory size. Fix:"),
+        ("--gpu-memory", "0", "'0' is no memory. Fix:"),
+        ("--gpu-memory", "-5", "'-5' is not a memory size. Fix:"),
+        ("--params", "7", "7 is 7 parameters, below the 1e+06 this planner plans (a slip for billions?). Fix:"),
+        ("--params", "7X", "'7X' is not a parameter count. Fix: e.g. --params 7e9 or --params 7B"),
+        ("--micro-batch", "0", "must be an integer >= 1, got 0"),
+        ("--effective-batch", "0", "must be an integer >= 1, got 0"),
+        ("--seq-len", "2k", "must be an integer >= 1, got 2k"),
+        ("--gpus-per-node", "-1", "must be an integer >= 1, got -1"),
+    ],
+)
+def test_a_bad_size_is_refused_naming_the_argument_the_value_and_the_fix(
+    argument: str, value: str, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--params", "7e9", argument, value])
+    assert exit_info.value.code == 2
+    assert f"argument {argument}: {said}" in capsys.readouterr().err
+
+
+def test_params_takes_a_suffix(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--params", "7e9"]) == main(["plan", "--params", "7B"])
+    counted, suffixed = capsys.readouterr().out.split("no preset:")[1:]
+    assert counted == suffixed and "Memory plan per GPU: 7B params" in counted
+    main(["plan", "--params", "350M"])
+    assert "Memory plan per GPU: 0.35B params (shape: GPT-3 Medium assumed)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["plan", "--params", "7e9"], ["presets"], ["presets", "175b"]])
+def test_a_reader_that_goes_away_ends_the_command_quietly(argv: list[str]) -> None:
+    """`lightning-stability plan | head`: the pipe's reader is gone before the command writes (its read end is
+    closed before the command starts): no traceback, the exit status of a tool that SIGPIPE stopped."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "lightning_stability.cli", *argv],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (141, "")
+
+
+def test_plan_without_a_preset_plans_a_plain_trainer_and_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    # was: full sharding assumed without a word ("46 GiB, fits" for 7B on 8 GPUs, where a plain Trainer needs 134)
+    args = ["plan", "--params", "7e9", "--gpus-per-node", "8"]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("no preset: precision bf16-mixed, sharding none (one replica per GPU, as a plain Trainer")
+    assert "sharding=none (no sharding (DDP))" in out and re.search(r"^total +134\.23  DOES NOT FIT", out, re.M)
+    assert "sharding: needed: plain full sharding fits (46.07 GiB of 72.00 usable; unsharded 134.23)" in out
+    # the same plan as a preset that does not shard ("gpt": bf16, one replica per GPU) on those GPUs
+    assert main(["plan", "--preset", "gpt", "--params", "7e9", "--gpus-per-node", "8"]) == 1
+    assert capsys.readouterr().out.split("\n", 1)[1] == out.split("\n", 1)[1]
+    assert main([*args, "--sharding", "full"]) == 0
+    assert "sharding full (--sharding)" in capsys.readouterr().out
+    # tensor parallelism runs inside StableFSDPStrategy: with it, full sharding is what runs
+    assert main([*args, "--tensor-parallel", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "sharding full (StableFSDPStrategy, which tensor parallelism runs in)" in out and "sharding=full" in out
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert "without --preset none, one replica per GPU" in " ".join(capsys.readouterr().out.split())

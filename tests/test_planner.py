@@ -417,6 +417,8 @@ def test_parse_memory(text: str | int, expected: int) -> None:
         ({"gpu_memory": "eighty"}, "gpu_memory"),
         ({"gpu_memory": -5}, "gpu_memory"),
         ({"gpu_memory": 0}, "gpu_memory"),
+        ({"gpu_memory": 80}, "gpu_memory"),  # 80 bytes: the unit left out
+        ({"gpu_memory": "80"}, "gpu_memory"),
         ({"headroom": 1.5}, "headroom"),
         ({"mixed_layout": "deepspeed"}, "mixed_layout"),
     ],

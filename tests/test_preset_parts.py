@@ -34,7 +34,8 @@ from lightning_stability import (
 from lightning_stability.cli import main
 from lightning_stability.planner import plan_memory
 from lightning_stability.precursors import LRBackoff, PrecursorMonitor
-from lightning_stability.presets import FIELDS, PRESETS, get_preset, layout
+from lightning_stability.presets import FIELDS, PRESETS, batch_mismatch, get_preset, layout
+from lightning_stability.trainer import EffectiveBatchCheck
 from tests.helpers import TinyModule, count_syncs_per_step
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -230,7 +231,7 @@ REACHES: dict[str, tuple[str, Any, dict[str, Any], Callable[[pl.Trainer], Any]]]
     "hysteresis": ("175b", 3, {}, lambda t: one(t, LossScaleTuner).settings.hysteresis),
     "accumulation": ("gpt", 3, {}, attr(GradientAccumulation, "steps")),
     "lr_scaling": ("under-1b", "sqrt", {}, attr(GradientAccumulation, "lr_scaling")),
-    "effective_batch": ("gpt", 64, {}, lambda t: t.preset.effective_batch),  # the planner's input only
+    "effective_batch": ("gpt", 64, {}, attr(EffectiveBatchCheck, "effective_batch")),
     "fsdp": ("gpt", True, {"devices": 2}, lambda t: isinstance(t.strategy, StableFSDPStrategy)),
     "activation_checkpointing": (
         "over-10b",
@@ -494,3 +495,66 @@ def test_tensor_parallelism_is_advised_only_where_plain_sharding_does_not_fit() 
     assert all(p.title.count("sharding=full") for p in advice.plans[1:])  # TP runs with full sharding here
     assert advice.text().startswith("tensor parallel: needed: TP 4 with full sharding is the smallest size")
     assert "tensor_parallel=4 and fsdp=True" in advice.text()
+
+
+# ------------------------------------------------------------------ the preset's clipping and gradient_clip_val
+def test_gradient_clip_val_beside_the_presets_clipping_names_the_presets_override(tmp_path: Any) -> None:
+    # was: "pass `max_norm=None` to GradientNormMonitor", a callback the preset's user never built
+    args = dict(accelerator="cpu", default_root_dir=tmp_path, **QUIET)
+    fix = r"Fix: .*StableTrainer\.from_preset\('gpt', max_norm=None, gradient_clip_val=1\.0\) clips with Lightning's"
+    with pytest.raises(StabilityConfigError, match=r"from_preset\('gpt'\) clips the gradient norm at max_norm=0\.5"):
+        StableTrainer.from_preset("gpt", gradient_clip_val=1.0, **args)
+    with pytest.raises(StabilityConfigError, match=fix):
+        StableTrainer.from_preset("gpt", gradient_clip_val=1.0, **args)
+    with pytest.raises(StabilityConfigError, match=r"preset_overrides=\{'max_norm': None\}"):
+        StableTrainer(preset="gpt", gradient_clip_val=1.0, **args)  # as LightningCLI builds it
+    # the fix trains: Lightning clips, the preset's monitor measures
+    trainer = StableTrainer.from_preset("tiny", max_norm=None, gradient_clip_val=0.01, max_steps=3, **args)
+    assert one(trainer, GradientNormMonitor).max_norm is None and trainer.gradient_clip_val == 0.01
+    trainer.fit(TinyModule())
+    assert trainer.global_step == 3
+    assert float(trainer.callback_metrics["stability/grad_norm"]) > 0.01  # measured before Lightning's clip
+
+
+# ------------------------------------------------------------------ the preset's global batch, checked at fit start
+def _batch_warnings(tmp_path: Any, batch_size: int, **overrides: Any) -> list[str]:
+    """The warnings of a 2-step fit of under-1b (global batch 512, accumulation 4) on one CPU."""
+    trainer = StableTrainer.from_preset(
+        "under-1b", accelerator="cpu", devices=1, max_steps=2, default_root_dir=tmp_path, **QUIET, **overrides
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(TinyModule(batch_size=batch_size, n=batch_size * 8))
+    assert trainer.global_step == 2
+    return [str(w.message) for w in caught if "global batch" in str(w.message)]
+
+
+def test_a_run_that_misses_the_presets_global_batch_is_told_once_at_fit_start(tmp_path: Any) -> None:
+    # was: under-1b's "global batch 512" read only by the planner; the run trained on 8 x 4 = 32, silently
+    said = _batch_warnings(tmp_path / "a", batch_size=8)
+    assert len(said) == 1, said
+    assert said[0].startswith(
+        "Preset 'under-1b' was written for a global batch of 512 samples per optimizer step (effective_batch=512); "
+        "this run trains on 32 = 8 (the DataLoader's batch_size) x 4 (accumulation) x 1 (data-parallel processes)."
+    )
+    assert "Fix: to reach 512, accumulation=64 or a DataLoader batch_size of 128; or pass effective_batch=32" in said[0]
+    assert _batch_warnings(tmp_path / "b", batch_size=128) == []  # 128 x 4 = 512
+    assert _batch_warnings(tmp_path / "c", batch_size=16, accumulation=32) == []  # 16 x 32 = 512
+    assert _batch_warnings(tmp_path / "d", batch_size=8, effective_batch=None) == []  # not checked
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "accumulation", "data_parallel", "said"),
+    [
+        (128, 4, 1, None),
+        (16, 4, 8, None),
+        (8, 4, 2, "this run trains on 64 = 8 (the DataLoader's batch_size) x 4 (accumulation) x 2 (data-parallel"),
+        (8, 4, 2, "to reach 512, accumulation=32 or a DataLoader batch_size of 64;"),
+        (24, 4, 1, "to reach 512, a DataLoader batch_size of 128;"),  # 512 / 24 is no accumulation
+        (8, 3, 1, "to reach 512, accumulation=64;"),
+        (24, 3, 1, "to reach 512, a batch_size and an accumulation whose product is 512;"),
+    ],
+)
+def test_the_batch_mismatch_message(batch_size: int, accumulation: int, data_parallel: int, said: str | None) -> None:
+    message = batch_mismatch("under-1b", 512, batch_size, accumulation, data_parallel)
+    assert message is None if said is None else said in message, message

@@ -201,3 +201,13 @@ def test_presets_set_the_watchdog_a_long_multi_process_run_wants_and_keep_the_us
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and os.environ["TORCH_FR_BUFFER_SIZE"] == "2000"
     assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"  # kept
     assert "process-group watchdog: timeout 10 min" in caplog.text and "kept yours: TORCH_NCCL_ASYNC" in caplog.text
+
+
+@pytest.mark.parametrize("name", [None, 3])
+def test_from_preset_without_a_preset_is_an_error_naming_the_presets(name: object) -> None:
+    # was: from_preset(None) returned a plain Trainer, without one stability callback
+    said = rf"`name={name!r}` is not a preset: from_preset builds one of tiny, "
+    with pytest.raises(StabilityConfigError, match=said):
+        StableTrainer.from_preset(name, accelerator="cpu", **quiet())  # type: ignore[arg-type]
+    with pytest.raises(StabilityConfigError, match=r"gpt, moe, under-1b.*Fix: .*or StableTrainer\(\.\.\.\)"):
+        StableTrainer.from_preset(name)  # type: ignore[arg-type]

@@ -106,21 +106,26 @@ class AsyncSaves:
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: pl.Trainer) -> None:
-        """Check the strategy can save asynchronously and atomically; create the gloo groups (every rank)."""
+        """Check the strategy can save asynchronously and atomically; create the gloo groups (every rank).
+
+        A single-device or DDP strategy without a ``CheckpointIO`` of the user's gets ``AtomicCheckpointIO``, the
+        writer the background save publishes through (in place of Lightning's default ``TorchCheckpointIO``, which
+        the strategy would otherwise create on first use); any other writer is an error."""
         strategy = trainer.strategy
+        plain = isinstance(strategy, SingleDeviceStrategy | DDPStrategy)
+        if plain and _compat.strategy_checkpoint_io(strategy) is None:
+            strategy.checkpoint_io = AtomicCheckpointIO()
         if isinstance(strategy, ShardedAsyncSaver):
             if dist.is_available() and dist.is_initialized() and self.dcp_group is None:
                 self.dcp_group = dist.new_group(backend="gloo")
-        elif not isinstance(strategy, SingleDeviceStrategy | DDPStrategy) or not isinstance(
-            strategy.checkpoint_io, AtomicCheckpointIO
-        ):
+        elif not plain or not isinstance(strategy.checkpoint_io, AtomicCheckpointIO):
             raise config_error(
                 "async_save",
                 True,
                 f"needs a writer that publishes whole checkpoints; this Trainer saves with {type(strategy).__name__} "
                 f"and {type(strategy.checkpoint_io).__name__}",
-                "pass plugins=[AtomicCheckpointIO()] (single device, DDP) or strategy=StableFSDPStrategy(), or "
-                "async_save=False",
+                "leave out the CheckpointIO plugin (single device, DDP: AtomicCheckpointIO is then installed) or pass "
+                "plugins=[AtomicCheckpointIO()], or strategy=StableFSDPStrategy(), or async_save=False",
             )
         if _world() > 1 and self._exchange_group is None:
             self._exchange_group = dist.new_group(backend="gloo")

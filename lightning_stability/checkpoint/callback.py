@@ -70,8 +70,9 @@ class StableCheckpoint(ModelCheckpoint):
         keep: how many of the newest healthy checkpoints are kept.
         signals: the signals that save and stop (default SIGTERM and SIGUSR1; ``()``: none).
         save_at_end: also save the state training ends in, when healthy and not saved at that step already.
-        async_save: write checkpoints in a background thread. Needs ``AtomicCheckpointIO`` (single device, DDP)
-            or ``StableFSDPStrategy``, and host memory for one copy of each rank's state.
+        async_save: write checkpoints in a background thread. Needs ``AtomicCheckpointIO`` (single device, DDP:
+            installed at setup when the Trainer has no ``CheckpointIO`` plugin) or ``StableFSDPStrategy``, and host
+            memory for one copy of each rank's state.
         save_weights_only: must stay ``False`` (a checkpoint without optimizer state cannot be resumed from).
         mode: as for ``ModelCheckpoint``.
         auto_insert_metric_name: as for ``ModelCheckpoint``.
@@ -83,8 +84,8 @@ class StableCheckpoint(ModelCheckpoint):
 
     Raises:
         StabilityConfigError: ``keep`` is not an int >= 1, a signal cannot be caught, ``save_weights_only=True``,
-            or ``dirpath`` is remote (``s3://...``); at setup, ``async_save=True`` with a strategy or
-            ``CheckpointIO`` that does not publish whole checkpoints.
+            or ``dirpath`` is remote (``s3://...``); at setup, ``async_save=True`` with a strategy or a
+            ``CheckpointIO`` plugin that does not publish whole checkpoints.
         CheckpointError: a save failed (on every rank); with ``async_save=True``, at the next step boundary, save
             or the end of ``fit``.
 

@@ -178,10 +178,47 @@ def test_resume_from_async_checkpoints_equals_uninterrupted(tmp_path: Path) -> N
         assert torch.equal(a, b), name
 
 
-def test_async_save_needs_an_atomic_writer(tmp_path: Path) -> None:
+def test_on_a_plain_trainer_it_installs_its_writer_and_resumes(tmp_path: Path) -> None:
+    """``lightning.Trainer(callbacks=[StableCheckpoint(async_save=True)])``, no plugin: it saves through
+    ``AtomicCheckpointIO``, which it installs itself (it stopped with "pass plugins=[AtomicCheckpointIO()]"), and a
+    resume from its checkpoints equals the run never interrupted."""
+    import lightning
+
+    def run(directory: Path, max_steps: int, ckpt_path: str | None = None, **kwargs: Any) -> Any:
+        pl.seed_everything(0, verbose=False)
+        module = TinyModule(n=8)  # one batch per epoch: the same data at every step, whatever the resume
+        trainer = lightning.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=max_steps,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            **kwargs,
+        )
+        trainer.fit(module, ckpt_path=ckpt_path)
+        return trainer, module
+
+    _, reference = run(tmp_path / "ref", 8, enable_checkpointing=False)
+    stable = StableCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2, async_save=True)
+    trainer, _ = run(tmp_path, 5, callbacks=[stable])
+    assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+    assert listed(tmp_path / "ckpts") == ["epoch=1-step=2.ckpt", "epoch=3-step=4.ckpt"]
+    stable = StableCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2, async_save=True)
+    trainer, resumed = run(tmp_path, 8, ckpt_path="last", callbacks=[stable])
+    assert trainer.global_step == 8 and isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+    assert listed(tmp_path / "ckpts")[-1] == "epoch=7-step=8.ckpt"
+    for (name, a), b in zip(resumed.state_dict().items(), reference.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_async_save_refuses_a_writer_of_the_users_that_does_not_publish_whole_files(tmp_path: Path) -> None:
+    from lightning.pytorch.plugins import TorchCheckpointIO
+
     callback = StableCheckpoint(dirpath=tmp_path, every_n_train_steps=1, async_save=True)
-    trainer = quiet_trainer(max_steps=1, callbacks=[callback], enable_checkpointing=True)
-    with pytest.raises(StabilityConfigError, match=r"async_save.*AtomicCheckpointIO"):
+    trainer = quiet_trainer(max_steps=1, callbacks=[callback], enable_checkpointing=True, plugins=[TorchCheckpointIO()])
+    said = r"`async_save=True` needs a writer .* SingleDeviceStrategy and TorchCheckpointIO\. Fix: leave out the"
+    with pytest.raises(StabilityConfigError, match=said):
         trainer.fit(TinyModule())
     with pytest.raises(StabilityConfigError, match="async_save"):
         StableCheckpoint(async_save="yes")  # type: ignore[arg-type]

@@ -160,3 +160,61 @@ def test_report_of_a_long_run_is_bounded_and_its_summary_exact(tmp_path: Path) -
     assert json_path.stat().st_size < 2_000_000
     if figure_class() is not None:
         assert png_path is not None and png_path.stat().st_size > 0
+
+
+def varied_rows(start: int, stop: int) -> list[dict[str, float]]:
+    """Rows whose ``loss`` is finite on every step of some stretches and on one step in 16 of others, so that the
+    buckets that merge hold different counts of finite values; a new level every 97 steps, a loss spike every 1000."""
+    out = []
+    for s in range(start, stop):
+        dense = (s // 300) % 2 == 0
+        level = 2.0 if s % 97 == 0 else 1.0 if s % 1000 == 500 else 0.0  # NEW_LEVEL, SPIKE, none
+        out.append(
+            {
+                "step": float(s),
+                "loss": float(s % 50) if dense or s % 16 == 0 else math.nan,
+                "grad_norm": 1.0,
+                "loss_spike": level,
+                "outcome": 0.0,
+            }
+        )
+    return out
+
+
+def test_a_merged_buckets_mean_weighs_each_half_by_its_count_of_values() -> None:
+    """Every bucket's mean, min and max are those of the finite values of its steps, also where the two buckets a
+    merge joins held different numbers of values (an unweighted mean of the two means fails here)."""
+    history = HealthHistory(window=64, max_buckets=8)
+    raw: list[dict[str, float]] = []
+    for start in range(0, 6_000, 250):
+        chunk = varied_rows(start, start + 250)
+        raw += chunk
+        history.extend(chunk)
+    b = history.buckets
+    assert history.bucket_width >= 256  # many rounds of merges
+    checked = 0
+    for i in range(len(b["count"])):
+        first, last = int(b["step_first"][i]), int(b["step_last"][i])
+        losses = [r["loss"] for r in raw[first : last + 1] if math.isfinite(r["loss"])]
+        assert b["loss_n"][i] == len(losses)
+        assert b["loss"][i] == pytest.approx(math.fsum(losses) / len(losses), rel=1e-12), (i, first, last)
+        assert (b["loss_min"][i], b["loss_max"][i]) == (min(losses), max(losses))
+        checked += 1
+    assert checked == len(b["count"]) >= 4
+
+
+def test_new_levels_are_not_counted_as_loss_spikes() -> None:
+    """A loss that settled at a new level (``loss_spike`` == NEW_LEVEL) is no spike: the whole-run count and the
+    report's summary hold the spikes alone, also once the rows were folded into buckets."""
+    from lightning_stability.ledger.verdict import NEW_LEVEL, SPIKE
+
+    raw = varied_rows(0, 6_000)
+    spikes = sum(r["loss_spike"] == SPIKE for r in raw)
+    levels = sum(r["loss_spike"] == NEW_LEVEL for r in raw)
+    assert (spikes, levels) == (6, 62)
+    reporter = HealthReporter("warn", 6.0, 0.9, 5)
+    reporter.history.window, reporter.history.max_buckets = 64, 8
+    for start in range(0, 6_000, 250):
+        reporter.history.extend(raw[start : start + 250])
+    assert reporter.history.totals["loss_spikes"] == spikes
+    assert reporter.summary()["loss_spikes"] == spikes
