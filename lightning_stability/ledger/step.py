@@ -201,14 +201,17 @@ class OptimizerStep:
         return self.update
 
     # 8. ---------------------------------------------------------------- enforce
-    def enforce(self) -> None:
+    def enforce(self, before_update: bool = False) -> None:
         """Make the update skip if any vote so far says so, leaving weights and optimizer state exactly as they were.
 
-        Runs right before the update (the step pre-hook), once for every vote of the step; a vote cast after it
-        is enforced at once.
+        Runs right before the update (the step pre-hook, ``before_update=True``: then the update's factors go into
+        each group's LR too, read on the host with the votes when they must be), once for every vote of the step; a
+        vote cast after it is enforced at once.
         """
         self._enforced = True
-        scale_now, self._scaled = not self._scaled, True  # the update's factors go in once, with the first call
+        # the update's factors go into the LRs once, right before the update (the step pre-hook)
+        scale_now = before_update and not self._scaled
+        self._scaled = self._scaled or before_update
         on_host = scale_now and self.scale.needs_host(self.optimizer)
         if not self._pending:
             if scale_now:

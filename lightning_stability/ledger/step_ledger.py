@@ -310,7 +310,7 @@ class StepLedger:
 
     def _enforce(self, optimizer: Optimizer) -> None:
         if self._open is optimizer and self._step is not None:
-            self._step.enforce()
+            self._step.enforce(before_update=True)
 
     def _after_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         if self._open is optimizer and self._step is not None:

@@ -585,3 +585,37 @@ def test_tuner_scale_batch_size_tries_single_micro_batches(tmp_path: Path) -> No
     module.factors.clear()
     trainer.fit(module)
     assert rec.sizes == [k, k] and module.factors == [k] * (2 * k)
+
+
+def test_adascale_gain_reaches_the_update_through_the_step_and_the_lr_comes_back() -> None:
+    """The gain is one factor on the step's update scale: the update uses lr x gain, the optimizer's LR is the
+    schedule's again after it (so LR schedules never see the gain)."""
+    pytest.importorskip("fairscale")
+    from lightning_stability import StepLedger
+
+    class Seen(pl.Callback):
+        """Each update's LR as used, its gain, and the optimizer's LR right after it."""
+
+        def __init__(self) -> None:
+            self.steps: list[Any] = []
+            self.used: list[float] = []
+            self.after: list[float] = []
+            self.gains: list[float] = []
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            ledger = StepLedger.of(trainer)
+            if not ledger.has_step or ledger.step.scale.lrs is None or any(s is ledger.step for s in self.steps):
+                return  # a micro-batch that did not step
+            self.steps.append(ledger.step)
+            self.used.append(float(ledger.step.scale.lrs[0]))
+            self.gains.append(float(ledger.step.scale.factors["adascale"]))
+            self.after.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
+
+    pl.seed_everything(0)
+    seen = Seen()
+    module = TinyModule(n=64, batch_size=4)
+    quiet_trainer(max_steps=4, callbacks=[GradientAccumulation(steps=4, lr_scaling="adascale"), seen]).fit(module)
+    base = module.lr
+    assert len(seen.used) == 4 and all(g > 1.05 for g in seen.gains), seen.gains
+    assert seen.used == pytest.approx([base * g for g in seen.gains])
+    assert seen.after == [base] * 4

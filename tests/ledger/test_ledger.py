@@ -416,15 +416,7 @@ def test_a_later_vote_for_the_same_reason_does_not_undo_an_earlier_one(device_fl
     torch.manual_seed(0)
     model = AdamModel()
     before = [p.detach().clone() for p in model.parameters()]
-    trainer = pl.Trainer(
-        max_steps=2,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        callbacks=[Vote(True), Vote(False)],
-    )
+    trainer = quiet_trainer(max_steps=2, callbacks=[Vote(True), Vote(False)])
     trainer.fit(model)
     assert int(StepLedger.of(trainer).outcome) == Outcome.SKIPPED_SPIKE
     for p, b in zip(model.parameters(), before, strict=True):
