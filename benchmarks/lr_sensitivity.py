@@ -15,8 +15,9 @@ weights per seed:
   CPU would change the arithmetic, not the callbacks. ``checkpoint=False``, ``watchdog=False`` and no end-of-fit
   report: they do not touch training.
 * **preset+early** -- the "gpt" preset as shipped: the above plus its ``PrecursorMonitor(lr_backoff=LRBackoff(
-  "update_ratio", 0.02))`` (``lightning_stability.precursors``): while the applied update's norm exceeds 2% of the
-  weights' norm, the update backs off (x0.5 per applied update, back up x1.02 per update once under, floor 0.01).
+  "update_ratio", 0.02))`` (``lightning_stability.precursors``): while the update's norm exceeds 2% of the
+  weights' norm (measured every 4th step), the next updates' LR backs off (by 0.02 / ratio, at most x0.5 per
+  measurement; back up x1.02 per update once under, floor 0.01).
 * **preset+early+qk** -- the same plus Kimi K2's QK-clip (``qk_clip=100.0``: tau 100, alpha 0.5), in a
   ``PrecursorMonitor`` of its own in place of the preset's.
 

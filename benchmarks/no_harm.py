@@ -66,6 +66,7 @@ def build(family: str, vocab: int, context: int) -> torch.nn.Module:
     if family == "qwen2-moe":
         config = transformers.Qwen2MoeConfig(
             max_position_embeddings=context,
+            num_key_value_heads=4,
             num_experts=4,
             num_experts_per_tok=2,
             moe_intermediate_size=128,
