@@ -100,6 +100,77 @@ def callback_metrics(trainer: pl.Trainer) -> dict[str, Tensor]:
     return metrics
 
 
+def log_with_module_metrics(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
+    """Log ``metrics`` (host numbers) at ``step`` in the same logger call as the module's ``self.log``
+    metrics of this training step: one row per logging step in ``CSVLogger``, with ``epoch``.
+
+    Call it from ``on_train_batch_end`` with ``step`` = :func:`batches_that_stepped`. The metrics wait for
+    Lightning's ``_LoggerConnector.update_train_step_metrics``, which runs right after the batch's
+    ``on_train_batch_end`` hooks and logs the ``self.log`` metrics (through ``_LoggerConnector.log_metrics``,
+    which adds ``epoch`` and keeps ``trainer.logged_metrics``); ours join that call. On a step where Lightning logs
+    nothing (its ``log_every_n_steps`` differs from ours) they go out alone at the same point, still with
+    ``epoch``. Nothing here touches a device: the values are already on the host.
+    """
+    if not trainer.loggers or not metrics:
+        return
+    connector = trainer._logger_connector
+    row = connector.__dict__.get(_ROW_ATTR)
+    if not isinstance(row, _TrainStepRow):
+        row = _TrainStepRow(trainer)
+    row.add(metrics, step)
+
+
+_ROW_ATTR = "_lightning_stability_row"
+
+
+class _TrainStepRow:
+    """The metrics of one training step waiting for Lightning's logger call of that step (see
+    :func:`log_with_module_metrics`). Installed once per Trainer on its logger connector, in front of two of its
+    methods; everything else passes through unchanged."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        connector = trainer._logger_connector
+        self.trainer = trainer
+        self.pending: dict[str, float] = {}
+        self.step = 0
+        self._taking = False  # inside Lightning's update_train_step_metrics: its log_metrics call takes ours
+        # Lightning's; host numbers pass through its tensor-to-number conversion as they are
+        self._log_metrics: Any = connector.log_metrics
+        self._update = connector.update_train_step_metrics
+        # instance attributes in front of the connector's methods (this Trainer's only)
+        connector.log_metrics = self.log_metrics  # type: ignore[method-assign]
+        connector.update_train_step_metrics = self.update_train_step_metrics  # type: ignore[method-assign]
+        connector.__dict__[_ROW_ATTR] = self
+
+    def add(self, metrics: dict[str, float], step: int) -> None:
+        if self.pending and step != self.step:  # an earlier step's, never taken (an exception in between)
+            self._flush(self.step)
+        self.pending.update(metrics)
+        self.step = step
+
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        if self._taking and self.pending and step is None and batches_that_stepped(self.trainer) == self.step:
+            metrics = {**metrics, **self.pending}
+            self.pending = {}
+        self._log_metrics(metrics, step)
+
+    def update_train_step_metrics(self) -> None:
+        if not self.pending:
+            self._update()
+            return
+        self._taking = True
+        try:
+            self._update()
+        finally:
+            self._taking = False
+        if self.pending:  # Lightning logged nothing this step: ours alone, at the same label, with `epoch`
+            self._flush(None if batches_that_stepped(self.trainer) == self.step else self.step)
+
+    def _flush(self, step: int | None) -> None:
+        pending, self.pending = self.pending, {}
+        self._log_metrics(pending, step)
+
+
 def epoch_loop(trainer: pl.Trainer) -> Any:
     """The fit loop's training epoch loop (the object that holds the private step counters below)."""
     return trainer.fit_loop.epoch_loop
@@ -381,8 +452,10 @@ def check_supported(trainer: pl.Trainer) -> None:
     for name in ("_batches_that_stepped", "_accumulated_batches_reached"):
         if not hasattr(loop, name):
             raise _unsupported(f"the training epoch loop's `{name}`")
-    if not hasattr(trainer, "_logger_connector") or not hasattr(trainer._logger_connector, "_callback_metrics"):
-        raise _unsupported("the logger connector's `_callback_metrics`")
+    if not hasattr(trainer, "_logger_connector"):
+        raise _unsupported("the Trainer's `_logger_connector`")
+    for name in ("_callback_metrics", "log_metrics", "update_train_step_metrics"):
+        _require_attr(trainer._logger_connector, name, "the logger connector")
     _require_attr(pl.Callback, "_generate_state_key", "Callback")
     _check_torch_ops()
     _private("torch.nn.modules.batchnorm", "_BatchNorm")

@@ -67,16 +67,16 @@ class GradientNormMonitor(LedgerCallback):
 
     Logged keys (to every logger on logging steps; scalars also in ``trainer.callback_metrics`` every step):
 
-    ==================================  ===========================================================
-    Key                                 Meaning
-    ==================================  ===========================================================
-    ``stability/grad_norm``             global gradient norm before clipping (this step)
-    ``stability/grad_norm_clipped``     norm after clipping (only with ``max_norm``)
-    ``stability/clip_coef``             clip coefficient, ``<= 1`` (only with ``max_norm``)
-    ``stability/clip_fraction``         share of steps clipped since the last log (``max_norm``)
-    ``stability/skipped_steps``         optimizer steps skipped since the start, for any reason
-    ``stability/grad_norm/<module>``    per-module norm (with ``per_layer``; top-k with an int)
-    ==================================  ===========================================================
+    ============================================  ===========================================================
+    Key                                           Meaning
+    ============================================  ===========================================================
+    ``stability/grad_norm``                       global gradient norm before clipping (this step)
+    ``stability/grad_norm_clipped``               norm after clipping (only with ``max_norm``)
+    ``stability/clip_coef``                       clip coefficient, ``<= 1`` (only with ``max_norm``)
+    ``stability/clip_fraction``                   share of steps clipped since the last log (``max_norm``)
+    ``stability/skipped_steps``                   optimizer steps skipped since the start, for any reason
+    ``stability/grad_norm_by_module/<module>``    per-module norm (with ``per_layer``; top-k with an int)
+    ============================================  ===========================================================
 
     Args:
         max_norm: clip the global norm to this value; ``None`` measures only.
@@ -271,10 +271,12 @@ class GradientNormMonitor(LedgerCallback):
         names, step = self._layers[record.index].names, record.steps
         extra: dict[str, float] = {}
         if report.layers is not None:
-            extra.update({f"stability/grad_norm/{n}": v for n, v in zip(names, report.layers.numbers(), strict=True)})
+            layers = zip(names, report.layers.numbers(), strict=True)
+            extra.update({f"stability/grad_norm_by_module/{n}": v for n, v in layers})
         if report.top is not None:
             values, indices = (sent.numbers() for sent in report.top)
-            extra.update({f"stability/grad_norm/{names[int(i)]}": v for i, v in zip(indices, values, strict=True)})
+            top = zip(indices, values, strict=True)
+            extra.update({f"stability/grad_norm_by_module/{names[int(i)]}": v for i, v in top})
         if report.replicas is not None:
             warn_disagreeing_replicas(report.replicas.numbers(), step, groups=self._replica_groups)
         if report.bad is not None and report.bad.seen.number():

@@ -137,13 +137,14 @@ def _page_keys() -> set[str]:
 
 
 def _pattern(key: str) -> re.Pattern[str]:
-    """``stability/grad_norm/<module>`` matches ``stability/grad_norm/net.0``."""
+    """``stability/grad_norm_by_module/<module>`` matches ``stability/grad_norm_by_module/net.0``."""
     parts = re.split(r"(<\w*>)", key)
     return re.compile("".join("[^/]+" if part.startswith("<") else re.escape(part) for part in parts))
 
 
 def _shape(key: str) -> str:
-    """A key with its variable parts blanked: ``stability/lr/pg<i>`` and ``f"stability/lr/pg{i}"`` read alike."""
+    """A key with its variable parts blanked: ``stability/lr_by_group/pg<i>`` and
+    ``f"stability/lr_by_group/pg{i}"`` read alike."""
     return re.sub(r"<\w*>", "<>", key)
 
 

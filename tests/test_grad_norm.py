@@ -253,8 +253,8 @@ def test_logged_keys_and_values(tmp_path: Path) -> None:
     assert [float(r["stability/skipped_steps"]) for r in rows] == [0.0, 1.0, 1.0]
     assert float(rows[0]["stability/clip_fraction"]) == 1.0
     for module in ("net.0", "net.2", "net.4"):
-        assert f"stability/grad_norm/{module}" in rows[0]
-    per_layer = [float(rows[0][f"stability/grad_norm/{m}"]) for m in ("net.0", "net.2", "net.4")]
+        assert f"stability/grad_norm_by_module/{module}" in rows[0]
+    per_layer = [float(rows[0][f"stability/grad_norm_by_module/{m}"]) for m in ("net.0", "net.2", "net.4")]
     assert math.sqrt(sum(v * v for v in per_layer)) == pytest.approx(float(rows[0]["stability/grad_norm"]), rel=1e-5)
 
 
@@ -281,7 +281,7 @@ def _layer_rows(tmp_path: Path, per_layer: bool | int) -> list[dict[str, float]]
     monitor = GradientNormMonitor(log_every_n_steps=1, per_layer=per_layer)
     quiet_trainer(max_steps=3, callbacks=[monitor], logger=CSVLogger(tmp_path)).fit(TinyModule())
     rows = [r for r in _read_csv(tmp_path) if r.get("stability/grad_norm")]
-    return [{k: float(v) for k, v in r.items() if k.startswith("stability/grad_norm/") and v} for r in rows]
+    return [{k: float(v) for k, v in r.items() if k.startswith("stability/grad_norm_by_module/") and v} for r in rows]
 
 
 def test_per_layer_top_k(tmp_path: Path) -> None:

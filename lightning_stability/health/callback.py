@@ -111,7 +111,8 @@ class TrainingHealthMonitor(LedgerCallback):
             newest healthy checkpoint saved before the damage and not rolled back to already. ``0``: none. Then
             :class:`TrainingDivergedError`.
         memory_warn_fraction: warn when the peak memory passes this share of the capacity.
-        top_modules: per-module update ratios logged on logging steps (the largest ones).
+        top_modules: per-module update ratios logged on logging steps (the largest ones), as
+            ``stability/update_ratio_by_module/<module>``; ``0``: none.
         report: write the stability report at the end of ``fit``, also when it ends in an exception, and send it
             to the loggers that take images or files (TensorBoard, W&B, MLflow).
         report_dir: where; default: the logger's ``log_dir``, else the Trainer's ``default_root_dir``.

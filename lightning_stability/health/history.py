@@ -392,7 +392,7 @@ class HealthReporter:
         if sent.top is not None:
             values, indices = sent.top[0].numbers(), sent.top[1].numbers()
             for i, v in zip(indices, values, strict=True):
-                extra[f"stability/update_ratio/{self.names[int(i)]}"] = v
+                extra[f"stability/update_ratio_by_module/{self.names[int(i)]}"] = v
         sparse = {
             key: value.number()
             for key, value in (("update_ratio", sent.update_ratio), ("memory_gb", sent.memory_gb))

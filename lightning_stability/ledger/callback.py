@@ -216,7 +216,7 @@ class LedgerCallback(Callback):
     ) -> None:
         ledger = StepLedger.of(trainer)
         ledger.close_step()
-        ledger.flush()
+        ledger._flush_at_batch_end()
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]

@@ -4,7 +4,8 @@
 :meth:`MetricQueue.transfer` stacks every queued tensor of every track, and every value a callback sent with
 ``to_host``, and copies them to the host at once; each :class:`OnHost` handle then holds its host numbers.
 :func:`monitor` puts a step's scalar into ``trainer.callback_metrics`` without any transfer, and
-:func:`publish` hands a transfer's values to the loggers under their final names.
+:func:`publish` hands a transfer's values to the loggers under their final names: at the end of a training batch,
+in Lightning's own logger call of that step, on the same row as the module's ``self.log`` metrics.
 """
 
 from __future__ import annotations
@@ -103,9 +104,10 @@ class MetricQueue:
         track_of: Callable[[int], OptimizerRecord],
         several_optimizers: bool,
         step: int,
+        with_module_metrics: bool = False,
     ) -> dict[str, float]:
         """Empty the queue in one transfer and log it at ``step`` (see :func:`publish`)."""
-        return publish(trainer, self.transfer(device), track_of, several_optimizers, step)
+        return publish(trainer, self.transfer(device), track_of, several_optimizers, step, with_module_metrics)
 
     def put(self, track: int, key: str, value: Tensor | float) -> None:
         self._pending[track][key] = value
@@ -195,9 +197,14 @@ def publish(
     track_of: Callable[[int], OptimizerRecord],
     several_optimizers: bool,
     step: int,
+    with_module_metrics: bool = False,
 ) -> dict[str, float]:
     """Log a transfer's metrics to every logger at Lightning's ``step`` label and refresh the monitored
-    scalars with their host copies. Returns the metrics under their final names."""
+    scalars with their host copies. Returns the metrics under their final names.
+
+    ``with_module_metrics`` (in ``on_train_batch_end``): they go out in Lightning's logger call of this step, with
+    the module's ``self.log`` metrics and ``epoch`` (``_compat.log_with_module_metrics``), one row per step for
+    ``CSVLogger``; otherwise (after training) each logger gets them at once, alone."""
     metrics: dict[str, float] = {}
     monitored: dict[str, Tensor] = {}
     for index, (values, scalars) in transferred.items():
@@ -212,7 +219,9 @@ def publish(
         monitored.update({metric_name(k, track, several_optimizers): v for k, v in scalars.items()})
     if trainer is not None:
         _compat.callback_metrics(trainer).update(monitored)
-        if metrics:
+        if metrics and with_module_metrics:  # host numbers: Lightning's .item() of a tensor would not be needed
+            _compat.log_with_module_metrics(trainer, metrics, step)
+        elif metrics:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
     return metrics

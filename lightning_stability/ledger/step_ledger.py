@@ -368,10 +368,19 @@ class StepLedger:
         Returns them, under their final names. Scalar metrics also land in ``trainer.callback_metrics``, as
         0-dim views of the host copy, so a monitor reading them costs no further transfer.
         """
+        return self._flush(with_module_metrics=False)
+
+    def _flush_at_batch_end(self) -> dict[str, float]:
+        """:meth:`flush` at the end of a training batch (``LedgerCallback.on_train_batch_end``): the metrics reach
+        the loggers in Lightning's logger call of this step, on the same row as the module's ``self.log``
+        metrics."""
+        return self._flush(with_module_metrics=True)
+
+    def _flush(self, with_module_metrics: bool) -> dict[str, float]:
         if not self._queue:
             return {}
         metrics = self._queue.publish(
-            self.trainer, self._device, self._record_at, self._several_optimizers, self.step_label
+            self.trainer, self._device, self._record_at, self._several_optimizers, self.step_label, with_module_metrics
         )
         self.published.update(metrics)
         return metrics

@@ -4,8 +4,9 @@ It measures; the step acts (``lightning_stability/ledger/step.py``). Precursors 
 step's one device-to-host transfer; nothing is computed on other steps unless an action needs it, and nothing is
 read on the host there):
 
-* ``stability/attention_logit_max`` and ``.../<module>``: the largest pre-softmax attention logit of the step, over
-  all heads, and per attention module (:class:`~lightning_stability.precursors.attention.AttentionLogits`);
+* ``stability/attention_logit_max`` and ``stability/attention_logit_max_by_module/<module>``: the largest
+  pre-softmax attention logit of the step, over all heads, and per attention module
+  (:class:`~lightning_stability.precursors.attention.AttentionLogits`);
 * ``stability/log_z`` and ``stability/log_z_drift``: the LM head's mean log-sum-exp and its drift from an EMA of
   the measured values (:class:`~lightning_stability.precursors.logits.LogPartition`);
 * ``stability/update_ratio``: the update's norm over the weights' norm, all tensors together, and
@@ -581,7 +582,7 @@ class PrecursorMonitor(LedgerCallback):
         if maxima:
             self.record_metric("stability/attention_logit_max", torch.stack([m.amax() for m in maxima.values()]).amax())
             for name, heads in maxima.items():
-                self.record_metric(f"stability/attention_logit_max/{name}", heads.amax())
+                self.record_metric(f"stability/attention_logit_max_by_module/{name}", heads.amax())
         if log_z is not None:
             self.record_metric("stability/log_z", log_z[0])
             self.record_metric("stability/log_z_drift", log_z[1])

@@ -60,12 +60,12 @@ class ScheduledLR(LedgerCallback):
 
     Logged keys (to the loggers on logging steps; in ``trainer.callback_metrics`` after every step):
 
-    ========================  ===========================================================
-    Key                       Meaning
-    ========================  ===========================================================
-    ``stability/lr``          LR the update used in the first param group (times every factor on it)
-    ``stability/lr/pg<i>``    LR of param group ``i`` (``i >= 1``), when there are several
-    ========================  ===========================================================
+    =================================  ===========================================================
+    Key                                Meaning
+    =================================  ===========================================================
+    ``stability/lr``                   LR the update used in the first param group (times every factor on it)
+    ``stability/lr_by_group/pg<i>``    LR of each param group ``i`` (``pg0`` too), when there are several
+    =================================  ===========================================================
 
     With several optimizers each key ends in ``/<optimizer>`` (``LearningRateMonitor``'s names).
 
@@ -221,10 +221,13 @@ class ScheduledLR(LedgerCallback):
         track = ledger.record_of()
         index = track.index
         step = ledger.step
-        for i, lr in enumerate(step.scale.used_lrs(step.optimizer)):
-            self.record_metric(
-                "stability/lr" if i == 0 else f"stability/lr/pg{i}", lr if isinstance(lr, Tensor) else float(lr)
-            )
+        lrs = step.scale.used_lrs(step.optimizer)
+        for i, lr in enumerate(lrs):
+            value = lr if isinstance(lr, Tensor) else float(lr)
+            if i == 0:
+                self.record_metric("stability/lr", value)
+            if len(lrs) > 1:  # every group, the first too, beside (never below) stability/lr
+                self.record_metric(f"stability/lr_by_group/pg{i}", value)
         if index >= len(self._optimizers):
             return
         total = self._totals[index]
@@ -280,7 +283,7 @@ class WarmupConstantCosineLR(ScheduledLR):
     applied updates only, the first update uses ``base_lr / warmup_steps``, warmup and decay never
     overlap, each param group keeps its base LR, and a resumed run continues the curve exactly.
 
-    Logged keys: as :class:`ScheduledLR` (``stability/lr``, ``stability/lr/pg<i>``).
+    Logged keys: as :class:`ScheduledLR` (``stability/lr``, ``stability/lr_by_group/pg<i>``).
 
     Args:
         warmup: warmup length; default 5% of the run.

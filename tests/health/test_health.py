@@ -334,7 +334,7 @@ def test_update_ratio_matches_a_hand_computation() -> None:
     trainer.fit(TinyModule())
     metrics = trainer.callback_metrics
     assert float(metrics["stability/update_ratio"]) == pytest.approx(hand.ratio, rel=1e-4)
-    assert float(metrics["stability/update_ratio/net.0"]) == pytest.approx(hand.first, rel=1e-4)
+    assert float(metrics["stability/update_ratio_by_module/net.0"]) == pytest.approx(hand.first, rel=1e-4)
 
 
 def test_memory_warning_and_metrics() -> None:

@@ -57,7 +57,7 @@ def test_the_precursors_are_logged_on_logging_steps(tmp_path: Path) -> None:
     header = rows[0].split(",")
     for key in (
         "stability/attention_logit_max",
-        "stability/attention_logit_max/block.self_attn",
+        "stability/attention_logit_max_by_module/block.self_attn",
         "stability/log_z",
         "stability/log_z_drift",
         "stability/update_rms_max",
