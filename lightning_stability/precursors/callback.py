@@ -19,9 +19,10 @@ Early actions (off by default; each runs on the device, without a host sync):
 
 * ``lr_backoff=LRBackoff(...)``: while a precursor stays past its threshold, each measured applied update cuts the
   update's factor by ``threshold / signal``, at most by ``factor`` (to ``floor`` at least); once it is back under,
-  it recovers by ``recovery`` per applied update, never past 1. The factor goes on the step's update scale (``StepLedger.scale_update``): each
-  param group's LR times the factor for that update, so every optimizer that reads ``group["lr"]`` applies its
-  own update, scaled. An LR schedule goes on as it is. The factor moves on what earlier updates showed.
+  it recovers by ``recovery`` per applied update, never past 1. The factor goes on the step's update scale
+  (``StepLedger.scale_update``): each param group's LR times the factor for that update, so every optimizer that
+  reads ``group["lr"]`` applies its own update, scaled. An LR schedule goes on as it is. The factor moves on what
+  earlier updates showed.
 * ``qk_clip=100.0``: Kimi K2's QK-clip right after the update (:func:`~.actions.apply_qk_clip_`, ``alpha`` 0.5):
   each head whose largest logit of the step passed ``tau`` has its query and key projections scaled so that it
   falls back to ``tau``. The logits are max-reduced over ranks first, so every rank scales alike.
