@@ -16,8 +16,8 @@ weights per seed:
   report: they do not touch training.
 * **preset+early** -- the "gpt" preset as shipped: the above plus its ``PrecursorMonitor(lr_backoff=LRBackoff(
   "update_ratio", 0.02))`` (``lightning_stability.precursors``): while the update's norm exceeds 2% of the
-  weights' norm (measured every 4th step), the next updates' LR backs off (by 0.02 / ratio, at most x0.5 per
-  measurement; back up x1.02 per update once under, floor 0.01).
+  weights' norm (measured every 4th step), the next updates' LR backs off (x0.5 per measurement past it; back
+  up x1.02 per update once under, floor 0.01).
 * **preset+early+qk** -- the same plus Kimi K2's QK-clip (``qk_clip=100.0``: tau 100, alpha 0.5), in a
   ``PrecursorMonitor`` of its own in place of the preset's.
 

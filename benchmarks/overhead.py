@@ -73,6 +73,7 @@ from tests.helpers import HostDataCounter, StepSyncCounter, SyncCounter
 
 LOG_EVERY = 50  # the Trainer's default log_every_n_steps, kept for both configurations
 PRESET = "tiny"
+PRESET_OVERRIDES: dict[str, Any] = {}  # --no-backoff: {"lr_backoff": None}
 CONFIGS = ("bare", "preset")
 
 
@@ -202,7 +203,7 @@ def make_trainer(config: str, steps: int, root: str, first: pl.Callback) -> pl.T
     )
     if config == "bare":
         return pl.Trainer(gradient_clip_val=1.0, callbacks=[first], **common)
-    trainer = StableTrainer.from_preset(PRESET, **common)
+    trainer = StableTrainer.from_preset(PRESET, **PRESET_OVERRIDES, **common)
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, TrainingHealthMonitor):
             callback.report = False  # written in on_train_end, after every measured step: wall time only
@@ -308,7 +309,13 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, str], float]:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (default 1: steadier timings on a shared machine)"
     )
+    parser.add_argument(
+        "--no-backoff", action="store_true", help="the preset without its LR back-off (lr_backoff=None): its own cost"
+    )
     args = parser.parse_args(argv)
+    PRESET_OVERRIDES.clear()
+    if args.no_backoff:
+        PRESET_OVERRIDES["lr_backoff"] = None
     if args.repeats < 1 or args.warmup < 0 or (args.steps is not None and args.steps < 1) or args.count_steps < 2:
         parser.error("needs --repeats >= 1, --warmup >= 0, --steps >= 1 and --count-steps >= 2")
 
@@ -334,7 +341,10 @@ def main(argv: list[str] | None = None) -> dict[tuple[str, str], float]:
         f"{os.getloadavg()[0]:.1f} at the end; torch {torch.__version__}, lightning {pl.__version__}, "
         f"{args.threads} torch thread(s)"
     )
-    print(f"bare: Trainer(gradient_clip_val=1.0), constant LR; preset: StableTrainer.from_preset({PRESET!r})")
+    print(
+        f"bare: Trainer(gradient_clip_val=1.0), constant LR; preset: StableTrainer.from_preset({PRESET!r}"
+        + (", lr_backoff=None)" if args.no_backoff else ")")
+    )
     for size_name in args.size:
         params = sum(p.numel() for p in Decoder(SIZES[size_name], "adamw").parameters())
         print(f"  {size_name}: {SIZES[size_name].describe()}; {params / 1e6:.2f}M parameters")

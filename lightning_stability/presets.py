@@ -70,9 +70,9 @@ class Preset:
             skip no spike, ``"rollback"`` acts on either).
         lr_backoff: ``PrecursorMonitor(lr_backoff=LRBackoff("update_ratio", lr_backoff), other_optimizers="warn")``:
             while the update's norm exceeds this share of the weights' norm (measured every 4th step), the next
-            updates' LR backs off (by threshold / ratio, at most x0.5 per measurement; back up x1.02 per update once
-            under), for any optimizer that reads its LR at each step; with ``Rprop`` it is off, with a warning.
-            ``None``: no ``PrecursorMonitor``.
+            updates' LR backs off (x0.5 per measurement past it; back up x1.02 per update once under), for any
+            optimizer that reads its LR at each step; with ``Rprop`` it is off, with a warning. ``None``: no
+            ``PrecursorMonitor``.
         checkpoint: attach ``StableCheckpoint`` and ``AtomicCheckpointIO``; ``False``: neither (Lightning's
             ``ModelCheckpoint`` applies unless ``enable_checkpointing=False``).
         watchdog: with several processes, set the NCCL watchdog variables you have not set and a 10-minute

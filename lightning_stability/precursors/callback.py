@@ -17,9 +17,9 @@ read on the host there):
 
 Early actions (off by default; each runs on the device, without a host sync):
 
-* ``lr_backoff=LRBackoff(...)``: while a precursor stays past its threshold, each measured applied update cuts the
-  update's factor by ``threshold / signal``, at most by ``factor`` (to ``floor`` at least); once it is back under,
-  it recovers by ``recovery`` per applied update, never past 1. The factor goes on the step's update scale
+* ``lr_backoff=LRBackoff(...)``: while a precursor stays past its threshold, each measured applied update multiplies
+  the update's factor by ``factor`` (to ``floor`` at least); once it is back under, it recovers by ``recovery`` per
+  applied update, never past 1. The factor goes on the step's update scale
   (``StepLedger.scale_update``): each param group's LR times the factor for that update, so every optimizer that
   reads ``group["lr"]`` applies its own update, scaled. An LR schedule goes on as it is. The factor moves on what
   earlier updates showed.
@@ -85,8 +85,7 @@ class LRBackoff:
             EMA|`` of the LM head; ``"update_rms_jump"``: the update's norm over its EMA (Marin saw it double
             before spikes).
         threshold: past it, the update backs off (``update_ratio`` 0.02; for the others e.g. 100, 1.0, 2.0).
-        factor: the smallest multiplier per measured applied update while past the threshold (0.5): the cut is
-            ``threshold / signal``, what would bring the signal back to the threshold, but at most this.
+        factor: the multiplier per measured applied update while past the threshold (0.5).
         recovery: the multiplier per applied update once back under it, never past 1 (1.02: from 0.5 back to 1 in
             35).
         floor: the smallest multiplier (0.01).
@@ -559,17 +558,15 @@ class PrecursorMonitor(LedgerCallback):
         return out
 
     def _move_backoff(self, signal: Tensor | None, applied: Tensor) -> None:
-        """One tick of the back-off, on applied updates only: past the threshold, down by ``threshold / signal`` (what
-        would bring the signal back to it), at most by ``factor``; else up by ``recovery`` per applied update since
-        the last tick, never past 1."""
+        """One tick of the back-off, on applied updates only: down by ``factor`` past the threshold, else up by
+        ``recovery`` per applied update since the last tick, never past 1."""
         config = self.lr_backoff
         if config is None or signal is None:
             return
         factor = self._backoff_tensor(signal.device)  # every signal is alike on every rank (see _signals)
         past = signal > config.threshold
-        cut = (config.threshold / signal.clamp(min=config.threshold)).clamp(min=config.factor)
         up = config.recovery ** (config.every if config.measures_update else 1)
-        moved = torch.where(past, (factor * cut).clamp(min=config.floor), (factor * up).clamp(max=1.0))
+        moved = torch.where(past, (factor * config.factor).clamp(min=config.floor), (factor * up).clamp(max=1.0))
         # a new tensor: the step that used the old one keeps it in its record (``step.scale``)
         self.backoff = torch.where(applied.to(signal.device), moved, factor)
 
