@@ -4,10 +4,10 @@ docstrings (autodoc; napoleon reads their Google-style sections). Build it stric
 fails the build).
 
 The site links to the repository when ``LIGHTNING_STABILITY_REPOSITORY_URL`` is set at build time (for example
-``https://github.com/<owner>/lightning_stability``): a "view source" link on each page and the repository in the
-footer. Without it (a local build) no repository link is drawn, so none is dead. The repository files the pages
-cite (``examples/*.py``, ``benchmarks/README.md``) are copied into the site with the ``{download}`` role, so those
-links work offline and wherever the site is built."""
+``https://github.com/<owner>/lightning_stability``): the repository in the footer, and on GitHub, GitLab or Bitbucket
+a "view source" link on each page. Without it (a local build) no repository link is drawn, so none is dead. The
+repository files the pages cite (``examples/*.py``, ``benchmarks/README.md``) are copied into the site with the
+``{download}`` role, so those links work offline and wherever the site is built."""
 
 from __future__ import annotations
 
@@ -46,11 +46,12 @@ html_css_files = ["custom.css"]  # code blocks written to 120 columns wrap inste
 repository_url = os.environ.get("LIGHTNING_STABILITY_REPOSITORY_URL", "").rstrip("/")
 html_theme_options: dict[str, Any] = {}
 if repository_url:
-    html_theme_options = {
+    html_theme_options = {"footer_icons": [{"name": "Repository", "url": repository_url, "html": "repository"}]}
+if repository_url.startswith(("https://github.com/", "https://gitlab.com/", "https://bitbucket.org/")):
+    html_theme_options |= {  # Furo draws "view source" links for these hosts only
         "source_repository": repository_url + "/",
         "source_branch": os.environ.get("LIGHTNING_STABILITY_REPOSITORY_BRANCH", "main"),
         "source_directory": "docs/",
-        "footer_icons": [{"name": "Repository", "url": repository_url, "html": "repository", "class": ""}],
     }
 
 
