@@ -49,6 +49,8 @@ _EXPORTS = {
     # spike precursors and the early actions
     "PrecursorMonitor": "lightning_stability.precursors.callback",
     "LRBackoff": "lightning_stability.precursors.callback",
+    "HeadBlocks": "lightning_stability.precursors.actions",
+    "QKProjection": "lightning_stability.precursors.actions",
     "QueryKey": "lightning_stability.precursors.attention",
     "register_attention": "lightning_stability.precursors.attention",
     "WatchdogSettings": "lightning_stability.cluster.watchdog",
@@ -63,6 +65,7 @@ _EXPORTS = {
     "Preset": "lightning_stability.presets",
     "StableTrainer": "lightning_stability.trainer",
     "describe_preset": "lightning_stability.presets",
+    "get_preset": "lightning_stability.presets",
     "list_presets": "lightning_stability.presets",
     "MemoryPlan": "lightning_stability.planner",
     "ModelShape": "lightning_stability.planner",
@@ -119,9 +122,10 @@ if TYPE_CHECKING:
         advise_tensor_parallel,
         plan_memory,
     )
+    from lightning_stability.precursors.actions import HeadBlocks, QKProjection
     from lightning_stability.precursors.attention import QueryKey, register_attention
     from lightning_stability.precursors.callback import LRBackoff, PrecursorMonitor
-    from lightning_stability.presets import Preset, describe_preset, list_presets
+    from lightning_stability.presets import Preset, describe_preset, get_preset, list_presets
     from lightning_stability.progress import StabilityProgressBar, StabilityRichProgressBar
     from lightning_stability.schedules.callback import ScheduledLR, WarmupConstantCosineLR
     from lightning_stability.schedules.specs import (

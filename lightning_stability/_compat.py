@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from lightning.pytorch.plugins.precision import Precision
 
 #: the oldest and newest (major, minor) of torch that the tests ran on; setup.cfg declares the oldest and no cap
-TORCH_TESTED = ((2, 13), (2, 15))
-SUPPORTED = "lightning>=2.5,<2.7 with torch>=2.13 (tested: torch 2.13 to 2.15)"
+TORCH_TESTED = ((2, 13), (2, 14))
+SUPPORTED = "lightning>=2.5,<2.7 with torch>=2.13 (tested: torch 2.13 and 2.14)"
 
 
 def _unsupported(what: str) -> StabilityConfigError:

@@ -254,7 +254,7 @@ def _run(argv: Sequence[str] | None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
         "demo",
-        help="a fragile training run, bare and with a preset, side by side (about 2 minutes on a CPU)",
+        help="a fragile training run, bare and with a preset, side by side",
         description="Train the same fragile run (a Post-LN character-level GPT at a high learning rate, with one "
         "NaN step) with a plain lightning.Trainer and with StableTrainer.from_preset, and judge both.",
         formatter_class=_Help,

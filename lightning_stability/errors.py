@@ -20,8 +20,9 @@ def config_error(argument: str, value: object, problem: str, fix: str) -> Stabil
 
 
 FAIRSCALE_FIX = (
-    'install the extra: pip install "lightning-stability[fairscale]" (FairScale 0.4.13 ships as a source '
-    "package; `pip install --no-build-isolation fairscale==0.4.13` keeps the torch you already have)"
+    "install FairScale: `pip install --no-build-isolation fairscale==0.4.13` (a source package; this keeps the "
+    "torch you already have), or from a clone of lightning_stability the `fairscale` extra: "
+    '`pip install -e ".[fairscale]"`'
 )
 
 

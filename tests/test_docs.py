@@ -124,6 +124,18 @@ def test_every_relative_link_exists(path: Path) -> None:
             assert anchor in slugs, f"{link}: no heading #{anchor} in {file.name}"
 
 
+def test_no_install_line_takes_the_package_from_pypi() -> None:
+    """The package is not on PyPI: a page, docstring or message says how to install it from a clone
+    (``pip install -e ".[report]"``), never by its name from an index (``pip install`` + the name + an extra)."""
+    texts = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *PAGES]
+    texts += [p for folder in ("lightning_stability", "examples", "tests") for p in (ROOT / folder).rglob("*.py")]
+    texts += list((ROOT / "tests").rglob("*.sh"))
+    pypi = re.compile(r"pip install\s+[\"']?lightning[-_]stability\b")
+    assert len(texts) > 100
+    found = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in texts for m in pypi.finditer(p.read_text())]
+    assert not found, found
+
+
 # ---- the metric-key page
 
 

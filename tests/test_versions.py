@@ -32,6 +32,15 @@ def test_setup_cfg_declares_the_oldest_tested_torch_and_no_cap_below_the_next_ma
     assert all(int(cap.split(".")[0]) >= 3 for cap in caps), f"{spec} caps torch below its next major"
 
 
+def test_the_tested_range_is_the_torch_versions_ci_installs() -> None:
+    """``TORCH_TESTED`` (the warning, the error's supported range) names the oldest and newest torch .ci/run tests."""
+    pins = re.findall(r'"torch==(\d+)\.(\d+)\.\d+"', (ROOT / ".ci" / "run").read_text())
+    minors = sorted({(int(major), int(minor)) for major, minor in pins})
+    assert minors, "no torch pin found in .ci/run"
+    assert (minors[0], minors[-1]) == _compat.TORCH_TESTED
+    assert _compat.SUPPORTED.endswith(f"(tested: torch {' and '.join(f'{a}.{b}' for a, b in minors)})")
+
+
 @pytest.mark.parametrize(
     ("version", "expected"),
     [("2.13.0", (2, 13)), ("2.14.1+cu128", (2, 14)), ("2.16.0a0+git1a2b3c", (2, 16)), ("3.0.0", (3, 0))],
@@ -45,13 +54,13 @@ def test_a_newer_torch_warns_once_with_the_tested_range_and_a_tested_one_not_at_
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            assert _compat.warn_if_untested("2.15.0") is False
+            assert _compat.warn_if_untested("2.14.1+cu128") is False
             assert _compat.warn_if_untested("2.13.0+cpu") is False
-            assert _compat.warn_if_untested("2.16.0") is True
-            assert _compat.warn_if_untested("2.16.0") is True  # cached: the same answer, no second warning
+            assert _compat.warn_if_untested("2.15.0") is True
+            assert _compat.warn_if_untested("2.15.0") is True  # cached: the same answer, no second warning
         messages = [str(w.message) for w in caught]
         assert len(messages) == 1, messages
-        assert "tested with torch 2.13 to 2.15" in messages[0] and "torch 2.16.0" in messages[0]
+        assert "tested with torch 2.13 to 2.14" in messages[0] and "torch 2.15.0" in messages[0]
     finally:
         _compat.warn_if_untested.cache_clear()
 
@@ -61,7 +70,7 @@ def test_setup_warns_once_on_an_untested_newer_torch_and_still_trains(monkeypatc
     monkeypatch.setattr(torch, "__version__", "2.99.0")
     _compat.warn_if_untested.cache_clear()
     try:
-        with pytest.warns(UserWarning, match=r"tested with torch 2\.13 to 2\.15; this is torch 2\.99\.0") as record:
+        with pytest.warns(UserWarning, match=r"tested with torch 2\.13 to 2\.14; this is torch 2\.99\.0") as record:
             trainer = quiet_trainer(max_steps=3, callbacks=[GradientNormMonitor()])
             trainer.fit(TinyModule())
         assert sum("tested with torch" in str(w.message) for w in record) == 1

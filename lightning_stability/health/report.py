@@ -125,7 +125,7 @@ def write_report(
     figure = figure_class()
     if figure is None:
         log.info(
-            'stability report: %s; install matplotlib (pip install "lightning-stability[report]") for the PNG',
+            "stability report: %s; install matplotlib (pip install matplotlib) for the PNG",
             json_path,
         )
         return json_path, None

@@ -57,7 +57,7 @@ class LedgerCallback(Callback):
 
     #: Why two callbacks of this kind cannot share a Trainer (completes the one-instance error).
     one_instance_reason: ClassVar[str] = "each would write the same ledger entries and metrics"
-    #: Set to ``True`` to have ``ledger.step.loss`` in ``on_step``: the update's loss (the mean over its
+    #: Set to ``True`` to have ``ledger.step.loss`` in ``on_step``, the update's loss (the mean over its
     #: micro-batches, unscaled, on the device).
     needs_loss: ClassVar[bool] = False
 

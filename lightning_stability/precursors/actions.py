@@ -75,7 +75,8 @@ class QKProjection:
     Attributes:
         query: the :class:`HeadBlocks` of the query projection (its weight, and its bias if any): ``heads`` blocks.
         key: the same for the key projection, over ``kv_heads`` blocks.
-        heads: query heads; ``kv_heads``: key heads (fewer under grouped-query attention).
+        heads: query heads.
+        kv_heads: key heads (fewer under grouped-query attention).
         head_dim: each head's width (the length of one block).
     """
 

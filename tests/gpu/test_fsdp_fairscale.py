@@ -1,7 +1,7 @@
 """GPU check of StableFSDPStrategy(backend="fairscale") and of the native backend on CUDA (NCCL).
 
 Skipped without CUDA (the CPU suite covers the native backend with gloo); the FairScale one also without
-FairScale (``pip install 'lightning-stability[fairscale]'``). Run on a GPU machine with
+FairScale (the ``fairscale`` extra: ``pip install -e ".[fairscale]"``). Run on a GPU machine with
 ``python -m pytest -q tests/gpu``; it uses every visible GPU.
 """
 

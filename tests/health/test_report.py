@@ -182,7 +182,7 @@ def test_without_matplotlib_only_json_and_one_info_line(
     assert len(records) == 1
     assert records[0].levelno == logging.INFO
     assert records[0].getMessage() == (
-        f'stability report: {json_path}; install matplotlib (pip install "lightning-stability[report]") for the PNG'
+        f"stability report: {json_path}; install matplotlib (pip install matplotlib) for the PNG"
     )
 
 
