@@ -150,6 +150,7 @@ ENTRIES: dict[str, Entry] = {
             "log_every_n_steps": [0],
         },
     ),
+    "get_preset": (ls.get_preset, {"name": ["nope", 3]}),
     "LRBackoff": (
         ls.LRBackoff,
         {
@@ -305,6 +306,9 @@ ENTRIES: dict[str, Entry] = {
 #: public names that take no arguments, or whose arguments are not the user's to pass, with the reason
 NOT_ENTRY_POINTS = {
     "AtomicCheckpointIO": "no arguments",
+    "QKProjection": "a record your projection function returns: qk_projection refuses anything else, and "
+    "apply_qk_clip_ checks its head count against the logits",
+    "HeadBlocks": "a record inside QKProjection (the same checks)",
     "PrecisionDiagnostics": "no arguments",
     "gpt_block_plan": "no arguments",
     "list_presets": "no arguments",
@@ -329,6 +333,7 @@ NOT_THE_USERS = {
     ("StableTrainer", "args"): "lightning.Trainer's positional arguments",
     ("StableTrainer", "kwargs"): "lightning.Trainer's arguments",
     ("advise_tensor_parallel", "kwargs"): "plan_memory's arguments, tested there",
+    ("get_preset", "argument"): "the argument name its error reports (from_preset passes its own)",
 }
 
 

@@ -457,7 +457,7 @@ def test_adascale_without_fairscale_names_the_extra(monkeypatch: pytest.MonkeyPa
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_fairscale)
-    with pytest.raises(StabilityConfigError, match=r"lightning-stability\[fairscale\]"):
+    with pytest.raises(StabilityConfigError, match=r"pip install -e \"\.\[fairscale\]\""):
         GradientAccumulation(4, lr_scaling="adascale")
 
 
