@@ -362,8 +362,9 @@ class TrainingHealthMonitor(LedgerCallback):
     def after_step(self, trainer: pl.Trainer, ledger: StepLedger) -> None:
         if self._row is not None:
             self.history.set_outcome(self._row, ledger.outcome)
-            step = ledger.step
-            self.history.set_value(self._row, "lr", step.scale.used_lrs(step.optimizer)[0])  # times any update factor
+            scale = ledger.step.scale
+            if scale.factors and scale.lrs is not None:  # the row holds the schedule's LR: the update's, when scaled
+                self.history.set_value(self._row, "lr", scale.lrs[0])
             # the report's clip line where this monitor does not clip: the fixed clip the step's gradients got
             fixed = self._grads.fixed_threshold if self._grads is not None else None
             if fixed is not None:

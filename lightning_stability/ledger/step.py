@@ -213,10 +213,16 @@ class OptimizerStep:
         scale_now = before_update and not self._scaled
         self._scaled = self._scaled or before_update
         on_host = scale_now and self.scale.needs_host(self.optimizer)
+        host_scale = self._enforce_votes(self.scale.total if on_host else None)  # type: ignore[arg-type]
+        if scale_now:
+            if on_host and host_scale is None:  # HOST SYNC: no vote was read to carry it (on a CPU: none)
+                host_scale = float(self.scale.total)
+            self.scale.apply(self.optimizer, host_scale)
+
+    def _enforce_votes(self, also: Tensor | None) -> float | None:
+        """Enforce the pending votes; returns ``also`` as a host number when the votes were read on the host."""
         if not self._pending:
-            if scale_now:
-                self._apply_scale(on_host)
-            return
+            return None
         votes, self._pending = self._pending, {}
         device_votes = any(isinstance(v, Tensor) for v in votes.values())
         # ===========================================  ======================================================
@@ -235,27 +241,14 @@ class OptimizerStep:
         if device_votes and self.scaler is None and fused:
             self._found_inf_set = set_found_inf(self.optimizer, votes, self.device, self._found_inf_set)
             self._remember(votes)
-            if scale_now:
-                self._apply_scale(on_host)
-            return
-        host_scale = None
-        if device_votes:
-            # HOST SYNC, one for all votes (and the update's scale, when it must be a host number)
-            total = self.scale.total if on_host else None
-            votes, host_scale = read_votes_on_host(self.optimizer, votes, self.device, total)  # type: ignore[arg-type]
+            return None
+        host_also = None
+        if device_votes:  # HOST SYNC, one for all votes (and ``also``)
+            votes, host_also = read_votes_on_host(self.optimizer, votes, self.device, also)
         if any(votes.values()):
             drop_gradients(self.optimizer)
         self._remember(votes)
-        if scale_now:
-            if host_scale is not None:
-                self.scale.apply(self.optimizer, host_scale)
-            else:
-                self._apply_scale(on_host)
-
-    def _apply_scale(self, on_host: bool) -> None:
-        total = self.scale.total
-        # HOST SYNC when the optimizer cannot take a tensor LR and no vote was read with it (on a CPU: none)
-        self.scale.apply(self.optimizer, float(total) if on_host else None)
+        return host_also
 
     def _remember(self, votes: dict[Outcome, Flag]) -> None:
         for reason, flag in votes.items():
@@ -270,8 +263,7 @@ class OptimizerStep:
             del self.optimizer.found_inf  # type: ignore[attr-defined]
             del self.optimizer.grad_scale  # type: ignore[attr-defined]
             self._found_inf_set = False
-        if self._scaled:
-            self.scale.put_back(self.optimizer)
+        self.scale.close(self.optimizer)  # each group's LR put back; ``scale.lrs``: the LRs of this update
         known = dict(self._known)
         for reason, flag in self._pending.items():  # never enforced: the scaler skipped the call to step()
             known[reason] = either(known.get(reason, False), flag)

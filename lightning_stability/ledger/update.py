@@ -46,7 +46,7 @@ class UpdateScale:
 
     def __init__(self) -> None:
         self.factors: dict[str, Tensor | float] = {}
-        #: each param group's LR as the update used it (set when the factors were applied)
+        #: each param group's LR as the update used it (set by :meth:`apply`, or at :meth:`close` without one)
         self.lrs: list[Any] | None = None
         self._saved: list[Any] = []
         self._applied: list[Any] = []
@@ -99,21 +99,25 @@ class UpdateScale:
         self._applied = [g["lr"] for g in optimizer.param_groups]
         self.lrs = list(self._applied)
 
-    def put_back(self, optimizer: Optimizer) -> None:
-        """Each group's LR as it was before :meth:`apply` (an LR written since stays)."""
+    def close(self, optimizer: Optimizer) -> None:
+        """After the update: each group's LR as it was before :meth:`apply` (an LR written since stays), and
+        :attr:`lrs` set also when :meth:`apply` never ran (the fp16 scaler skipped ``step()``): what they would have
+        been."""
         for group, saved, applied in zip(optimizer.param_groups, self._saved, self._applied, strict=False):
             if group["lr"] is applied:
                 group["lr"] = saved
         self._applied = []
+        if self.lrs is None:
+            self.lrs = self.used_lrs(optimizer)
 
     def used_lrs(self, optimizer: Optimizer) -> list[Any]:
-        """The LRs of the update: as applied, or (the update did not run) what they would have been."""
+        """The LRs of the update: as applied, or (before it) what they will be."""
         if self.lrs is not None:
             return self.lrs
         total = self.total
-        return [
-            g["lr"] * total if not isinstance(total, float) or total != 1.0 else g["lr"] for g in optimizer.param_groups
-        ]
+        if isinstance(total, float) and total == 1.0:
+            return [g["lr"] for g in optimizer.param_groups]
+        return [g["lr"] * total for g in optimizer.param_groups]
 
 
 def _lr_device(optimizer: Optimizer) -> torch.device:

@@ -104,6 +104,21 @@ def test_no_host_sync_is_added_to_any_step(options: dict[str, Any]) -> None:
     assert watched == bare
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "fused-adamw"])
+def test_the_backoff_reads_its_factor_once_per_step_only_without_a_vote_read_to_ride(fused: bool) -> None:
+    """The factor lives on the device. A fused AdamW takes it as a tensor LR: no read. Another optimizer needs a
+    host number: with the health monitor's votes it rides their one read (no sync added, above); with no vote to
+    ride, it is exactly one read per step (the one HOST SYNC the update scale adds, ``ledger/step.py``)."""
+    options = {"fused": True} if fused else {}
+    bare = count_syncs_per_step(quiet_trainer(max_steps=8, log_every_n_steps=4), fresh(**options))
+    monitor = PrecursorMonitor(attention=False, log_partition=False, lr_backoff=LRBackoff())
+    watched = count_syncs_per_step(
+        quiet_trainer(max_steps=8, log_every_n_steps=4, callbacks=[monitor]), fresh(**options)
+    )
+    non_logging = [i for i in range(8) if (i + 1) % 4 != 0]
+    assert [watched[i] - bare[i] for i in non_logging] == [0 if fused else 1] * len(non_logging)
+
+
 def test_no_tensor_is_made_from_host_data_on_non_logging_steps() -> None:
     """On a GPU such a tensor is a blocking copy; after the first step none is made on a step that does not log."""
     bare = count_host_data_per_step(quiet_trainer(max_steps=7, log_every_n_steps=4), fresh())
