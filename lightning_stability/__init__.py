@@ -44,6 +44,12 @@ _EXPORTS = {
     "CheckpointError": "lightning_stability.checkpoint.atomic",
     "StableCheckpoint": "lightning_stability.checkpoint.callback",
     "verify_checkpoint": "lightning_stability.checkpoint.atomic",
+    # replay a flagged step: a bad batch or a bad chip
+    "StepReplay": "lightning_stability.replay.callback",
+    "FailingDeviceError": "lightning_stability.replay.callback",
+    "BitFlip": "lightning_stability.replay.inject",
+    "PoisonedSamples": "lightning_stability.replay.inject",
+    "read_quarantine": "lightning_stability.replay.quarantine",
     # the cheap checks of a sick cluster
     "ClusterHealthMonitor": "lightning_stability.cluster.callback",
     # spike precursors and the early actions
@@ -127,6 +133,9 @@ if TYPE_CHECKING:
     from lightning_stability.precursors.callback import LRBackoff, PrecursorMonitor
     from lightning_stability.presets import Preset, describe_preset, get_preset, list_presets
     from lightning_stability.progress import StabilityProgressBar, StabilityRichProgressBar
+    from lightning_stability.replay.callback import FailingDeviceError, StepReplay
+    from lightning_stability.replay.inject import BitFlip, PoisonedSamples
+    from lightning_stability.replay.quarantine import read_quarantine
     from lightning_stability.schedules.callback import ScheduledLR, WarmupConstantCosineLR
     from lightning_stability.schedules.specs import (
         CosineSchedule,

@@ -11,6 +11,7 @@ message.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 from collections import defaultdict
@@ -24,7 +25,7 @@ from torch.optim import Optimizer
 from lightning_stability.errors import StabilityConfigError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable, Iterable, Iterator
 
     from lightning.pytorch.plugins.precision import Precision
 
@@ -222,6 +223,24 @@ def restart_train_iterator(trainer: pl.Trainer) -> bool:
         return False
     iter(fetcher)
     return True
+
+
+@contextlib.contextmanager
+def training_step_again(trainer: pl.Trainer, batch: Any) -> Iterator[None]:
+    """Run the module's ``training_step`` once more inside the current step (a replay) as Lightning runs it, with
+    what it logs dropped: ``self.log`` writes into a throw-away result collection (the fit loop's own keeps the
+    original run's values), under the hook name ``training_step``."""
+    result_collection = _private("lightning.pytorch.trainer.connectors.logger_connector.result", "_ResultCollection")
+    loop, module, connector = trainer.fit_loop.epoch_loop, trainer.lightning_module, trainer._logger_connector
+    kept = (loop._results, module._current_fx_name, connector._current_fx)
+    scratch = result_collection(training=True)
+    scratch.batch = batch
+    loop._results = scratch
+    module._current_fx_name = "training_step"
+    try:
+        yield
+    finally:
+        loop._results, module._current_fx_name, connector._current_fx = kept
 
 
 def callback_state_key(callback: pl.Callback, **kwargs: Any) -> str:

@@ -223,6 +223,22 @@ def _gpu_memory(text: str) -> str:
     return value
 
 
+def _quarantine(args: argparse.Namespace) -> int:
+    from lightning_stability.errors import StabilityConfigError
+    from lightning_stability.replay.quarantine import read_quarantine
+
+    try:
+        entries = read_quarantine(args.file)
+    except (OSError, ValueError) as err:
+        raise StabilityConfigError(str(err)) from err
+    total = sorted({int(i) for e in entries for i in e.get("indices", [])})
+    print(f"{len(total)} sample(s) quarantined in {len(entries)} batch(es), from {args.file}")
+    for e in entries:
+        where = f"step {e.get('step')}, epoch {e.get('epoch')}, rank {e.get('rank')}, batch_idx {e.get('batch_idx')}"
+        print(f"  {where} ({e.get('cause')}): {' '.join(str(i) for i in e.get('indices', []))}")
+    return 0
+
+
 #: the exit status of a command whose reader went away (``plan | head``): 128 + SIGPIPE, what a shell reports for
 #: ``yes | head`` under ``set -o pipefail``
 BROKEN_PIPE = 141
@@ -342,6 +358,13 @@ def _run(argv: Sequence[str] | None) -> int:
     presets = sub.add_parser("presets", help="list the presets, or describe one (every setting and its source)")
     presets.add_argument("name", nargs="?", default=None, help="the preset to describe (default: list them all)")
     presets.set_defaults(func=_presets)
+    quarantine = sub.add_parser(
+        "quarantine",
+        help="list the samples StepReplay quarantined: from its quarantine.json or from a checkpoint",
+        formatter_class=_Help,
+    )
+    quarantine.add_argument("file", help="a quarantine.json written by StepReplay, or a checkpoint of its run")
+    quarantine.set_defaults(func=_quarantine)
     args = parser.parse_args(argv)
     if args.command == "demo" and args.nan_at_step is not None and not -1 <= args.nan_at_step < args.steps:
         demo.error(

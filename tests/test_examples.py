@@ -16,7 +16,7 @@ STEPS = {"find_why_a_run_spiked.py": "60"}  # its spikes need a warmed-up statis
 
 def test_every_how_to_has_an_example() -> None:
     pages = sorted((ROOT / "docs" / "how-to").glob("*.md"))
-    assert len(pages) == len(EXAMPLES) == 10
+    assert len(pages) == len(EXAMPLES) == 11
     shown = {
         line.rsplit("/", 1)[1] for page in pages for line in page.read_text().splitlines() if "literalinclude" in line
     }

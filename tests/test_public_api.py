@@ -20,6 +20,7 @@ CALLBACKS = {
     "LossScaleTuner",
     "PrecursorMonitor",
     "ScheduledLR",
+    "StepReplay",
     "TrainingHealthMonitor",
     "WarmupConstantCosineLR",
 }

@@ -7,6 +7,7 @@ from lightning_stability.cluster.callback import ClusterHealthMonitor
 from lightning_stability.grad_norm import GradientNormMonitor
 from lightning_stability.health.callback import TrainingHealthMonitor
 from lightning_stability.precursors.callback import PrecursorMonitor
+from lightning_stability.replay.callback import StepReplay
 from lightning_stability.schedules.callback import ScheduledLR, WarmupConstantCosineLR
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "LossScaleTuner",
     "PrecursorMonitor",
     "ScheduledLR",
+    "StepReplay",
     "TrainingHealthMonitor",
     "WarmupConstantCosineLR",
 ]

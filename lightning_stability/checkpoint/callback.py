@@ -471,6 +471,18 @@ class StableCheckpoint(ModelCheckpoint):
         self._saved_names.difference_update(e.name for e in gone)
         return [self._healthy_list.directory / e.name for e in gone]
 
+    def save_now(self, trainer: pl.Trainer) -> str | None:
+        """Save the current state at once as a listed healthy checkpoint (and ``last``, with ``save_last``), and
+        wait until it is published: what ``ckpt_path="last"`` resumes from. For a caller that knows the state is
+        healthy and is about to stop the run (``StepReplay`` before it names a failing device). Every rank calls
+        it. Returns the checkpoint's path (``None`` when nothing was saved)."""
+        if _compat.model_checkpoint_saved_at(self) != trainer.global_step:
+            candidates = self._monitor_candidates(trainer)
+            self._save_ring(trainer, candidates, force=True)
+            self._save_last_checkpoint(trainer, candidates)
+        self._wait_for_save(trainer)
+        return self._newest_name()
+
     def _listed_step(self, resumed: _PATH | None) -> int:
         """The global step of the listed checkpoint at ``resumed`` (-1: none, or not one of this directory)."""
         path = _local_dir(resumed) if resumed else None

@@ -25,6 +25,7 @@ fast-forward), several training loaders, and the draws made inside a loader's wo
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,6 +49,8 @@ from lightning_stability.checkpoint import rng
 
 #: the checkpoint's key for what :meth:`LoaderResume.capture` returns
 KEY = "lightning_stability_resume"
+#: how many of the newest yielded items a sampler remembers (the loader prefetches a few batches ahead)
+_KEEP_POSITIONS = 64
 _TORCH_SAMPLERS = (
     SequentialSampler,
     RandomSampler,
@@ -99,6 +102,18 @@ class ReplayableSampler:
         self.inner = inner
         self.start: dict[str, Any] | None = None  # the record of the current (or last) iteration
         self._replay: tuple[dict[str, Any], int] | None = None
+        #: sample indices never to yield again (``StepReplay``'s quarantine); a batch left empty by it is
+        #: replaced by the last batch yielded, so that every rank still yields as many batches
+        self.exclude: set[int] = set()
+        self._yielded: deque[tuple[int, Any]] = deque(maxlen=_KEEP_POSITIONS)  # (position in the epoch, item)
+
+    def item_at(self, position: int) -> Any | None:
+        """What the current iteration yielded at ``position`` (a batch's index list, or one index): the samples of
+        the batch with that ``batch_idx``; ``None`` when it is not among the newest yielded."""
+        for where, item in reversed(self._yielded):
+            if where == position:
+                return item
+        return None
 
     def __getattr__(self, name: str) -> Any:
         if name == "inner" or name.startswith("__"):
@@ -114,9 +129,10 @@ class ReplayableSampler:
 
     def __iter__(self) -> Iterator[Any]:
         replay, self._replay = self._replay, None
+        self._yielded.clear()
         if replay is None:
             self.start = {"global": _global_states(), "generators": [g.get_state() for g in _generators(self.inner)]}
-            yield from self.inner
+            yield from self._kept(iter(self.inner), 0)
             return
         start, skip = replay
         self.start = start
@@ -130,7 +146,22 @@ class ReplayableSampler:
                 next(items)  # the index lists of the consumed batches only: no sample is loaded
         finally:
             rng.restore(outside)
-        yield from items
+        yield from self._kept(items, skip)
+
+    def _kept(self, items: Iterator[Any], position: int) -> Iterator[Any]:
+        """``items`` without the excluded indices, each recorded with its position in the epoch."""
+        last = None
+        for item in items:
+            if self.exclude:
+                if isinstance(item, int):
+                    item = last if item in self.exclude and last is not None else item
+                else:
+                    kept = [i for i in item if i not in self.exclude]
+                    item = kept if kept or last is None else last
+            self._yielded.append((position, item))
+            last = item
+            position += 1
+            yield item
 
 
 def _index_sampler_name(loader: DataLoader) -> str:
@@ -149,6 +180,28 @@ def install(loader: DataLoader) -> ReplayableSampler:
         return current
     wrapper = ReplayableSampler(current)
     object.__setattr__(loader, name, wrapper)
+    return wrapper
+
+
+def training_sampler(trainer: pl.Trainer, fresh_epoch: bool = False) -> ReplayableSampler | None:
+    """The training loader's :class:`ReplayableSampler`, installed now if it is not yet; ``None`` where there is no
+    index sampler to wrap (several loaders, an iterable stream, a loader Lightning restores itself).
+
+    Installed during ``on_train_start``, the fit loop's iterator is rebuilt through it and every RNG state it drew
+    from is put back, so the run draws what it would have drawn; with ``fresh_epoch`` (at
+    ``on_train_epoch_start``, before the epoch's iterator is built) it is only installed.
+    """
+    loaders = _compat.train_loaders(trainer)
+    if len(loaders) != 1 or not _replayable(loaders[0]):
+        return None
+    loader = loaders[0]
+    current = getattr(loader, _index_sampler_name(loader))
+    if isinstance(current, ReplayableSampler):
+        return current
+    here = _local_states(loaders)
+    wrapper = install(loader)
+    if not fresh_epoch and _compat.restart_train_iterator(trainer):
+        _put_back(loaders, here)
     return wrapper
 
 

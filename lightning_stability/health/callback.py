@@ -194,6 +194,7 @@ class TrainingHealthMonitor(LedgerCallback):
         self._measured = False  # this logging step's update is measured (the step's UpdateSize, read in after_step)
         self._sent_memory: OnHost | None = None  # a logging step's peak memory, read back in on_host
         self._sent: dict[int, HealthSent] = {}  # per optimizer: what a logging step sent, read in on_host
+        self._scored_of: tuple[Any, int, Scored, Tensor] | None = None  # (step, generation, scores, values)
 
     @property
     def history(self) -> HealthHistory:
@@ -276,15 +277,55 @@ class TrainingHealthMonitor(LedgerCallback):
         self, ledger: StepLedger, grads: StepGradients, const: _Constants
     ) -> tuple[Scored, Tensor, Tensor, Tensor]:
         """The step's scores, the values scored (mean over ranks), the history's raw values and the z-scores."""
-        loss = ledger.step.loss
-        if loss is None:  # the step's loss is not known: a placeholder the statistics skip; NaN in the history
-            values = mean_over_ranks(torch.stack([const.zero, grads.total]))
-            scored = self.stats.score(values, self.spike_z, const.grad_only)
+        scored, values = self._scored(ledger, grads, const)
+        if (
+            ledger.step.loss is None
+        ):  # the step's loss is not known: a placeholder the statistics skip; NaN in the history
             z, raw = torch.where(const.grad_only, scored.z, const.nan), torch.cat([const.nan, values[_GRAD:]])
             return scored, values, raw, z
-        values = mean_over_ranks(torch.stack([loss.detach().float().to(const.zero.device), grads.total]))
-        scored = self.stats.score(values, self.spike_z)
         return scored, values, values, scored.z
+
+    def _scored(self, ledger: StepLedger, grads: StepGradients, const: _Constants) -> tuple[Scored, Tensor]:
+        """The step's loss (0 when not known) and gradient norm, averaged over ranks (one all-reduce), and their
+        scores against the statistics as they stand: once per step's gradients, shared with ``StepReplay``'s look
+        at the step (:meth:`flags`)."""
+        step = ledger.step
+        memo = self._scored_of
+        if memo is not None and memo[0] is step and memo[1] == step.generation:
+            return memo[2], memo[3]
+        loss = step.loss
+        first = const.zero if loss is None else loss.detach().float().to(const.zero.device)
+        values = mean_over_ranks(torch.stack([first, grads.total]))
+        scored = self.stats.score(values, self.spike_z, const.grad_only if loss is None else None)
+        self._scored_of = (step, step.generation, scored, values)
+        return scored, values
+
+    def record_event(self, ledger: StepLedger, event: dict[str, Any]) -> None:
+        """Record an event of the run (``{"step", "kind", "detail", ...}``: a rollback, a replay) in the report's
+        :attr:`events` and the ledger's (saved in checkpoints)."""
+        self._log.add_events([event])
+        ledger.note(event)
+
+    # ------------------------------------------------------------------ for StepReplay
+    def scores_step(self) -> bool:
+        """Whether this monitor scores the coming step (under ``"rollback"``, not the rollback's own step nor the
+        data window skipped after it). Reads nothing from the device it would not read anyway."""
+        return not (self.response == "rollback" and (self.rollback.skip_left > 0 or self._damaged.peek()))
+
+    def flags(self, ledger: StepLedger) -> Tensor:
+        """The open step's ``[non-finite, loss spike]`` flags (bool, the same on every rank) by the monitor's rule,
+        from its running statistics as they stand: nothing moves. A gradient-norm spike alone does not count."""
+        grads = ledger.gradients()
+        scored, _ = self._scored(ledger, grads, self._constants(grads.total.device))
+        return torch.stack([scored.nonfinite, scored.spikes[_LOSS]])
+
+    def loss_flags(self, losses: Tensor) -> Tensor:
+        """Which of ``losses`` (a vector of single micro-batch losses, this rank's) are non-finite or spikes of the
+        loss by the running statistics (none while they warm up). Nothing moves."""
+        mean, std = self.stats.mean_std(losses.device)
+        ready = self.stats.ready(losses.device)[_LOSS]
+        z = (losses - mean[_LOSS]) / std[_LOSS]
+        return ~torch.isfinite(losses) | (ready & (z > self.spike_z))
 
     def _respond(
         self, ledger: StepLedger, grads: StepGradients, scored: Scored, values: Tensor, z: Tensor, const: _Constants
@@ -434,8 +475,7 @@ class TrainingHealthMonitor(LedgerCallback):
         self._spiked = False  # the next step is scored on the restored weights
         if ledger.health is not None:  # the verdict stays the last scored step's, its rollback done
             ledger.health = replace(ledger.health, rollback_pending=False)
-        self._log.add_events([event])
-        ledger.note(event)
+        self.record_event(ledger, event)
         rank_zero_warn(f"TrainingHealthMonitor: {said}: {event['detail']}.")
         # the checkpoints saved after the newest clean state hold the damage: off the healthy list
         for ring in rings:
@@ -582,6 +622,7 @@ class TrainingHealthMonitor(LedgerCallback):
             "_grads": None,
             "_sent_memory": None,
             "_sent": {},
+            "_scored_of": None,
         }
 
 

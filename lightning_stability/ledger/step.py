@@ -11,6 +11,10 @@
     optimizer, one overflow flag per device     ``amp/scaler.py`` max-reduces the flag over the ranks
  3  **the step opens**: a fused optimizer is    :class:`OptimizerStep` ``__init__``, from ``StepLedger.open_step``
     unscaled now; the scaler's decision kept    (the first ``LedgerCallback.on_before_optimizer_step``)
+3b  **a flagged step replayed** (with           ``StepReplay``, from ``StepLedger.open_step``: the micro-batches
+    ``StepReplay``): the step's forward and     run again (``replay/rerun.py``), then :meth:`OptimizerStep.regrad`;
+    backward run again, before anything         its look at the step (``TrainingHealthMonitor.flags``) is the
+    measures it; the fault attributed           values row 6 scores, computed once
  4  **gradients measured**, once for all        :meth:`OptimizerStep.gradients` -> ``gradients.StepGradients``
  5  **clips**, each relative to the norm the    ``StepGradients.clip_`` -> ``norms.clip_by_global_norm_``:
     ones before left (the tightest wins)        ``GradientNormMonitor(max_norm)``, ``TrainingHealthMonitor``'s
@@ -126,6 +130,9 @@ class OptimizerStep:
         #: the update's size (row 12), when a callback asked for it; finished at close
         self.update: UpdateSize | None = None
         self._after_update: list[AfterUpdate] = []
+        #: how many times the step's gradients were computed again (row 3b): a measure of the gradients is valid
+        #: for the generation it was taken at
+        self.generation = 0
         if scaler is None:
             return
         # 3. A fused optimizer would unscale inside step(): unscale now, so that callbacks see true gradients.
@@ -142,6 +149,16 @@ class OptimizerStep:
     @property
     def device(self) -> torch.device:
         return self.record.device
+
+    # 3b. --------------------------------------------------------------- replay
+    def regrad(self, loss: Tensor | None) -> None:
+        """The step's gradients were computed again (``StepReplay``, row 3b): forget every measure of the old ones
+        and take ``loss``, the new update's loss (as :attr:`loss`). Only before anything clipped, voted or scaled."""
+        if self._pending or self._known or self._scaled or self._clip.coef is not None:
+            raise RuntimeError("regrad() after the step was clipped, voted on or scaled: replay before row 4")
+        self._grads = {}
+        self.loss = loss
+        self.generation += 1
 
     # 4. ---------------------------------------------------------------- measure
     def gradients(self, norm_type: float = 2.0) -> StepGradients:

@@ -84,6 +84,7 @@ class StepLedger:
         self._open: Optimizer | None = None
         self._several: bool | None = None  # _several_optimizers, as of the step open now (None between steps)
         self._close_hooks: list[Callable[[StepLedger], None]] = []
+        self._replay: Callable[[StepLedger], None] | None = None  # StepReplay's look at each step as it opens
         self._queue = MetricQueue()
         self._loss = StepLoss()
         # id(optimizer) -> (weak reference, record index, hook handles); the reference tells a reused id apart
@@ -201,7 +202,13 @@ class StepLedger:
         self._several = len(self._optimizers()) > 1
         scaler = loss_scaler(trainer) if trainer is not None else None
         self._step = OptimizerStep(optimizer, record, scaler, self._loss.take(), enforce_each_vote=late)
+        if self._replay is not None:
+            self._replay(self)  # 3b: a flagged step replayed, before anything measures it (StepReplay)
         return True
+
+    def _replay_with(self, look: Callable[[StepLedger], None] | None) -> None:
+        """Have ``look(ledger)`` run as each step opens, before any callback measures it (``StepReplay``)."""
+        self._replay = look
 
     @property
     def is_open(self) -> bool:

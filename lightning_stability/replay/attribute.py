@@ -1,0 +1,125 @@
+"""Who caused a flagged step: the data, one rank's device, or nondeterminism. Pure functions of what the step and
+its replays left, the same on every rank (they read the evidence every rank gathered).
+
+The evidence of one rank is, per run of the step (the original, the first replay and, when the two differ, a
+second replay): did this run give the same losses as the original, bit for bit, and the same gradients. Per rank,
+three runs vote:
+
+==================================  =====================================================  ===================
+the runs                            what it means                                          the rank's verdict
+==================================  =====================================================  ===================
+original = replay                   the step reproduces                                    ``REPRODUCED``
+original != replay = second replay  the original run went wrong, once                      ``FAULT``
+original = second replay != replay  the replay went wrong, once; the original reproduces   ``FAULT_IN_REPLAY``
+all three differ                    the step does not reproduce at all                     ``NONDETERMINISTIC``
+==================================  =====================================================  ===================
+
+The step's attribution then reads the ranks' verdicts (:func:`attribute`): any ``NONDETERMINISTIC`` rank makes the
+step nondeterministic; else any ``FAULT`` rank makes it a transient fault on those ranks (the replay's gradients
+are the ones a fault-free run computes), unless the replay is flagged as well (then the data is bad too); else the
+step reproduces, and a step that reproduces its flag is the data's doing. A fault seen only in the gradients,
+which data parallelism averages over ranks before anyone can compare them, cannot be placed on a rank: it is a
+fault on an unknown rank (``ranks`` empty).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class RankVerdict(str, Enum):
+    """What the runs of one step say about one rank (see the module's table)."""
+
+    REPRODUCED = "reproduced"
+    FAULT = "fault"
+    FAULT_IN_REPLAY = "fault_in_replay"
+    NONDETERMINISTIC = "nondeterministic"
+
+
+class Cause(str, Enum):
+    """The attribution of a flagged step."""
+
+    DATA = "data"  # the step reproduces its flag: the batch is bad
+    TRANSIENT = "transient"  # a run went wrong once, on ``ranks``: the replay's step is the step
+    NONDETERMINISTIC = "nondeterministic"  # the step does not reproduce: neither run can be trusted
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One rank's comparisons of the runs of one step.
+
+    Attributes:
+        replay_same: the first replay's losses (this rank's) equal the original's, bit for bit.
+        second_same_as_original: a second replay's losses equal the original's (``None``: no second replay).
+        second_same_as_replay: a second replay's losses equal the first replay's (``None``: none).
+    """
+
+    replay_same: bool
+    second_same_as_original: bool | None = None
+    second_same_as_replay: bool | None = None
+
+
+def rank_verdict(evidence: Evidence) -> RankVerdict:
+    """One rank's verdict from its evidence (the module's table)."""
+    if evidence.replay_same:
+        return RankVerdict.REPRODUCED
+    if evidence.second_same_as_replay:
+        return RankVerdict.FAULT
+    if evidence.second_same_as_original:
+        return RankVerdict.FAULT_IN_REPLAY
+    if evidence.second_same_as_original is None:
+        raise ValueError("the original and the replay differ: a second replay must decide (Evidence.second_*)")
+    return RankVerdict.NONDETERMINISTIC
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """The attribution of one flagged step.
+
+    Attributes:
+        cause: :class:`Cause`.
+        ranks: the ranks the cause lies on: the faulty ranks (``TRANSIENT``; empty when the fault showed only in the
+            averaged gradients), the ranks that did not reproduce (``NONDETERMINISTIC``); empty for ``DATA``.
+        replay_faults: ranks whose *replay* went wrong (counted against their device like any fault).
+        verdicts: every rank's :class:`RankVerdict`, in rank order.
+    """
+
+    cause: Cause
+    ranks: tuple[int, ...] = ()
+    replay_faults: tuple[int, ...] = ()
+    verdicts: tuple[RankVerdict, ...] = field(default=())
+
+    @property
+    def faulty_ranks(self) -> tuple[int, ...]:
+        """Every rank a run went wrong on: what counts against a device."""
+        own = self.ranks if self.cause is Cause.TRANSIENT else ()
+        return tuple(sorted({*own, *self.replay_faults}))
+
+
+def attribute(
+    verdicts: list[RankVerdict], grads: RankVerdict = RankVerdict.REPRODUCED, replay_flagged: bool = True
+) -> Attribution:
+    """The step's attribution from every rank's verdict on its losses, the verdict on the gradients (the same on
+    every rank: data parallelism averages them before they are compared) and whether the replay is still flagged.
+
+    Args:
+        verdicts: each rank's :func:`rank_verdict` on its own losses, in rank order.
+        grads: the runs' verdict on the gradients, by the same table.
+        replay_flagged: the replay's step is flagged too (read when the original went wrong: the replay is then
+            what a fault-free run computes; a reproduced step is flagged like the original).
+    """
+    by_rank = tuple(verdicts)
+    odd = tuple(r for r, v in enumerate(by_rank) if v is RankVerdict.NONDETERMINISTIC)
+    if odd or grads is RankVerdict.NONDETERMINISTIC:
+        return Attribution(Cause.NONDETERMINISTIC, odd, verdicts=by_rank)
+    in_replay = tuple(r for r, v in enumerate(by_rank) if v is RankVerdict.FAULT_IN_REPLAY)
+    faulty = tuple(r for r, v in enumerate(by_rank) if v is RankVerdict.FAULT)
+    if faulty or grads is RankVerdict.FAULT:
+        # the replay is what a fault-free run computes; flagged still, the data is bad as well
+        cause = Cause.DATA if replay_flagged else Cause.TRANSIENT
+        if cause is Cause.DATA:
+            return Attribution(Cause.DATA, (), tuple(sorted({*faulty, *in_replay})), by_rank)
+        return Attribution(Cause.TRANSIENT, faulty, in_replay, by_rank)
+    # the original reproduces (a fault in the replay aside), flag and all: the batch is bad
+    return Attribution(Cause.DATA, (), in_replay, by_rank)

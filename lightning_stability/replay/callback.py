@@ -1,0 +1,413 @@
+"""StepReplay: replay a flagged step before its update, tell a bad batch from a bad chip, and act on each.
+
+When ``TrainingHealthMonitor`` would flag the step about to be applied (a non-finite loss or gradient norm, a loss
+spike; a gradient-norm spike alone is left to the monitor), the step's forward and backward run again from what it
+started from (``replay/rerun.py``), and every rank compares the runs bit for bit (``replay/attribute.py``):
+
+==================  ==================================================  ==========================================
+attribution         what the runs show                                  what happens
+==================  ==================================================  ==========================================
+transient fault     the step went wrong once, on one rank (a second     the replay's gradients are the step's: it
+                    replay agrees with the first, not with the          goes on as in a fault-free run, to the bit;
+                    original)                                           the rank is counted
+data                the step reproduces, flag and all                   the update is skipped; the samples of the
+                                                                        micro-batches that reproduce the flag are
+                                                                        quarantined: never trained on again
+nondeterministic    no two runs agree                                   the update is skipped; a warning says which
+                                                                        ranks
+failing device      a rank counted ``max_faults`` times within          a checkpoint of the state after this
+                    ``fault_window`` steps                              (healthy) step, then
+                                                                        :class:`FailingDeviceError` on every rank,
+                                                                        naming the rank and its host
+==================  ==================================================  ==========================================
+
+Cost: on a healthy step, one host read of the step's two flags (the decision to replay is the host's), and the
+RNG states of each micro-batch (a few kB on the host); the batches stay alive until the update; the buffers a forward
+changes (BatchNorm's statistics) are copied once per step. A flagged step pays one or two more forward and backward
+passes and a copy of its gradients; each replay's time is in its event.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+
+from lightning_stability.checkpoint import rng
+from lightning_stability.checkpoint.loader_state import ReplayableSampler, training_sampler
+from lightning_stability.errors import StabilityConfigError, check_int, check_path
+from lightning_stability.health.callback import TrainingHealthMonitor
+from lightning_stability.ledger import LedgerCallback, Outcome, StepLedger, loss_scaler
+from lightning_stability.replay.attribute import Attribution, Cause, Evidence, attribute, rank_verdict
+from lightning_stability.replay.quarantine import Quarantine
+from lightning_stability.replay.rerun import StepInputs, copies, gradients, rerun, same_bits
+
+
+class FailingDeviceError(RuntimeError):
+    """A device kept computing wrong values: ``StepReplay`` stopped the run after a checkpoint, on every rank.
+
+    Attributes:
+        rank: the failing rank.
+        host: its host name.
+        steps: the steps its faults were seen at.
+        checkpoint: the checkpoint saved before the stop (``None`` when none could be).
+    """
+
+    def __init__(self, message: str, rank: int, host: str, steps: list[int], checkpoint: str | None) -> None:
+        super().__init__(message)
+        self.rank, self.host, self.steps, self.checkpoint = rank, host, steps, checkpoint
+
+
+class StepReplay(LedgerCallback):
+    """Replay each step ``TrainingHealthMonitor`` flags, before its update, and attribute it: a transient fault on
+    one rank (applied as replayed, bit-exact), bad data (skipped, its samples quarantined), nondeterminism, or a
+    failing device (checkpoint, then :class:`FailingDeviceError` naming it). See the module's table.
+
+    Needs a ``TrainingHealthMonitor`` (its rule flags the steps), automatic optimization, one optimizer and no fp16
+    loss scaler (bf16 and fp32 are fine); refused at ``setup`` otherwise.
+
+    Args:
+        max_faults: faults on one rank, within ``fault_window`` steps, that make it a failing device.
+        fault_window: the window, in optimizer steps.
+        quarantine_file: where rank 0 writes the quarantine manifest (JSON), relative to the Trainer's
+            ``default_root_dir`` unless absolute; ``None``: not written (it is in every checkpoint either way).
+        log_every_n_steps: as for every callback of the package (default: the Trainer's).
+
+    Metrics (on logging steps): ``stability/replays`` (steps replayed so far), ``stability/faults`` (transient
+    faults attributed), ``stability/quarantined`` (samples quarantined).
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[TrainingHealthMonitor(response="skip"), StepReplay()])
+    """
+
+    one_instance_reason = "each would replay the same steps"
+
+    def __init__(
+        self,
+        max_faults: int = 3,
+        fault_window: int = 1000,
+        quarantine_file: str | Path | None = "quarantine.json",
+        log_every_n_steps: int | None = None,
+    ) -> None:
+        super().__init__(log_every_n_steps)
+        check_int("max_faults", max_faults, 1, "3")
+        check_int("fault_window", fault_window, 1, "1000")
+        if quarantine_file is not None:
+            check_path("quarantine_file", quarantine_file, "'quarantine.json'")
+        self.max_faults, self.fault_window = max_faults, fault_window
+        self.quarantine_file = quarantine_file
+        self.quarantine = Quarantine()
+        self.inputs = StepInputs()
+        self.counts = {"replays": 0, "faults": 0, "data": 0, "nondeterministic": 0}
+        self._faults: dict[int, deque[int]] = {}  # rank -> steps of its faults within the window
+        self._failing: tuple[int, str, list[int]] | None = None
+        self._monitor: TrainingHealthMonitor | None = None
+        self._sampler: ReplayableSampler | None = None
+        self._hosts: list[str] = []
+
+    # ------------------------------------------------------------------ setup
+    def on_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        monitors = [cb for cb in trainer.callbacks if isinstance(cb, TrainingHealthMonitor)]  # type: ignore[attr-defined]
+        if not monitors:
+            raise StabilityConfigError(
+                "StepReplay replays the steps TrainingHealthMonitor flags, and there is none. Fix: add "
+                "TrainingHealthMonitor(response='skip') to the callbacks (a preset has one)."
+            )
+        if not pl_module.automatic_optimization:
+            raise StabilityConfigError(
+                "StepReplay replays a step as Lightning's automatic optimization runs it; this module sets "
+                "automatic_optimization=False. Fix: remove StepReplay, or use automatic optimization."
+            )
+        if loss_scaler(trainer) is not None:
+            raise StabilityConfigError(
+                f"StepReplay does not replay under fp16 loss scaling (precision={trainer.precision!r}): the scaler "
+                "has unscaled and judged the original gradients by then. Fix: precision='bf16-mixed' or 32, or "
+                "remove StepReplay."
+            )
+        self._monitor = monitors[0]
+        StepLedger.of(trainer)._replay_with(self._look)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if len(trainer.optimizers) != 1:
+            raise StabilityConfigError(
+                f"StepReplay replays one optimizer's steps; this module has {len(trainer.optimizers)}. Fix: remove "
+                "StepReplay, or train with one optimizer."
+            )
+        self._hosts = [str(h) for h in rng.gather(socket.gethostname())]  # every rank's, in rank order
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.inputs.forget_module()
+        self._use_sampler(trainer, training_sampler(trainer))
+        if self._sampler is None:
+            rank_zero_warn(
+                "StepReplay: the training loader has no index sampler this package can wrap (an iterable stream, "
+                "several loaders, or a loader with state_dict): a bad batch is skipped, but its samples can be "
+                "neither named nor left out later. Fix: a map-style Dataset in one DataLoader."
+            )
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # a loader built anew for this epoch (reload_dataloaders_every_n_epochs) leaves the quarantine out too
+        self._use_sampler(trainer, training_sampler(trainer, fresh_epoch=True))
+        self.inputs.clear()
+
+    def _use_sampler(self, trainer: pl.Trainer, sampler: ReplayableSampler | None) -> None:
+        self._sampler = sampler
+        if sampler is not None:
+            sampler.exclude = self.quarantine.indices
+
+    # ------------------------------------------------------------------ each micro-batch
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        item = self._sampler.item_at(batch_idx) if self._sampler is not None else None
+        indices = None if item is None else [int(item)] if isinstance(item, int) else [int(i) for i in item]
+        self.inputs.add_micro_batch(pl_module, batch, batch_idx, indices)
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        super().on_before_backward(trainer, pl_module, loss)
+        self.inputs.add_loss(loss)
+
+    def after_step(self, trainer: pl.Trainer, ledger: StepLedger) -> None:
+        self.inputs.clear()
+        if self.is_logging_step:  # host counts: nothing to read from the device
+            self.record_metric("stability/replays", float(self.counts["replays"]))
+            self.record_metric("stability/faults", float(self.counts["faults"]))
+            self.record_metric("stability/nondeterministic", float(self.counts["nondeterministic"]))
+            self.record_metric("stability/quarantined", float(len(self.quarantine.indices)))
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self._failing is not None:
+            self._stop(trainer)
+
+    # ------------------------------------------------------------------ the replay (row 3b)
+    def _look(self, ledger: StepLedger) -> None:
+        """As the step opens: replay it if the monitor would flag it."""
+        trainer, monitor = ledger.trainer, self._monitor
+        if trainer is None or monitor is None or not self.inputs.micro or not monitor.scores_step():
+            return
+        flags = monitor.flags(ledger)
+        if not bool(flags.any()):  # HOST SYNC: the one read a healthy step pays (decided alike on every rank)
+            return
+        self._replay(trainer, ledger, monitor, bool(flags[0]))
+
+    def _replay(self, trainer: pl.Trainer, ledger: StepLedger, monitor: TrainingHealthMonitor, nonfinite: bool) -> None:
+        start = time.perf_counter()
+        step, optimizer = ledger.step, ledger.step.optimizer
+        original = [m.loss for m in self.inputs.micro]
+        original_grads = copies(gradients(optimizer))
+        first = rerun(trainer, optimizer, self.inputs)
+        first_grads = gradients(optimizer)
+        same = (same_bits(original, first), same_bits(original_grads, first_grads))
+        runs = 2
+        gathered: list[Any] = rng.gather(same)
+        if all(loss and grads for loss, grads in gathered):
+            losses = [Evidence(True) for _ in gathered]
+            grads = Evidence(True)
+            final = first
+        else:  # the runs differ somewhere: a third run decides, on every rank
+            kept = copies(first_grads)
+            second = rerun(trainer, optimizer, self.inputs)
+            second_grads = gradients(optimizer)
+            runs = 3
+            local = (
+                same,
+                (same_bits(original, second), same_bits(first, second)),
+                (same_bits(original_grads, second_grads), same_bits(kept, second_grads)),
+            )
+            gathered = rng.gather(local)
+            losses = [Evidence(s[0], *o) for s, o, _ in gathered]
+            grads = Evidence(all(s[1] for s, _, _ in gathered), *(all(g[i] for _, _, g in gathered) for i in (0, 1)))
+            final = second
+        step.regrad(_update_loss(final, trainer.accumulate_grad_batches))
+        flags = monitor.flags(ledger)
+        replay_flagged = bool(flags.any())  # HOST READ, on a replayed step only
+        verdicts = [rank_verdict(e) for e in losses]
+        found = attribute(verdicts, rank_verdict(grads), replay_flagged)
+        seconds = time.perf_counter() - start
+        self._act(
+            trainer, ledger, monitor, found, final, bool(flags[0]) if replay_flagged else nonfinite, runs, seconds
+        )
+
+    def _act(
+        self,
+        trainer: pl.Trainer,
+        ledger: StepLedger,
+        monitor: TrainingHealthMonitor,
+        found: Attribution,
+        losses: list[Tensor | None],
+        nonfinite: bool,
+        runs: int,
+        seconds: float,
+    ) -> None:
+        label = ledger.step_label
+        step = trainer.global_step
+        self.counts["replays"] += 1
+        hosts = [self._host(r) for r in found.ranks]
+        event: dict[str, Any] = {
+            "step": label,
+            "kind": "replay",
+            "cause": found.cause.value,
+            "ranks": list(found.ranks),
+            "hosts": hosts,
+            "runs": runs,
+            "seconds": round(seconds, 4),
+            "replay_faults": list(found.replay_faults),
+        }
+        where = ", ".join(f"rank {r} ({h})" for r, h in zip(found.ranks, hosts, strict=True))
+        if found.cause is Cause.TRANSIENT:
+            self.counts["faults"] += 1
+            event["detail"] = (
+                f"a transient fault on {where or 'a rank the averaged gradients cannot name'}: the step was "
+                f"replayed and applied as replayed ({seconds:.2f} s)"
+            )
+        elif found.cause is Cause.DATA:
+            self.counts["data"] += 1
+            reason = Outcome.SKIPPED_NONFINITE if nonfinite else Outcome.SKIPPED_SPIKE
+            ledger.mark_skip(reason, True)
+            count = self._quarantine_bad(trainer, monitor, losses, step)
+            event["quarantined"] = count
+            seen = f"; a run also went wrong once on rank(s) {list(found.replay_faults)}" if found.replay_faults else ""
+            event["detail"] = (
+                f"the data: the step reproduces its flag{seen}; skipped, {count} sample(s) quarantined "
+                f"({seconds:.2f} s)"
+            )
+        else:
+            self.counts["nondeterministic"] += 1
+            ledger.mark_skip(Outcome.SKIPPED_NONFINITE if nonfinite else Outcome.SKIPPED_SPIKE, True)
+            event["detail"] = (
+                f"nondeterminism: no two of {runs} runs agree on rank(s) {list(found.ranks) or 'all (gradients)'}; "
+                "skipped. Fix: torch.use_deterministic_algorithms(True), and draw random numbers in the training "
+                "step from torch's generators (NumPy's and Python's are not replayed)"
+            )
+        monitor.record_event(ledger, event)  # in the stability report's events too
+        rank_zero_warn(f"StepReplay: step {label}: {event['detail']}")
+        for rank in found.faulty_ranks:
+            self._count_fault(rank, step)
+
+    def _quarantine_bad(
+        self, trainer: pl.Trainer, monitor: TrainingHealthMonitor, losses: list[Tensor | None], step: int
+    ) -> int:
+        """Quarantine the samples of the micro-batches whose own loss reproduces the flag, every rank's (all the
+        step's micro-batches when none does alone: a gradient spike); returns how many samples were new."""
+        micro = self.inputs.micro
+        values = (
+            torch.stack(
+                [
+                    (loss.float() * trainer.accumulate_grad_batches) if loss is not None else torch.zeros(())
+                    for loss in losses
+                ]
+            )
+            if losses
+            else torch.zeros(0)
+        )
+        bad = monitor.loss_flags(values).tolist() if len(values) else []  # HOST READ, on a replayed step only
+        mine = [
+            (m.batch_idx, m.indices or [], bool(b)) for m, b in zip(micro, bad or [False] * len(micro), strict=True)
+        ]
+        everyone: list[Any] = rng.gather(mine)
+        located = any(b for rank in everyone for _, _, b in rank)
+        new = 0
+        for rank, batches in enumerate(everyone):
+            for batch_idx, indices, flagged in batches:
+                if indices and (flagged or not located):
+                    new += self.quarantine.add(
+                        indices,
+                        step=step,
+                        epoch=trainer.current_epoch,
+                        rank=rank,
+                        batch_idx=batch_idx,
+                        cause="non-finite or spiking loss" if flagged else "the step's gradients",
+                    )
+        if self.quarantine_file is not None and trainer.is_global_zero:
+            self.quarantine.write(self._manifest_path(trainer))
+        return new
+
+    def _manifest_path(self, trainer: pl.Trainer) -> Path:
+        path = Path(self.quarantine_file)  # type: ignore[arg-type]
+        return path if path.is_absolute() else Path(trainer.default_root_dir) / path
+
+    def _host(self, rank: int) -> str:
+        return self._hosts[rank] if 0 <= rank < len(self._hosts) else "unknown host"
+
+    # ------------------------------------------------------------------ failing devices
+    def _count_fault(self, rank: int, step: int) -> None:
+        seen = self._faults.setdefault(rank, deque())
+        seen.append(step)
+        while seen and seen[0] <= step - self.fault_window:
+            seen.popleft()
+        if len(seen) >= self.max_faults and self._failing is None:
+            self._failing = (rank, self._host(rank), list(seen))
+
+    def _stop(self, trainer: pl.Trainer) -> None:
+        """Every rank, after the step of the last fault: save the state (healthy: the step was applied as
+        replayed), then raise :class:`FailingDeviceError`."""
+        assert self._failing is not None
+        rank, host, steps = self._failing
+        saved = _save_last_good(trainer)
+        where = f"saved {saved}" if saved else "no checkpoint could be saved (no checkpoint callback)"
+        raise FailingDeviceError(
+            f"StepReplay: rank {rank} on {host} computed wrong values at steps {steps} ({len(steps)} faults within "
+            f"{self.fault_window} steps, max_faults={self.max_faults}): a failing device. {where}. Fix: move the "
+            f"job off {host} (or that rank's GPU) and resume with trainer.fit(model, ckpt_path='last').",
+            rank,
+            host,
+            steps,
+            saved,
+        )
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "quarantine": self.quarantine.state_dict(),
+            "counts": dict(self.counts),
+            "faults": {str(r): list(s) for r, s in self._faults.items()},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.quarantine.load_state_dict(state_dict.get("quarantine", {}))
+        self.counts.update({k: int(v) for k, v in state_dict.get("counts", {}).items()})
+        self._faults = {int(r): deque(int(s) for s in steps) for r, steps in state_dict.get("faults", {}).items()}
+
+    def transient_state(self) -> dict[str, Any]:
+        return {"inputs": StepInputs(), "_monitor": None, "_sampler": None}
+
+
+def _update_loss(losses: list[Tensor | None], normalize: int) -> Tensor | None:
+    """The update's loss as ``ledger.step.loss`` holds it: the mean of the micro-batches' losses, undivided."""
+    kept = [loss.float() * normalize for loss in losses if loss is not None]
+    if not kept:
+        return None
+    total = kept[0]
+    for loss in kept[1:]:
+        total = total + loss
+    return total / len(kept) if len(kept) > 1 else total
+
+
+def _save_last_good(trainer: pl.Trainer) -> str | None:
+    """Save the current state where ``ckpt_path="last"`` finds it: through a checkpoint callback that keeps a
+    healthy list (``StableCheckpoint.save_now``), else as ``last.ckpt`` in the first ``ModelCheckpoint``'s folder;
+    every rank calls it."""
+    for callback in trainer.checkpoint_callbacks:
+        save_now = getattr(callback, "save_now", None)
+        if callable(save_now):
+            path = save_now(trainer)
+            return None if path is None else str(path)
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
+            path = Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
+            trainer.save_checkpoint(path)
+            return str(path)
+    return None

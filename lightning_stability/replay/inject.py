@@ -1,0 +1,142 @@
+"""Faults to rehearse with, on a CPU: a bit flipped in one layer's output on one rank at one step, and poisoned
+samples in a dataset. The tests inject the same faults; run them against your own model to see what
+``StepReplay`` does before a real chip or a real batch goes bad.
+
+Example::
+
+    flip = BitFlip(model, "layer.0", step=40, rank=1)  # the exponent's top bit of one output element
+    trainer = StableTrainer.from_preset("gpt", replay=True, max_steps=100)
+    trainer.fit(model, DataLoader(PoisonedSamples(dataset, [17]), batch_size=8, shuffle=True))
+    flip.remove()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+
+from lightning_stability.errors import StabilityConfigError
+
+_INT_OF = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+
+
+class BitFlip:
+    """Flip one bit of one element of a submodule's output, on one rank, at given optimizer steps: a silent data
+    corruption as a faulty chip makes one (a forward hook; :meth:`remove` takes it off).
+
+    Args:
+        module: the ``LightningModule`` being trained (it tells the step and the rank).
+        layer: the name of the submodule whose output is corrupted (as in ``module.named_modules()``).
+        step: the optimizer step (``trainer.global_step`` while the step runs), or several.
+        rank: the rank whose output is corrupted.
+        bit: which bit of the element, 0 the lowest: 30 is a float32's highest exponent bit (the value is multiplied
+            by 2**128 or collapses to a tiny one), 14 a bfloat16's or float16's.
+        element: which element of the output (its flat index); ``None``: the first whose ``bit`` is 0, so the flip
+            sets it (for bit 30 of a float32: the value grows by 2**128, whatever it was).
+        runs: which runs of the step are corrupted: 0 the step itself, 1 its first replay, 2 a second one. Each run
+            is counted at the layer's first forward call of that run (the first micro-batch's).
+    """
+
+    def __init__(
+        self,
+        module: pl.LightningModule,
+        layer: str,
+        step: int | Iterable[int],
+        rank: int = 0,
+        bit: int = 30,
+        element: int | None = None,
+        runs: Iterable[int] = (0,),
+    ) -> None:
+        modules = dict(module.named_modules())
+        if layer not in modules:
+            raise StabilityConfigError(
+                f"BitFlip: layer={layer!r} is not a submodule of {type(module).__name__}. Fix: one of "
+                f"{sorted(n for n in modules if n)[:8]} (the names of module.named_modules())"
+            )
+        self.module, self.bit, self.rank = module, int(bit), int(rank)
+        self.element = None if element is None else int(element)
+        self.steps = {int(step)} if isinstance(step, int) else {int(s) for s in step}
+        self.runs = {int(r) for r in runs}
+        self.flipped: list[tuple[int, int]] = []  # (step, run) of each flip made
+        self._calls: dict[int, int] = {}  # step -> forward calls of the layer at that step
+        self._per_run = 1
+        self._handle = modules[layer].register_forward_hook(self._hook)
+
+    def _hook(self, _module: nn.Module, _inputs: Any, output: Any) -> Any:
+        try:
+            trainer = self.module.trainer
+        except RuntimeError:  # not attached to a Trainer
+            return None
+        if not torch.is_grad_enabled():
+            return None
+        step = trainer.global_step
+        if step not in self.steps or self.module.global_rank != self.rank:
+            return None
+        call = self._calls.get(step, 0)
+        self._calls[step] = call + 1
+        per_run = max(1, trainer.accumulate_grad_batches)
+        if call % per_run != 0 or call // per_run not in self.runs:
+            return None
+        if not isinstance(output, Tensor) or not output.is_floating_point():
+            raise StabilityConfigError("BitFlip: the layer's output is not a floating-point tensor; pick another layer")
+        self.flipped.append((step, call // per_run))
+        return flip_bit(output, self.element, self.bit)
+
+    def remove(self) -> None:
+        """Take the hook off."""
+        self._handle.remove()
+
+
+def flip_bit(tensor: Tensor, element: int | None, bit: int) -> Tensor:
+    """A copy of ``tensor`` with bit ``bit`` of its element ``element`` (flat index; ``None``: the first element
+    whose bit is 0) flipped."""
+    out = tensor.clone()
+    flat = out.view(-1).view(_INT_OF[out.element_size()])
+    mask = 1 << bit if bit < out.element_size() * 8 - 1 else -(1 << bit)
+    if element is None:
+        clear = ((flat & mask) == 0).nonzero()
+        element = int(clear[0]) if len(clear) else 0
+    flat[element] ^= mask
+    return out
+
+
+class PoisonedSamples(Dataset):
+    """``dataset`` with some samples poisoned: each floating-point tensor of a poisoned sample is filled with
+    ``value`` (NaN: the loss of any batch holding it is NaN; a large number: a loss spike).
+
+    Args:
+        dataset: a map-style dataset.
+        indices: the indices of the poisoned samples.
+        value: what their floating-point tensors are filled with.
+    """
+
+    def __init__(self, dataset: Any, indices: Iterable[int], value: float = float("nan")) -> None:
+        self.dataset, self.indices, self.value = dataset, {int(i) for i in indices}, float(value)
+        self.served: list[int] = []  # poisoned indices handed out, in order (what the run trained on)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        sample = self.dataset[index]
+        if int(index) not in self.indices:
+            return sample
+        self.served.append(int(index))
+        return _fill(sample, self.value)
+
+
+def _fill(sample: Any, value: float) -> Any:
+    if isinstance(sample, Tensor):
+        return torch.full_like(sample, value) if sample.is_floating_point() else sample
+    if isinstance(sample, tuple):
+        return tuple(_fill(s, value) for s in sample)
+    if isinstance(sample, list):
+        return [_fill(s, value) for s in sample]
+    if isinstance(sample, dict):
+        return {k: _fill(v, value) for k, v in sample.items()}
+    return sample

@@ -1,0 +1,199 @@
+"""Run the open optimizer step's forward and backward once more, from what it started from.
+
+What a replay needs is kept as the step's micro-batches come (:class:`StepInputs`), at no copy of the weights or
+the optimizer state, which the step has not touched yet when the replay runs (before the update):
+
+* each micro-batch as the training step received it (a reference: the batch stays alive until the update), its
+  ``batch_idx``, and the states of torch's generators right before it (CPU and CUDA: what dropout and
+  ``torch.rand*`` draw from; a few kB, ~1 us). NumPy's and Python's generators are not kept (their capture costs
+  ~50 us a step): a training step that draws from them makes its replay disagree, so the step is judged
+  nondeterministic and skipped, never applied wrong;
+* its loss as passed to backward (a reference);
+* the buffers of the module's ``state_dict`` (BatchNorm's running statistics: what a forward may change), copied
+  before the first micro-batch; buffers kept out of the ``state_dict`` (``persistent=False``: attention masks,
+  rotary caches) are taken to be constants. Most transformers have none to copy.
+
+:func:`rerun` then puts the buffers back and runs each micro-batch again as Lightning's loop runs it: the RNG states
+put back, ``training_step`` through the strategy (DDP's or FSDP's forward, the precision's autocast), the loss
+divided by the accumulation factor, backward through the precision plugin, the gradient sync of data parallelism
+held back on all but the last micro-batch. What the training step logs is dropped. Afterwards the gradients, the
+buffers and the RNG states are those of the replayed step, as a fault-free run leaves them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_stability import _compat
+from lightning_stability.norms import local_tensor
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of the open step: the batch, its ``batch_idx``, the RNG states before it, its loss as passed
+    to backward (``None`` until then, or when ``training_step`` returned ``None``) and its sample indices (``None``
+    where the loader's sampler cannot tell)."""
+
+    batch: Any
+    batch_idx: int
+    rng: dict[str, Any]
+    indices: list[int] | None
+    loss: Tensor | None = None
+
+
+class StepInputs:
+    """What the open step started from, kept as its micro-batches come (see the module's doc)."""
+
+    def __init__(self) -> None:
+        self.micro: list[MicroBatch] = []
+        self._buffers: list[tuple[Tensor, Tensor]] = []  # (buffer, its copy before the step)
+        self._kept: list[tuple[str, Tensor]] | None = None  # the module's state_dict buffers (found at the first step)
+
+    def add_micro_batch(self, module: nn.Module, batch: Any, batch_idx: int, indices: list[int] | None) -> None:
+        """At ``on_train_batch_start``: keep the micro-batch and the RNG states before it; before the first of a
+        step, copy the buffers its forward may change."""
+        if not self.micro:
+            self._copy_buffers(module)
+        self.micro.append(MicroBatch(batch, batch_idx, _torch_states(), indices))
+
+    def add_loss(self, loss: Tensor) -> None:
+        """At ``on_before_backward``: the current micro-batch's loss as passed to backward."""
+        if self.micro:
+            self.micro[-1].loss = loss.detach()
+
+    def clear(self) -> None:
+        """Once the step is over: let the batches go."""
+        self.micro = []
+
+    def _copy_buffers(self, module: nn.Module) -> None:
+        if self._kept is None:  # found once per fit: the module's state_dict buffers
+            state = module.state_dict(keep_vars=True)
+            self._kept = [(name, b) for name, b in module.named_buffers() if name in state]
+        self._buffers = [(local_tensor(b), local_tensor(b).detach().clone()) for _, b in self._kept]
+
+    def restore_buffers(self) -> None:
+        """Put back the buffers as they were before the step's first micro-batch."""
+        with torch.no_grad():
+            for buffer, saved in self._buffers:
+                buffer.copy_(saved)
+
+    def forget_module(self) -> None:
+        """At a fit's start: find the module's buffers again at the first step."""
+        self._kept, self._buffers, self.micro = None, [], []
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes held by the buffer copies."""
+        return sum(t.numel() * t.element_size() for _, t in self._buffers)
+
+
+def rerun(trainer: pl.Trainer, optimizer: Optimizer, inputs: StepInputs) -> list[Tensor | None]:
+    """Run the step's micro-batches again (see the module's doc); returns each one's loss as passed to backward.
+    Every rank calls it together (data parallelism syncs the gradients in the last backward)."""
+    module = trainer.lightning_module
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = None
+    inputs.restore_buffers()
+    normalize = trainer.accumulate_grad_batches
+    with_idx = _takes_batch_idx(module)
+    losses: list[Tensor | None] = []
+    last = len(inputs.micro) - 1
+    for i, micro in enumerate(inputs.micro):
+        _restore_torch_states(micro.rng)
+        with _sync_held_back(trainer, i < last), _compat.training_step_again(trainer, micro.batch):
+            args = (micro.batch, micro.batch_idx) if with_idx else (micro.batch,)
+            output = trainer.strategy.training_step(*args)
+            loss = _closure_loss(output)
+            if loss is None:
+                losses.append(None)
+                continue
+            loss = loss / normalize
+            trainer.precision_plugin.backward(loss, module, optimizer)
+        losses.append(loss.detach())
+    return losses
+
+
+def gradients(optimizer: Optimizer) -> list[Tensor | None]:
+    """The optimizer's gradients (each rank's local part), in parameter order."""
+    return [
+        None if p.grad is None else local_tensor(p.grad) for group in optimizer.param_groups for p in group["params"]
+    ]
+
+
+def copies(tensors: Sequence[Tensor | None]) -> list[Tensor | None]:
+    """Detached copies of ``tensors``."""
+    return [None if t is None else t.detach().clone() for t in tensors]
+
+
+def same_bits(a: Sequence[Tensor | None], b: Sequence[Tensor | None]) -> bool:
+    """Whether ``a`` and ``b`` hold the same tensors bit for bit (a NaN equals the same NaN). One host read per
+    tensor: for the rare replayed step only."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if x is None or y is None:
+            if x is not y:
+                return False
+            continue
+        if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(_bits(x), _bits(y)):
+            return False
+    return True
+
+
+_INT_OF = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+def _bits(t: Tensor) -> Tensor:
+    t = t.detach()
+    if t.is_floating_point() or t.is_complex():
+        return t.contiguous().view(_INT_OF[t.element_size()] if not t.is_complex() else torch.int64)
+    return t
+
+
+def _torch_states() -> dict[str, Any]:
+    states: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _restore_torch_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def _closure_loss(output: Any) -> Tensor | None:
+    """The loss in what ``training_step`` returned, as Lightning's automatic optimization reads it."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, dict):
+        loss = output.get("loss")
+        return loss if isinstance(loss, Tensor) else None
+    return None
+
+
+def _takes_batch_idx(module: pl.LightningModule) -> bool:
+    params = inspect.signature(module.training_step).parameters
+    return len(params) >= 2 or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values())
+
+
+@contextlib.contextmanager
+def _sync_held_back(trainer: pl.Trainer, hold: bool) -> Iterator[None]:
+    """Lightning's ``block_backward_sync`` on the micro-batches that only accumulate (data parallelism)."""
+    block = getattr(trainer.strategy, "block_backward_sync", None)
+    if hold and block is not None:
+        with block():
+            yield
+    else:
+        yield

@@ -1,0 +1,56 @@
+"""Run under torchrun (2 CPU processes, gloo; third argument: the strategy, ``ddp`` or ``fsdp``) with StepReplay.
+
+Fourth argument, the fault: ``none``; ``flip`` — an exponent bit flipped in the last layer's output on rank 1 at
+step FLIP; ``poison`` — sample POISONED of the dataset is NaN. Each rank writes what it trained on and decided.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader
+
+from lightning_stability import StableFSDPStrategy, StepLedger, TrainingHealthMonitor
+from lightning_stability.replay import BitFlip, PoisonedSamples, StepReplay
+from tests.helpers import exit_worker, quiet_trainer
+from tests.replay.test_replay import IndexedData, Model
+
+out_dir, strategy_name, fault = sys.argv[1], sys.argv[2], sys.argv[3]
+warnings.simplefilter("ignore")
+FLIP, POISONED = 9, 17
+
+
+class DistributedModel(Model):
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=self.bs, shuffle=True)  # Lightning adds the DistributedSampler
+
+
+pl.seed_everything(0)
+inner = IndexedData(64)
+data: Any = PoisonedSamples(inner, [POISONED]) if fault == "poison" else inner
+model = DistributedModel(data)
+flip = BitFlip(model, "net.5", step=FLIP, rank=1) if fault == "flip" else None
+strategy: Any = StableFSDPStrategy() if strategy_name == "fsdp" else "ddp"
+replay = StepReplay(quarantine_file=None)
+monitor = TrainingHealthMonitor(response="skip", warmup_steps=4, report=False)
+trainer = quiet_trainer(max_epochs=3, devices=2, strategy=strategy, callbacks=[monitor, replay])
+trainer.fit(model)
+result = {
+    "events": [e for e in StepLedger.of(trainer).events if e.get("kind") == "replay"],
+    "flipped": flip.flipped if flip is not None else [],
+    "quarantined": sorted(replay.quarantine.indices),
+    "loaded": inner.loaded,
+    "counts": StepLedger.of(trainer).record_of().counts.tolist(),
+    "weights": [
+        p.detach().full_tensor().flatten().tolist() if hasattr(p, "full_tensor") else p.detach().flatten().tolist()
+        for p in model.parameters()
+    ],
+}
+with open(os.path.join(out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
+    json.dump(result, f)
+exit_worker()

@@ -1,0 +1,251 @@
+"""StepReplay with real Trainers on one process: a bit flip is a transient fault (the run ends bit-exact with a
+fault-free run), a poisoned sample is the data (quarantined, never trained on again), repeated faults stop the
+run naming the device, a fault in the replay itself, nondeterminism."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.plugins import MixedPrecision
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_stability import StableCheckpoint, TrainingHealthMonitor
+from lightning_stability.errors import StabilityConfigError
+from lightning_stability.ledger import Outcome, StepLedger
+from lightning_stability.replay import BitFlip, FailingDeviceError, PoisonedSamples, StepReplay, read_quarantine
+from tests.helpers import TinyModule, make_data, quiet_trainer
+
+
+class IndexedData(Dataset):  # type: ignore[type-arg]
+    """A regression dataset whose samples carry their own index (to see what the run trained on)."""
+
+    def __init__(self, n: int = 96) -> None:
+        self.data = make_data(n)
+        self.loaded: list[int] = []  # every index loaded, in order
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> Any:
+        x, y = self.data[i]
+        self.loaded.append(int(i))
+        return x, y, torch.tensor(i)
+
+
+class Model(TinyModule):
+    """TinyModule with dropout (the replay must restore the RNG) that logs from its training step."""
+
+    def __init__(self, data: Dataset, batch_size: int = 8, shuffle: bool = True, norm: bool = False, **kwargs: Any):
+        super().__init__(**kwargs)
+        middle = nn.BatchNorm1d(16) if norm else nn.Dropout(0.1)  # running statistics: buffers the forward changes
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), middle, nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.data, self.bs, self.shuffle = data, batch_size, shuffle
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, _ = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.data, batch_size=self.bs, shuffle=self.shuffle)
+
+
+def _fit(
+    tmp_path: Path,
+    data: Dataset | None = None,
+    faults: dict[str, Any] | None = None,
+    norm: bool = False,
+    **trainer: Any,
+) -> Any:
+    torch.manual_seed(0)
+    model = Model(data if data is not None else IndexedData(), norm=norm)
+    flip = BitFlip(model, "net.5", **faults) if faults else None
+    replay = StepReplay(quarantine_file=tmp_path / "quarantine.json")
+    monitor = TrainingHealthMonitor(response="skip", warmup_steps=5, report=False)
+    t = quiet_trainer(callbacks=[monitor, replay], default_root_dir=tmp_path, **{"max_epochs": 2, **trainer})
+    t.fit(model)
+    return model, replay, StepLedger.of(t), flip, t
+
+
+def _weights(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [{}, {"norm": True}, {"accumulate_grad_batches": 3, "max_epochs": 6}],
+    ids=["dropout", "batchnorm", "accumulation"],
+)
+def test_a_bit_flip_is_a_transient_fault_and_the_run_ends_bit_exact(tmp_path: Path, setting: dict[str, Any]) -> None:
+    clean, _, _, _, _ = _fit(tmp_path / "clean", **setting)
+    model, replay, ledger, flip, _ = _fit(tmp_path / "flip", faults={"step": 15, "rank": 0}, **setting)
+    assert flip.flipped == [(15, 0)]
+    events = [e for e in ledger.events if e.get("kind") == "replay"]
+    assert [e["cause"] for e in events] == ["transient"] and events[0]["ranks"] == [0]
+    assert replay.counts["faults"] == 1 and not replay.quarantine.indices
+    for a, b in zip([*clean.parameters(), *clean.buffers()], [*model.parameters(), *model.buffers()], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_with_accumulation_only_the_bad_micro_batch_is_quarantined(tmp_path: Path) -> None:
+    data = PoisonedSamples(IndexedData(), [17])
+    _, replay, ledger, _, _ = _fit(tmp_path, data, accumulate_grad_batches=3, max_epochs=3)
+    (event,) = [e for e in ledger.events if e.get("kind") == "replay"]
+    assert event["cause"] == "data" and len(replay.quarantine.indices) == 8 and 17 in replay.quarantine.indices
+    (entry,) = replay.quarantine.entries
+    assert entry["cause"] == "non-finite or spiking loss"
+
+
+def test_a_poisoned_sample_is_quarantined_and_never_trained_on_again(tmp_path: Path) -> None:
+    inner = IndexedData()
+    data = PoisonedSamples(inner, [17])
+    _model, replay, ledger, _, _ = _fit(tmp_path, data)
+    events = [e for e in ledger.events if e.get("kind") == "replay"]
+    assert [e["cause"] for e in events] == ["data"]
+    quarantined = replay.quarantine.indices
+    assert 17 in quarantined and len(quarantined) == 8  # the batch's samples
+    assert data.served == [17]  # served once (the bad step), never again: not in epoch 2
+    assert all(inner.loaded.count(i) == 1 for i in quarantined)  # the other samples of the batch neither
+    assert sorted(set(inner.loaded) - quarantined) == sorted(set(range(96)) - quarantined)
+    assert all(inner.loaded.count(i) == 2 for i in set(range(96)) - quarantined)  # every other one, each epoch
+    manifest = read_quarantine(tmp_path / "quarantine.json")
+    assert manifest[0]["indices"] and 17 in manifest[0]["indices"]
+    assert json.loads((tmp_path / "quarantine.json").read_text())["indices"] == sorted(replay.quarantine.indices)
+
+
+def test_a_fault_in_the_replay_itself_leaves_the_data_to_blame(tmp_path: Path) -> None:
+    """A poisoned sample spikes the loss; the first replay is hit by a bit flip too: a second replay agrees with the
+    original, so the data is blamed and the replay's fault is counted against the rank."""
+    _, first, ledger, _, _ = _fit(tmp_path / "a", PoisonedSamples(IndexedData(), [17], value=30.0))
+    (event,) = [e for e in ledger.events if e.get("kind") == "replay"]
+    assert event["cause"] == "data" and event["runs"] == 2
+    _, replay, ledger, flip, _ = _fit(
+        tmp_path / "b", PoisonedSamples(IndexedData(), [17], value=30.0), faults={"step": event["step"], "runs": (1,)}
+    )
+    assert flip.flipped == [(event["step"], 1)]
+    (again,) = [e for e in ledger.events if e.get("kind") == "replay"]
+    assert again["cause"] == "data" and again["runs"] == 3 and again["replay_faults"] == [0]
+    assert replay.quarantine.indices == first.quarantine.indices
+
+
+def test_no_two_runs_agree_is_nondeterminism_and_the_step_is_skipped(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Model(IndexedData())
+    flips = [BitFlip(model, "net.5", step=15, runs=(run,), element=run) for run in (0, 1)]
+    monitor = TrainingHealthMonitor(response="skip", warmup_steps=5, report=False)
+    trainer = quiet_trainer(callbacks=[monitor, StepReplay(quarantine_file=None)], max_steps=20)
+    trainer.fit(model)
+    assert [f.flipped for f in flips] == [[(15, 0)], [(15, 1)]]
+    (event,) = [e for e in StepLedger.of(trainer).events if e.get("kind") == "replay"]
+    assert event["cause"] == "nondeterministic" and event["runs"] == 3
+    counts = StepLedger.of(trainer).record_of().counts.tolist()
+    assert counts[Outcome.SKIPPED_SPIKE] + counts[Outcome.SKIPPED_NONFINITE] == 1
+
+
+def test_three_faults_on_one_rank_stop_the_run_naming_it_and_it_resumes_elsewhere(tmp_path: Path) -> None:
+    """The third fault within the window: the state after that (replayed, healthy) step is saved, the run stops
+    naming the rank and its host; a new run resumes from it with ckpt_path="last" and ends bit-exact with a run
+    that never faulted."""
+    clean, _, _, _, _ = _fit(tmp_path / "clean", max_epochs=None, max_steps=30)
+
+    def run(directory: Path, faults: dict[str, Any] | None, ckpt_path: str | None = None) -> Model:
+        torch.manual_seed(0)
+        model = Model(IndexedData())
+        if faults:
+            BitFlip(model, "net.5", **faults)
+        callbacks = [
+            TrainingHealthMonitor(response="skip", warmup_steps=5, report=False),
+            StepReplay(quarantine_file=None),
+            StableCheckpoint(dirpath=directory, every_n_train_steps=5, keep=3),
+        ]
+        quiet_trainer(callbacks=callbacks, max_steps=30, enable_checkpointing=True).fit(model, ckpt_path=ckpt_path)
+        return model
+
+    with pytest.raises(FailingDeviceError, match=r"rank 0 on .* at steps \[12, 14, 16\]") as err:
+        run(tmp_path / "ckpts", {"step": [12, 14, 16], "rank": 0})
+    assert err.value.rank == 0 and err.value.steps == [12, 14, 16] and err.value.checkpoint is not None
+    assert "step=17" in err.value.checkpoint  # the state after the third fault's step, applied as replayed
+    resumed = run(tmp_path / "ckpts", None, ckpt_path="last")
+    for a, b in zip(_weights(clean), _weights(resumed), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_refused_without_a_health_monitor(tmp_path: Path) -> None:
+    with pytest.raises(StabilityConfigError, match="TrainingHealthMonitor"):
+        quiet_trainer(callbacks=[StepReplay()], max_steps=2).fit(Model(IndexedData()))
+
+
+def test_the_command_line_lists_the_quarantine_from_the_manifest_and_from_a_checkpoint(tmp_path: Path) -> None:
+    data = PoisonedSamples(IndexedData(), [17])
+    torch.manual_seed(0)
+    model = Model(data)
+    callbacks = [
+        TrainingHealthMonitor(response="skip", warmup_steps=5, report=False),
+        StepReplay(),
+        StableCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=12, keep=3),
+    ]
+    trainer = quiet_trainer(callbacks=callbacks, max_steps=24, default_root_dir=tmp_path, enable_checkpointing=True)
+    trainer.fit(model)
+    quarantined = sorted(callbacks[1].quarantine.indices)
+    newest = callbacks[2].healthy_checkpoints()[0][0]
+    for source in (tmp_path / "quarantine.json", newest):
+        done = subprocess.run(
+            [sys.executable, "-m", "lightning_stability.cli", "quarantine", str(source)], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith(f"{len(quarantined)} sample(s) quarantined in 1 batch(es)")
+        assert " ".join(str(i) for i in quarantined) in done.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "lightning_stability.cli", "quarantine", str(tmp_path / "nothing.json")],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "no such file" in bad.stderr
+
+
+def test_a_healthy_run_is_the_same_with_and_without_it_and_replays_nothing(tmp_path: Path) -> None:
+    with_it, replay, ledger, _, trainer = _fit(tmp_path, log_every_n_steps=4)
+    assert replay.counts["replays"] == 0 and not [e for e in ledger.events if e.get("kind") == "replay"]
+    assert trainer.callback_metrics["stability/replays"] == 0
+    torch.manual_seed(0)
+    without = Model(IndexedData())
+    monitor = TrainingHealthMonitor(response="skip", warmup_steps=5, report=False)
+    quiet_trainer(callbacks=[monitor], max_epochs=2).fit(without)
+    for a, b in zip(_weights(with_it), _weights(without), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_its_state_survives_a_checkpoint_and_a_pickle(tmp_path: Path) -> None:
+    _, replay, _, _, trainer = _fit(tmp_path, PoisonedSamples(IndexedData(), [17]), log_every_n_steps=1)
+    assert trainer.callback_metrics["stability/quarantined"] == 8
+    clone = StepReplay()
+    clone.load_state_dict(replay.state_dict())
+    assert clone.quarantine.indices == replay.quarantine.indices and clone.counts == replay.counts
+    copy = pickle.loads(pickle.dumps(replay))
+    assert copy.quarantine.indices == replay.quarantine.indices and copy.inputs.micro == []
+
+
+def test_refused_under_fp16_loss_scaling_and_with_manual_optimization(tmp_path: Path) -> None:
+    monitor = TrainingHealthMonitor(report=False)
+    with pytest.raises(StabilityConfigError, match="precision='bf16-mixed'"):
+        fp16 = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+        quiet_trainer(callbacks=[monitor, StepReplay()], max_steps=2, plugins=[fp16]).fit(Model(IndexedData()))
+
+    class Manual(Model):
+        def __init__(self) -> None:
+            super().__init__(IndexedData())
+            self.automatic_optimization = False
+
+    with pytest.raises(StabilityConfigError, match="automatic_optimization=False"):
+        quiet_trainer(callbacks=[TrainingHealthMonitor(report=False), StepReplay()], max_steps=2).fit(Manual())
+    with pytest.raises(StabilityConfigError, match="max_faults"):
+        StepReplay(max_faults=0)
