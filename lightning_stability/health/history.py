@@ -511,9 +511,11 @@ class HealthReporter:
                 if step in rolled:
                     continue
                 last = (
-                    events[-1] if events else next((e for e in reversed(self.events) if e["kind"] == "data_skip"), None)
+                    events[-1]
+                    if events
+                    else next((e for e in reversed(self.events) if e.get("kind") == "data_skip"), None)
                 )
-                if last is not None and last["kind"] == "data_skip" and last["last_step"] == step - 1:
+                if last is not None and last.get("kind") == "data_skip" and last.get("last_step") == step - 1:
                     last["last_step"] = step
                     last["detail"] = _data_skip_detail(last["step"], step)
                     continue

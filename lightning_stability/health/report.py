@@ -278,7 +278,7 @@ def _draw(
         if key == "loss":
             ax.plot(x, np.where(finite, y, np.nan), lw=1, color="tab:blue", label="loss", gid="loss")
             _band(ax, x, series, key, "tab:blue")
-            limits = loss_limits(y, ~loss_spike & (outcome == 0))
+            limits = loss_limits(y, ~loss_spike & ~(outcome > 0))  # applied, or no outcome recorded
             shown = y  # where a marker goes: off-scale values on the panel's edge
             if limits is not None:
                 low, high, log = limits
