@@ -244,6 +244,12 @@ class HealthHistory:
             self.buckets = {k: v[:count].tolist() for k, v in state.get("buckets", {}).items()} or _empty_buckets()
             self.bucket_width = int(state.get("bucket_width", 1))
             self.totals = {k: float(v) for k, v in state.get("totals", {}).items()}
+            if "steps" in self.totals and not any(k in self.totals for k in _SPIKE_TOTALS):
+                # saved before these counts: taken from the steps still at full resolution (exact for a run that
+                # has no buckets yet)
+                recount: dict[str, float] = {}
+                _count(recount, self.series)
+                self.totals.update({k: recount[k] for k in _SPIKE_TOTALS if k in recount})
         else:
             columns = {k: (v.tolist() if v is not None else None) for k, v in series.items()}
             self.extend(
@@ -318,6 +324,10 @@ def _merge_pairs(buckets: dict[str, list[float]], columns: list[str]) -> dict[st
                 va, vb = buckets[f"{key}{suffix}"][a], buckets[f"{key}{suffix}"][b]
                 merged[f"{key}{suffix}"].append(vb if na == 0 else va if nb == 0 else pick(va, vb))
     return merged
+
+
+#: whole-run counts added after version-2 checkpoints were first written (absent from theirs)
+_SPIKE_TOTALS = ("grad_norm_spikes", "spikes_applied", "clipped_steps")
 
 
 def _count(totals: dict[str, float], columns: dict[str, list[float]]) -> None:

@@ -286,3 +286,23 @@ def test_pending_rows_of_a_checkpoint_without_the_update_ratio_column_load() -> 
     rows = [dict(zip(COLUMNS, flat[i * len(COLUMNS) : (i + 1) * len(COLUMNS)], strict=True)) for i in range(2)]
     assert [r["outcome"] for r in rows] == [7.0, 17.0] and [r["loss_scale"] for r in rows] == [6.0, 16.0]
     assert all(math.isnan(r["update_ratio"]) for r in rows)
+
+
+def test_a_checkpoint_saved_before_the_spike_counts_gets_them_from_its_rows() -> None:
+    """A version-2 history saved before the gradient-norm spike, applied-spike and clipped-step counts: a run short
+    enough to have no buckets gets them exact from its rows."""
+    rows_ = [
+        {"step": float(s), "loss": 1.0, "grad_norm": 3.0 if s in (4, 9) else 1.0, "clip_threshold": 2.0}
+        | {"loss_spike": 0.0, "grad_spike": 1.0 if s == 9 else 0.0, "outcome": 0.0}
+        for s in range(12)
+    ]
+    history = HealthHistory()
+    history.extend(rows_)
+    state = history.state_dict()
+    for key in ("grad_norm_spikes", "spikes_applied", "clipped_steps"):
+        state["totals"].pop(key)
+    restored = HealthHistory()
+    restored.load_state_dict(state)
+    assert restored.totals == history.totals
+    assert (restored.totals["grad_norm_spikes"], restored.totals["spikes_applied"]) == (1, 1)
+    assert restored.totals["clipped_steps"] == 2
