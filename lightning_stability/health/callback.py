@@ -198,14 +198,17 @@ class TrainingHealthMonitor(LedgerCallback):
 
     @property
     def history(self) -> HealthHistory:
-        """Each step's loss, gradient norm, clip threshold, spike flags, LR, loss scale and outcome (host series up
-        to the last logging step): the newest 2,000 steps in ``series``, older ones downsampled in ``buckets``,
-        exact whole-run counts in ``totals`` (see :class:`~lightning_stability.health.history.HealthHistory`)."""
+        """Each step's loss, gradient norm, clip threshold, spike flags, LR, loss scale, update ratio (where measured)
+        and outcome (host series up to the last logging step): the newest 2,000 steps in ``series``, older ones
+        downsampled in ``buckets``, exact whole-run counts in ``totals`` (see
+        :class:`~lightning_stability.health.history.HealthHistory`)."""
         return self._log.history
 
     @property
     def events(self) -> list[dict[str, Any]]:
-        """The spikes and rollbacks so far, as ``{"step", "kind", "detail"}``."""
+        """Every step so far that was not applied as it came (spikes, skipped and rolled-back steps, ZClip's clips) and
+        the new levels, as ``{"step", "kind", "detail"}`` and, by kind, ``"outcome"``, ``"to_step"``, ``"last_step"``
+        (see ``docs/how-to/find-why-a-run-spiked.md``)."""
         return self._log.events
 
     def state_fields(self) -> dict[str, Any]:
@@ -391,8 +394,9 @@ class TrainingHealthMonitor(LedgerCallback):
             else const.nan
         )
         lr_value = lr.reshape(1).float() if isinstance(lr, Tensor) else const.nan
-        # the history's row: loss, grad norm, clip threshold, the two spike flags, LR, loss scale
-        parts = [raw, threshold, verdict.flags, lr_value, scale]
+        # the history's row: loss, grad norm, clip threshold, the two spike flags, LR, loss scale, update ratio (set
+        # in after_step where the step measured its update)
+        parts = [raw, threshold, verdict.flags, lr_value, scale, const.nan]
         self._row = self.history.add(ledger.step_label, parts, host, values.device)
         self._grads = grads if self.response != "clip" else None
         # the update-to-weight ratio on logging steps: measured across the update by the step (shared with others)
@@ -403,6 +407,9 @@ class TrainingHealthMonitor(LedgerCallback):
     def after_step(self, trainer: pl.Trainer, ledger: StepLedger) -> None:
         if self._row is not None:
             self.history.set_outcome(self._row, ledger.outcome)
+            measured = ledger.step.update  # by this monitor on logging steps, or by another callback (a device copy)
+            if measured is not None and measured.ratio is not None:
+                self.history.set_value(self._row, "update_ratio", measured.ratio)
             scale = ledger.step.scale
             if scale.factors and scale.lrs is not None:  # the row holds the schedule's LR: the update's, when scaled
                 self.history.set_value(self._row, "lr", scale.lrs[0])
@@ -411,17 +418,17 @@ class TrainingHealthMonitor(LedgerCallback):
             if fixed is not None:
                 self.history.set_host(self._row, "clip_threshold", fixed)
             self._row, self._grads = None, None
-        ratio, top = None, None
+        top = None
         size = ledger.step.update if self._measured else None
         self._measured = False
         if size is not None:  # the update-to-weight ratio (total and the largest modules), after the update
             total, largest = self._log.update_ratios(size, self._index_of(size.params))
-            ratio = self.record_metric("stability/update_ratio", total)
+            self.record_metric("stability/update_ratio", total)
             top = (self.to_host(largest[0]), self.to_host(largest[1])) if largest is not None else None
         if self.is_logging_step:
             rows = self.history.pending()  # the rows since the last logging step ride this step's transfer
             sent_rows = self.to_host(rows) if rows is not None else None
-            self._sent[ledger.record_of().index] = HealthSent(sent_rows, ratio, top, self._sent_memory)
+            self._sent[ledger.record_of().index] = HealthSent(sent_rows, top, self._sent_memory)
             self._sent_memory = None
 
     def _index_of(self, params: list[Tensor]) -> Tensor:
@@ -533,7 +540,7 @@ class TrainingHealthMonitor(LedgerCallback):
         self._interval.reset()  # its value for this interval was logged in on_step
 
     def on_host(self, trainer: pl.Trainer, record: OptimizerRecord) -> dict[str, float]:
-        return self._log.read(self._sent.pop(record.index, HealthSent(None, None, None, None)))
+        return self._log.read(self._sent.pop(record.index, HealthSent(None, None, None)))
 
     # ------------------------------------------------------------------ end of fit, checkpoints
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

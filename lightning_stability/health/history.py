@@ -1,13 +1,14 @@
 """The health monitor's per-step series, and what it records and tells the user from them.
 
 Every optimizer step writes one row of device values (loss, gradient norm, clip threshold, spike flags, LR,
-loss scale, outcome) into a small device buffer (:class:`HealthHistory`), indexed by a host counter: no sync. On
-a logging step the filled rows and the logging-step metrics (update size, memory) ride the ledger's one batched
-transfer to the host. There :class:`HealthReporter` appends them to the host series (which checkpoints keep),
-names the spikes in a warning, warns once when the peak memory nears the device's capacity, and at the end of
-``fit`` writes the stability report (JSON + PNG). The host series stay bounded whatever the run's length: the
-newest steps at full resolution, older ones as min/mean/max buckets, exact whole-run counts, spikes and rollbacks
-as events (the newest :data:`MAX_EVENTS`).
+loss scale, update ratio where the step measured the update, outcome) into a small device buffer
+(:class:`HealthHistory`), indexed by a host counter: no sync. On a logging step the filled rows and the peak memory
+ride the ledger's one batched transfer to the host. There :class:`HealthReporter` appends them to the host series
+(which checkpoints keep), names the spikes in a warning, records an event for every step that was not applied as it
+came (a spike, a skipped or rolled-back step, a clip by the monitor), warns once when the peak memory nears the
+device's capacity, and at the end of ``fit`` writes the stability report (JSON + PNG). The host series stay
+bounded whatever the run's length: the newest steps at full resolution, older ones as min/mean/max buckets, exact
+whole-run counts, the newest :data:`MAX_EVENTS` events.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
+from lightning_stability.health.report import SKIP_REASONS, clipped, outcome_name
 from lightning_stability.health.signals import memory_warning
 from lightning_stability.health.spike_stats import NEW_LEVEL_AFTER
 from lightning_stability.ledger.metrics import OnHost
@@ -27,10 +29,22 @@ from lightning_stability.ledger.update import UpdateSize
 from lightning_stability.ledger.verdict import NEW_LEVEL, SPIKE
 from lightning_stability.norms import group_norms
 
-#: the device columns of a row, in order
-COLUMNS = ("loss", "grad_norm", "clip_threshold", "loss_spike", "grad_spike", "lr", "loss_scale", "outcome")
-#: series filled on logging steps only (NaN elsewhere)
-SPARSE = ("update_ratio", "memory_gb")
+#: the device columns of a row, in order (``update_ratio``: NaN on a step that did not measure its update)
+COLUMNS = (
+    "loss",
+    "grad_norm",
+    "clip_threshold",
+    "loss_spike",
+    "grad_spike",
+    "lr",
+    "loss_scale",
+    "update_ratio",
+    "outcome",
+)
+#: the columns of a checkpoint's pending rows written before ``update_ratio`` was a device column
+_COLUMNS_V2 = ("loss", "grad_norm", "clip_threshold", "loss_spike", "grad_spike", "lr", "loss_scale", "outcome")
+#: series filled on logging steps only (NaN elsewhere): the peak memory, a maximum over ranks
+SPARSE = ("memory_gb",)
 
 
 #: series whose downsampled value is the bucket's largest (a flag or a skip code: any spike or skip stays visible)
@@ -38,7 +52,8 @@ PEAK = ("loss_spike", "grad_spike", "outcome")
 #: full-resolution rows kept (the newest steps); older ones are downsampled into at most MAX_BUCKETS buckets
 WINDOW = 2000
 MAX_BUCKETS = 500
-#: events (spikes, new levels, rollbacks) kept; beyond it the oldest go and are counted
+#: events kept; beyond it the oldest of the most numerous kind go (so routine clips or an fp16 run's overflows never
+#: push out its spikes), and are counted
 MAX_EVENTS = 1000
 
 
@@ -207,6 +222,7 @@ class HealthHistory:
             "bucket_width": self.bucket_width,
             "totals": dict(self.totals),
             "pending": {
+                "columns": list(COLUMNS),
                 "labels": list(self._labels),
                 "host": [dict(h) for h in self._host],
                 "rows": self.pending_on_host(),
@@ -228,6 +244,12 @@ class HealthHistory:
             self.buckets = {k: v[:count].tolist() for k, v in state.get("buckets", {}).items()} or _empty_buckets()
             self.bucket_width = int(state.get("bucket_width", 1))
             self.totals = {k: float(v) for k, v in state.get("totals", {}).items()}
+            if "steps" in self.totals and not any(k in self.totals for k in _SPIKE_TOTALS):
+                # saved before these counts: taken from the steps still at full resolution (exact for a run that
+                # has no buckets yet)
+                recount: dict[str, float] = {}
+                _count(recount, self.series)
+                self.totals.update({k: recount[k] for k in _SPIKE_TOTALS if k in recount})
         else:
             columns = {k: (v.tolist() if v is not None else None) for k, v in series.items()}
             self.extend(
@@ -238,11 +260,14 @@ class HealthHistory:
         pending_rows = pending.get("rows", [])
         self._buf = None
         if self._labels:
-            # moved to the device by the first `add` (``_buffer`` copies the rows it holds)
+            # moved to the device by the first `add` (``_buffer`` copies the rows it holds); a column the saved rows
+            # lack (an older checkpoint's) stays NaN
+            saved = list(pending.get("columns", _COLUMNS_V2))
+            rows_saved = torch.tensor(pending_rows, dtype=torch.float32).reshape(len(self._labels), len(saved))
             buf = torch.full((max(64, 2 * len(self._labels)), len(COLUMNS)), math.nan, dtype=torch.float32)
-            buf[: len(self._labels)] = torch.tensor(pending_rows, dtype=torch.float32).reshape(
-                len(self._labels), len(COLUMNS)
-            )
+            for j, column in enumerate(COLUMNS):
+                if column in saved:
+                    buf[: len(self._labels), j] = rows_saved[:, saved.index(column)]
             self._buf = buf
 
 
@@ -301,16 +326,28 @@ def _merge_pairs(buckets: dict[str, list[float]], columns: list[str]) -> dict[st
     return merged
 
 
+#: whole-run counts added after version-2 checkpoints were first written (absent from theirs)
+_SPIKE_TOTALS = ("grad_norm_spikes", "spikes_applied", "clipped_steps")
+
+
 def _count(totals: dict[str, float], columns: dict[str, list[float]]) -> None:
-    """Exact whole-run figures for the report's summary: steps, skips per outcome, loss spikes, extremes."""
+    """Exact whole-run figures for the report's summary: steps, skips per outcome, spikes (loss, gradient norm,
+    applied), steps clipped, extremes. A new level (flag 2) is no spike."""
     totals["steps"] = totals.get("steps", 0.0) + len(columns["step"])
     for outcome in columns["outcome"]:
         if math.isfinite(outcome) and outcome != 0:
             key = f"outcome_{int(outcome)}"
             totals[key] = totals.get(key, 0.0) + 1
-    spikes = sum(1 for v in columns["loss_spike"] if v == SPIKE)
-    if spikes:
-        totals["loss_spikes"] = totals.get("loss_spikes", 0.0) + spikes
+    rows = list(zip(columns["loss_spike"], columns["grad_spike"], columns["outcome"], strict=True))
+    applied = zip(columns["grad_norm"], columns["clip_threshold"], columns["outcome"], strict=True)
+    for key, count in (
+        ("loss_spikes", sum(1 for v in columns["loss_spike"] if v == SPIKE)),
+        ("grad_norm_spikes", sum(1 for v in columns["grad_spike"] if v == SPIKE)),
+        ("spikes_applied", sum(1 for loss, grad, outcome in rows if SPIKE in (loss, grad) and outcome == 0)),
+        ("clipped_steps", sum(1 for norm, clip, outcome in applied if outcome == 0 and clipped(norm, clip))),
+    ):
+        if count:
+            totals[key] = totals.get(key, 0.0) + count
     for key, name, pick in (
         ("loss", "min_loss", min),
         ("grad_norm", "max_grad_norm", max),
@@ -331,13 +368,31 @@ _ACTIONS = {
 
 #: rows without a new-level value after which the next one starts a new level (and gets its own event)
 CALM_STEPS = 10
+_DATA_SKIP = 4  # ``Outcome.SKIPPED_ROLLBACK``: a batch of the data window after a rollback
+
+
+def _skip_detail(row: dict[str, float]) -> str:
+    """What skipped a step without a spike, from its row."""
+    code = int(row["outcome"])
+    if code == 1:
+        return "the fp16 loss scaler found inf/NaN in the scaled gradients: update skipped, loss scale lowered"
+    if code == 2:
+        bad = [name for name, key in (("loss", "loss"), ("gradient norm", "grad_norm")) if not math.isfinite(row[key])]
+        what = " and ".join(bad) if bad else "loss or gradient norm"
+        return f"a non-finite {what}: update skipped"
+    label = SKIP_REASONS[code][1] if code in SKIP_REASONS else f"skipped (outcome {code})"
+    return f"{label}: update skipped"
+
+
+def _data_skip_detail(first: int, last: int) -> str:
+    steps = f"step {first}" if first == last else f"steps {first}-{last}"
+    return f"{steps}: batches of the data window skipped after a rollback, their updates dropped"
 
 
 class HealthSent(NamedTuple):
     """What ``TrainingHealthMonitor`` sends on a logging step (one optimizer's), read in :meth:`HealthReporter.read`."""
 
     rows: OnHost | None  # the history's rows since the last logging step
-    update_ratio: OnHost | None  # the update-to-weight ratio
     top: tuple[OnHost, OnHost] | None  # the largest per-module update ratios, and their modules
     memory_gb: OnHost | None  # the peak memory
 
@@ -393,17 +448,14 @@ class HealthReporter:
             values, indices = sent.top[0].numbers(), sent.top[1].numbers()
             for i, v in zip(indices, values, strict=True):
                 extra[f"stability/update_ratio_by_module/{self.names[int(i)]}"] = v
-        sparse = {
-            key: value.number()
-            for key, value in (("update_ratio", sent.update_ratio), ("memory_gb", sent.memory_gb))
-            if value is not None
-        }
+        sparse = {"memory_gb": sent.memory_gb.number()} if sent.memory_gb is not None else {}
         extra.update(self.take_rows(sent.rows.numbers() if sent.rows is not None else [], sparse))
         self.check_memory(sparse.get("memory_gb"))
         return extra
 
     def take_rows(self, rows: list[float], sparse: dict[str, float]) -> dict[str, float]:
-        """Append the transferred rows to the history and warn about their spikes; returns the skip rate."""
+        """Append the transferred rows to the history, warn about their spikes and record an event for each step
+        not applied as it came; returns the skip rate."""
         taken = self.history.take(rows, sparse)
         self._note_new_levels(taken)
         spiked = [row for row in taken if SPIKE in (row["loss_spike"], row["grad_spike"])]
@@ -412,15 +464,26 @@ class HealthReporter:
             spiked = [row for row in spiked if row["loss_spike"] == SPIKE]
             if kept:
                 self._note_applied(kept)
-        spikes = [int(row["step"]) for row in spiked]
-        if spikes:
+        if spiked:
             action = _ACTIONS[self.response]
-            self.add_events([{"step": step, "kind": "spike", "detail": action} for step in spikes])
+            self.add_events(
+                [
+                    {
+                        "step": int(row["step"]),
+                        "kind": "spike",
+                        "outcome": outcome_name(row["outcome"]),
+                        "detail": action,
+                    }
+                    for row in spiked
+                ]
+            )
             rank_zero_warn(
                 f"TrainingHealthMonitor: a loss or gradient-norm spike (more than {self.spike_z:g} standard "
-                f"deviations above its running mean) at step(s) {spikes}: {action}.",
+                f"deviations above its running mean) at step(s) {[int(row['step']) for row in spiked]}: {action}.",
                 category=UserWarning,
             )
+        noted = {int(row["step"]) for row in taken if SPIKE in (row["loss_spike"], row["grad_spike"])}
+        self._note_other_steps([row for row in taken if int(row["step"]) not in noted])
         return {"stability/skip_rate": sum(row["outcome"] != 0 for row in taken) / len(taken)} if taken else {}
 
     def _note_applied(self, rows: list[dict[str, float]]) -> None:
@@ -435,7 +498,9 @@ class HealthReporter:
             else:
                 how = f"its gradient norm {norm:.4g} under the clip ({clip:g})"
             detail = f"a gradient-norm spike without a loss spike: applied, {how} (skip_on='loss')"
-            events.append({"step": int(row["step"]), "kind": "spike", "detail": detail})
+            events.append(
+                {"step": int(row["step"]), "kind": "spike", "outcome": outcome_name(row["outcome"]), "detail": detail}
+            )
         self.add_events(events)
         rank_zero_warn(
             f"TrainingHealthMonitor: a gradient-norm spike (more than {self.spike_z:g} standard deviations above its "
@@ -443,6 +508,47 @@ class HealthReporter:
             "skip_on='loss' asks (clipped where GradientNormMonitor(max_norm=...) is attached).",
             category=UserWarning,
         )
+
+    def _note_other_steps(self, rows: list[dict[str, float]]) -> None:
+        """An event per step without a spike that was skipped (a non-finite loss or gradient norm, an fp16 overflow,
+        another callback's vote) and, under ``"clip"``, per step ZClip clipped; one event per stretch of the data
+        window skipped after a rollback (the rollback step has its own event)."""
+        rolled = {e["step"] for e in self.events if e.get("kind") == "rollback"}
+        events: list[dict[str, Any]] = []
+        for row in rows:
+            step, code = int(row["step"]), row["outcome"]
+            if code == _DATA_SKIP:
+                if step in rolled:
+                    continue
+                last = (
+                    events[-1]
+                    if events
+                    else next((e for e in reversed(self.events) if e.get("kind") == "data_skip"), None)
+                )
+                if last is not None and last.get("kind") == "data_skip" and last.get("last_step") == step - 1:
+                    last["last_step"] = step
+                    last["detail"] = _data_skip_detail(last["step"], step)
+                    continue
+                events.append(
+                    {
+                        "step": step,
+                        "kind": "data_skip",
+                        "outcome": outcome_name(code),
+                        "last_step": step,
+                        "detail": _data_skip_detail(step, step),
+                    }
+                )
+            elif math.isfinite(code) and code != 0:
+                events.append(
+                    {"step": step, "kind": "skip", "outcome": outcome_name(code), "detail": _skip_detail(row)}
+                )
+            elif self.response == "clip" and clipped(row["grad_norm"], row["clip_threshold"]):
+                detail = (
+                    f"gradient norm {row['grad_norm']:.4g} clipped to ZClip's adaptive threshold "
+                    f"{row['clip_threshold']:.4g} (z-score over clip_z)"
+                )
+                events.append({"step": step, "kind": "clip", "outcome": outcome_name(code), "detail": detail})
+        self.add_events(events)
 
     def _note_new_levels(self, taken: list[dict[str, float]]) -> None:
         """An event and a warning where a signal's values start to count as a new level (flag 2 in the history):
@@ -468,11 +574,22 @@ class HealthReporter:
                 calm = 0
 
     def add_events(self, events: list[dict[str, Any]]) -> None:
-        """Record events (spikes, new levels, rollbacks), keeping the newest :data:`MAX_EVENTS`."""
+        """Record events in step order, keeping :data:`MAX_EVENTS`: beyond it the oldest of the most numerous
+        kind go, counted in :attr:`events_dropped`."""
         self.events.extend(events)
-        if len(self.events) > MAX_EVENTS:
-            self.events_dropped += len(self.events) - MAX_EVENTS
-            del self.events[: len(self.events) - MAX_EVENTS]
+        self.events.sort(key=lambda e: e.get("step", 0))  # stable: events of one step keep their order
+        excess = len(self.events) - MAX_EVENTS
+        if excess <= 0:
+            return
+        kinds: dict[Any, list[int]] = {}
+        for i, event in enumerate(self.events):
+            kinds.setdefault(event.get("kind"), []).append(i)
+        drop: set[int] = set()
+        for _ in range(excess):
+            most = max(kinds.values(), key=len)  # the first kind of the largest count
+            drop.add(most.pop(0))
+        self.events = [e for i, e in enumerate(self.events) if i not in drop]
+        self.events_dropped += excess
 
     def load_events(self, events: list[dict[str, Any]], dropped: int = 0) -> None:
         self.events, self.events_dropped = [], int(dropped)
@@ -480,8 +597,6 @@ class HealthReporter:
 
     def summary(self) -> dict[str, Any]:
         """The report's whole-run figures that downsampling would blur, exact from the history's totals."""
-        from lightning_stability.health.report import SKIP_REASONS
-
         totals = self.history.totals
         skipped = {key: int(totals.get(f"outcome_{code}", 0)) for code, (key, *_) in SKIP_REASONS.items()}
         skipped["total"] = int(sum(v for k, v in totals.items() if k.startswith("outcome_")))
@@ -489,6 +604,9 @@ class HealthReporter:
             "steps": int(totals.get("steps", 0)),
             "min_loss": totals.get("min_loss"),
             "loss_spikes": int(totals.get("loss_spikes", 0)),
+            "grad_norm_spikes": int(totals.get("grad_norm_spikes", 0)),
+            "spikes_applied": int(totals.get("spikes_applied", 0)),
+            "clipped_steps": int(totals.get("clipped_steps", 0)),
             "skipped_steps": skipped,
             "max_grad_norm": totals.get("max_grad_norm"),
             "peak_memory_gb": totals.get("peak_memory_gb"),

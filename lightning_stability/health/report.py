@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 
-__all__ = ["SKIP_REASONS", "load_report", "summarize", "write_report"]
+__all__ = ["OUTCOMES", "SKIP_REASONS", "load_report", "outcome_name", "summarize", "write_report"]
 
 log = logging.getLogger("lightning_stability")
 
@@ -34,11 +34,48 @@ SKIP_REASONS: dict[int, tuple[str, str, str, str]] = {
     3: ("spike", "skipped: spike", "s", "tab:purple"),
     4: ("data_skip", "skipped: data after rollback", "D", "tab:gray"),
 }
+#: a step's ``outcome`` in the JSON's history, by code: the name of its ``Outcome`` member, lower-case
+OUTCOMES: dict[int, str] = {
+    0: "applied",
+    1: "skipped_scaler",  # the fp16 loss scaler found inf/NaN in the scaled gradients
+    2: "skipped_nonfinite",  # a non-finite loss or gradient norm
+    3: "skipped_spike",  # a loss or gradient-norm spike (TrainingHealthMonitor)
+    4: "skipped_rollback",  # a rollback step, or a batch of the data window skipped after it
+}
+_CODES = {name: code for code, name in OUTCOMES.items()}
 _DATA_SKIP = 4
 _SPIKE = 1  # the monitor's verdict in the history's spike columns (``ledger/verdict.py``: SPIKE); 2 is a new level
 _DENSE = ("loss", "grad_norm")  # series with a value on every step: NaN there means a diverged value
 _PANELS = ("loss", "grad_norm", "lr", "loss_scale", "update_ratio", "memory_gb")
 _ROLLBACK_COLOR = "tab:cyan"
+#: a measured series with values on fewer steps than this is drawn as points with a note, not as a curve
+_FEW_POINTS = 20
+_MEASURED_ON = {
+    "update_ratio": "logging steps, and steps whose update a callback measured",
+    "memory_gb": "logging steps",
+}
+
+
+def outcome_name(code: float | None) -> str | None:
+    """The :data:`OUTCOMES` name of an outcome code (``None`` for NaN or ``None``; an unknown code as
+    ``"outcome_<code>"``)."""
+    if code is None or not math.isfinite(code):
+        return None
+    return OUTCOMES.get(int(code), f"outcome_{int(code)}")
+
+
+def _outcome_codes(values: Sequence[Any] | None) -> list[float]:
+    """Outcome codes from names (a report read back) or numbers (the monitor's history); NaN where unknown."""
+    codes = []
+    for v in values or ():
+        if isinstance(v, str):
+            code = _CODES.get(v)
+            if code is None and v.startswith("outcome_") and v[8:].isdigit():
+                code = int(v[8:])
+            codes.append(math.nan if code is None else float(code))
+        else:
+            codes.append(_float(v))
+    return codes
 
 
 def _float(value: Any) -> float:
@@ -54,24 +91,41 @@ def _finite(values: Sequence[Any] | None) -> list[float]:
     return [v for v in _floats(values) if math.isfinite(v)]
 
 
-def summarize(history: dict[str, list[float]], events: list[dict[str, Any]]) -> dict[str, Any]:
-    """The headline numbers of a run; ``None`` where a series has no finite value."""
+def summarize(history: dict[str, list[Any]], events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The headline numbers of a run; ``None`` where a series has no finite value. ``outcome`` may hold codes or
+    :data:`OUTCOMES` names."""
     steps = len(history["step"]) if "step" in history else max((len(v) for v in history.values()), default=0)
     loss, grad, memory, scale = (_finite(history.get(k)) for k in ("loss", "grad_norm", "memory_gb", "loss_scale"))
-    outcome = [int(v) for v in _finite(history.get("outcome"))]
+    codes = _outcome_codes(history.get("outcome"))
+    outcome = [int(v) for v in codes if math.isfinite(v)]
     skipped = {key: outcome.count(code) for code, (key, *_) in SKIP_REASONS.items()}
     skipped["total"] = sum(o != 0 for o in outcome)
+    loss_spike, grad_spike = _floats(history.get("loss_spike")), _floats(history.get("grad_spike"))
+    norm, clip = _floats(history.get("grad_norm")), _floats(history.get("clip_threshold"))
+
+    def at(values: list[float], i: int) -> float:
+        return values[i] if i < len(values) else math.nan
+
+    applied = [i for i, code in enumerate(codes) if code == 0]
     return {
         "steps": steps,
         "final_loss": loss[-1] if loss else None,
         "min_loss": min(loss, default=None),
-        "loss_spikes": sum(v == _SPIKE for v in _floats(history.get("loss_spike"))),
+        "loss_spikes": sum(v == _SPIKE for v in loss_spike),
+        "grad_norm_spikes": sum(v == _SPIKE for v in grad_spike),
+        "spikes_applied": sum(_SPIKE in (at(loss_spike, i), at(grad_spike, i)) for i in applied),
+        "clipped_steps": sum(clipped(at(norm, i), at(clip, i)) for i in applied),
         "skipped_steps": skipped,
         "rollbacks": sum(e.get("kind") == "rollback" for e in events),
         "max_grad_norm": max(grad, default=None),
         "peak_memory_gb": max(memory, default=None),
         "final_loss_scale": scale[-1] if scale else None,
     }
+
+
+def clipped(norm: float, clip: float) -> bool:
+    """Whether a gradient of norm ``norm`` was clipped by the threshold ``clip`` (NaN or inf: no clip)."""
+    return math.isfinite(norm) and math.isfinite(clip) and norm > clip
 
 
 def _json_safe(obj: Any) -> Any:
@@ -115,7 +169,9 @@ def write_report(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = {**summarize(history, events), **(summary or {})}
-    history_out = {k: _json_safe(_floats(v)) for k, v in history.items()}
+    history_out = {k: _json_safe(_floats(v)) if k != "outcome" else v for k, v in history.items()}
+    if "outcome" in history_out:  # by name: "applied", "skipped_nonfinite", ... (OUTCOMES)
+        history_out["outcome"] = [outcome_name(c) for c in _outcome_codes(history_out["outcome"])]
     if "step" in history_out:  # steps are recorded as floats; write them as the integers they are
         history_out["step"] = [int(s) if s is not None and s == int(s) else s for s in history_out["step"]]
     report = {"meta": meta or {}, "summary": summary, "history": history_out, "events": events}
@@ -154,10 +210,12 @@ def figure_class() -> type[Figure] | None:
 def _title(summary: dict[str, Any]) -> str:
     final, skipped = summary["final_loss"], summary["skipped_steps"]
     reasons = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in skipped.items() if k != "total" and n)
+    grad, applied, clipped_steps = (summary.get(k, 0) for k in ("grad_norm_spikes", "spikes_applied", "clipped_steps"))
     return (
         f"Stability report: {summary['steps']} steps, final loss {'n/a' if final is None else f'{final:.4g}'}, "
-        f"{summary['loss_spikes']} loss spike(s), {summary['rollbacks']} rollback(s)\n"
-        f"{skipped['total']} skipped step(s){f': {reasons}' if reasons else ''}"
+        f"{summary['loss_spikes']} loss spike(s), {grad} gradient-norm spike(s), {applied} spike(s) applied, "
+        f"{summary['rollbacks']} rollback(s)\n"
+        f"{skipped['total']} skipped step(s){f': {reasons}' if reasons else ''}; {clipped_steps} step(s) clipped"
     )
 
 
@@ -168,10 +226,29 @@ def _band(ax: Axes, x: Any, series: Any, key: str, color: str) -> None:
         ax.fill_between(x, low, high, color=color, alpha=0.25, lw=0, label="min-max of older steps (downsampled)")
 
 
+def loss_limits(loss: Any, normal: Any) -> tuple[float, float, bool] | None:
+    """The loss panel's y-range ``(low, high, log)``: it fits the loss of every ``normal`` step (applied, not a
+    spike), so that a spike does not flatten the curve; log scale when those are positive and span more than two
+    decades. ``None`` (matplotlib's own range) without two such steps."""
+    import numpy as np
+
+    values = loss[normal & np.isfinite(loss)]
+    if values.size < 2:
+        return None
+    low, high = float(values.min()), float(values.max())
+    log = low > 0 and high > 100 * low
+    if log:
+        pad = (high / low) ** 0.05
+        return low / pad, high * pad, True
+    pad = 0.05 * (high - low) or 0.05 * abs(high) or 0.05
+    return low - pad, high + pad, False
+
+
 def _draw(
-    history: dict[str, list[float]], events: list[dict[str, Any]], summary: dict[str, Any], figure_class: Any
+    history: dict[str, list[Any]], events: list[dict[str, Any]], summary: dict[str, Any], figure_class: Any
 ) -> Figure:
-    """The report figure: one panel per drawable series, sharing the step axis."""
+    """The report figure: one panel per drawable series, sharing the step axis. Each marker set has a ``gid``
+    (``"loss_spikes"``, ``"grad_norm_spikes"``, ``"spikes_applied_clipped"``, ``"loss_off_scale"``, ...)."""
     import numpy as np
 
     n = summary["steps"]
@@ -179,7 +256,7 @@ def _draw(
 
     def series(key: str) -> Any:
         y = np.full(len(x), np.nan)
-        values = _floats(history.get(key))[: len(x)]
+        values = (_outcome_codes if key == "outcome" else _floats)(history.get(key))[: len(x)]
         y[: len(values)] = values
         return y
 
@@ -194,29 +271,78 @@ def _draw(
         return fig
     axes: list[Axes] = list(np.atleast_1d(fig.subplots(len(panels), 1, sharex=True)))
     outcome = series("outcome")
+    loss_spike, grad_spike = series("loss_spike") == _SPIKE, series("grad_spike") == _SPIKE
     for ax, key in zip(axes, panels, strict=True):
         y = series(key)
         finite = np.isfinite(y)
         if key == "loss":
-            ax.plot(x, np.where(finite, y, np.nan), lw=1, color="tab:blue", label="loss")
+            ax.plot(x, np.where(finite, y, np.nan), lw=1, color="tab:blue", label="loss", gid="loss")
             _band(ax, x, series, key, "tab:blue")
-            if finite.any() and (y[finite] > 0).all() and y[finite].max() > 100 * y[finite].min():
-                ax.set_yscale("log")
-            spike = (series("loss_spike") == _SPIKE) & finite
+            limits = loss_limits(y, ~loss_spike & ~(outcome > 0))  # applied, or no outcome recorded
+            shown = y  # where a marker goes: off-scale values on the panel's edge
+            if limits is not None:
+                low, high, log = limits
+                if log:
+                    ax.set_yscale("log")
+                ax.set_ylim(low, high)
+                shown = np.clip(y, low, high)
+                for off, marker, name in ((finite & (y > high), "^", "above"), (finite & (y < low), "v", "below")):
+                    if not off.any():
+                        continue
+                    label = f"off scale ({name}: value written beside)"
+                    ax.plot(
+                        x[off],
+                        shown[off],
+                        marker,
+                        color="red",
+                        ms=6,
+                        clip_on=False,
+                        in_layout=False,
+                        label=label,
+                        gid="loss_off_scale",
+                    )
+                    for step, value in _apart(x[off], y[off], gap=0.03 * (x.max() - x.min())):
+                        va = "bottom" if name == "above" else "top"
+                        ax.annotate(
+                            f"{value:.3g}",
+                            (step, shown[x == step][0]),
+                            xytext=(7, 2),
+                            textcoords="offset points",
+                            fontsize=6,
+                            color="red",
+                            va=va,
+                            annotation_clip=False,
+                            in_layout=False,
+                        )
+            spike = loss_spike & finite
             ax.plot(
                 x[spike],
-                y[spike],
+                shown[spike],
                 "o",
                 ms=10,
                 mfc="none",
                 mec="red",
                 mew=1.5,
                 zorder=3,
+                clip_on=False,
+                in_layout=False,
                 label="loss spike" if spike.any() else None,
+                gid="loss_spikes",
             )
             for code, (_, label, marker, color) in SKIP_REASONS.items():
                 hit, top = (outcome == code) & finite, (outcome == code) & ~finite
-                ax.plot(x[hit], y[hit], marker, ms=5, color=color, ls="none", label=label if hit.any() else None)
+                ax.plot(
+                    x[hit],
+                    shown[hit],
+                    marker,
+                    ms=5,
+                    color=color,
+                    ls="none",
+                    clip_on=False,
+                    in_layout=False,
+                    label=label if hit.any() else None,
+                    gid=f"skipped_{code}",
+                )
                 if top.any():  # a skipped step without a finite loss: on the top edge, under the non-finite mark
                     ax.plot(
                         x[top],
@@ -227,6 +353,7 @@ def _draw(
                         ls="none",
                         transform=ax.get_xaxis_transform(),
                         label=label,
+                        gid=f"skipped_{code}_nonfinite",
                     )
             ax.set_ylabel("loss")
         elif key == "grad_norm":
@@ -237,11 +364,17 @@ def _draw(
                 ax.plot(
                     x, np.where(np.isfinite(clip), clip, np.nan), "--", lw=1, color="tab:red", label="clip threshold"
                 )
+            _grad_spikes(ax, x, y, clip, grad_spike & finite, outcome)
             if finite.any() and (y[finite] > 0).all():
                 ax.set_yscale("log")
             ax.set_ylabel("grad norm")
-        elif key in ("update_ratio", "memory_gb"):
-            ax.plot(x[finite], y[finite], "o", ms=3, color="tab:brown")
+        elif key in _MEASURED_ON:
+            few = int(finite.sum()) < _FEW_POINTS
+            style: dict[str, Any] = {"ls": "none", "ms": 4} if few else {"ls": "-", "lw": 1, "ms": 2}
+            ax.plot(x[finite], y[finite], marker="o", color="tab:brown", gid=key, **style)
+            if few:  # a line through a handful of points would invent the steps between them
+                note = f"{int(finite.sum())} value(s), measured on {_MEASURED_ON[key]} only: points, not a curve"
+                ax.set_title(note, loc="left", fontsize=7, gid=f"{key}_note")
             if key == "update_ratio" and finite.any() and (y[finite] > 0).all():
                 ax.set_yscale("log")
             ax.set_ylabel("update / param\nnorm ratio" if key == "update_ratio" else "peak memory (GB)")
@@ -254,7 +387,17 @@ def _draw(
         bad = np.isinf(y) | (np.isnan(y) & (key in _DENSE) & (outcome != _DATA_SKIP))
         if bad.any():
             top = ax.get_xaxis_transform()
-            ax.plot(x[bad], np.ones(int(bad.sum())), "x", color="magenta", ms=7, mew=1.5, clip_on=False, transform=top)
+            ax.plot(
+                x[bad],
+                np.ones(int(bad.sum())),
+                "x",
+                color="magenta",
+                ms=7,
+                mew=1.5,
+                clip_on=False,
+                in_layout=False,
+                transform=top,
+            )
             ax.plot([], [], "x", color="magenta", mew=1.5, label="non-finite value (top edge)")
         ax.grid(True, alpha=0.3)
     for event in (e for e in events if e.get("kind") == "rollback"):
@@ -289,3 +432,71 @@ def _draw(
             ax.legend(unique.values(), unique.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     axes[-1].set_xlabel("step")
     return fig
+
+
+def _apart(steps: Any, values: Any, gap: float, most: int = 12) -> list[tuple[float, float]]:
+    """The values to write beside their off-scale markers: the farthest first, none within ``gap`` steps of one
+    written (so the labels of neighbouring steps do not overlap), at most ``most``."""
+    chosen: list[tuple[float, float]] = []
+    for i in sorted(range(len(steps)), key=lambda i: -abs(float(values[i]))):
+        if len(chosen) < most and all(abs(float(steps[i]) - s) > gap for s, _ in chosen):
+            chosen.append((float(steps[i]), float(values[i])))
+    return chosen
+
+
+def _grad_spikes(ax: Axes, x: Any, norm: Any, clip: Any, spike: Any, outcome: Any) -> None:
+    """The gradient-norm spikes on their panel: a ring on each; an applied one clipped as a drop from its norm to
+    the clip it got, an applied one not clipped as a diamond, a skipped one as the skip's square."""
+    import numpy as np
+
+    applied = spike & (outcome == 0)
+    cut = applied & np.isfinite(clip) & (norm > clip)
+    ax.plot(
+        x[spike],
+        norm[spike],
+        "o",
+        ms=10,
+        mfc="none",
+        mec="red",
+        mew=1.5,
+        zorder=3,
+        label="gradient-norm spike" if spike.any() else None,
+        gid="grad_norm_spikes",
+    )
+    if cut.any():
+        ax.vlines(x[cut], clip[cut], norm[cut], colors="tab:orange", lw=1.5, zorder=3)
+    ax.plot(
+        x[cut],
+        clip[cut],
+        "v",
+        ms=7,
+        color="tab:orange",
+        ls="none",
+        zorder=4,
+        label="spike applied, clipped to the threshold" if cut.any() else None,
+        gid="spikes_applied_clipped",
+    )
+    whole = applied & ~cut
+    ax.plot(
+        x[whole],
+        norm[whole],
+        "D",
+        ms=5,
+        color="tab:orange",
+        ls="none",
+        zorder=4,
+        label="spike applied, not clipped" if whole.any() else None,
+        gid="spikes_applied",
+    )
+    skipped = spike & (outcome == 3)
+    _, label, marker, color = SKIP_REASONS[3]
+    ax.plot(
+        x[skipped],
+        norm[skipped],
+        marker,
+        ms=5,
+        color=color,
+        ls="none",
+        label=label if skipped.any() else None,
+        gid="grad_norm_spikes_skipped",
+    )

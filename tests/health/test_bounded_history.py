@@ -218,3 +218,91 @@ def test_new_levels_are_not_counted_as_loss_spikes() -> None:
         reporter.history.extend(raw[start : start + 250])
     assert reporter.history.totals["loss_spikes"] == spikes
     assert reporter.summary()["loss_spikes"] == spikes
+
+
+def record(reporter: HealthReporter, rows: list[dict[str, float]]) -> None:
+    """``rows`` (columns by name, NaN where missing) recorded in the history as the monitor does, then taken to the
+    host as on a logging step."""
+    from lightning_stability.health.history import COLUMNS
+
+    for row in rows:
+        values = torch.tensor([row.get(c, math.nan) for c in COLUMNS[:-1]], dtype=torch.float32)
+        index = reporter.history.add(int(row["step"]), [values], {}, torch.device("cpu"))
+        reporter.history.set_outcome(index, int(row.get("outcome", 0)))
+    reporter.take_rows(reporter.history.pending_on_host(), {})
+
+
+def test_every_step_not_applied_as_it_came_is_an_event() -> None:
+    """A non-finite step, an fp16 overflow, the data window after a rollback (one event per stretch, also across two
+    logging steps) and, under "clip", each step ZClip clipped: each an event with the step's outcome by name."""
+    base = {"loss": 1.0, "grad_norm": 1.0, "clip_threshold": math.inf, "loss_spike": 0.0, "grad_spike": 0.0}
+    rows = [{**base, "step": float(s)} for s in range(12)]
+    rows[2].update(loss=math.nan, grad_norm=math.nan, outcome=2)
+    rows[3].update(outcome=1)
+    rows[5].update(grad_norm=3.0, clip_threshold=2.0)  # clipped by ZClip, no spike
+    for s in (7, 8, 9, 10):  # the rollback step, then the data window
+        rows[s].update(outcome=4)
+    reporter = HealthReporter("clip", 6.0, 0.9, 5)
+    reporter.add_events([{"step": 7, "kind": "rollback", "to_step": 4, "detail": "restored"}])
+    record(reporter, rows[:10])
+    record(reporter, rows[10:])  # the next logging step
+    kinds = [(e["step"], e["kind"], e.get("outcome")) for e in reporter.events]
+    assert kinds == [
+        (2, "skip", "skipped_nonfinite"),
+        (3, "skip", "skipped_scaler"),
+        (5, "clip", "applied"),
+        (7, "rollback", None),
+        (8, "data_skip", "skipped_rollback"),
+    ]
+    assert reporter.events[0]["detail"] == "a non-finite loss and gradient norm: update skipped"
+    assert reporter.events[2]["detail"].startswith("gradient norm 3 clipped to ZClip's adaptive threshold 2")
+    assert reporter.events[4]["last_step"] == 10 and reporter.events[4]["detail"].startswith("steps 8-10: ")
+    assert reporter.summary()["clipped_steps"] == 1
+    # under "warn" nothing clips: a step over an inf threshold is no event
+    calm = HealthReporter("warn", 6.0, 0.9, 5)
+    record(calm, [{**base, "step": 0.0}, {**base, "step": 1.0, "grad_norm": 3.0}])
+    assert calm.events == []
+
+
+def test_the_event_cap_drops_the_most_numerous_kind_first() -> None:
+    """Routine events (ZClip's clips, an fp16 run's overflows) never push the run's spikes out of the report."""
+    reporter = HealthReporter("clip", 6.0, 0.9, 5)
+    reporter.add_events([{"step": s, "kind": "spike", "detail": ""} for s in (3, 5)])
+    reporter.add_events([{"step": s, "kind": "clip", "detail": ""} for s in range(10, 10 + MAX_EVENTS + 50)])
+    assert len(reporter.events) == MAX_EVENTS and reporter.events_dropped == 52
+    assert [e["step"] for e in reporter.events[:3]] == [3, 5, 62]  # the spikes, then the newest clips
+    assert reporter.events[-1]["step"] == 10 + MAX_EVENTS + 49
+
+
+def test_pending_rows_of_a_checkpoint_without_the_update_ratio_column_load() -> None:
+    """A checkpoint written before the update ratio was a device column holds pending rows of eight columns: they
+    load by name, the update ratio NaN."""
+    from lightning_stability.health.history import _COLUMNS_V2, COLUMNS
+
+    old = [float(10 * r + c) for r in range(2) for c in range(len(_COLUMNS_V2))]
+    history = HealthHistory()
+    history.load_state_dict({"version": 2, "pending": {"labels": [5, 6], "host": [{}, {}], "rows": old}})
+    flat = history.pending_on_host()
+    rows = [dict(zip(COLUMNS, flat[i * len(COLUMNS) : (i + 1) * len(COLUMNS)], strict=True)) for i in range(2)]
+    assert [r["outcome"] for r in rows] == [7.0, 17.0] and [r["loss_scale"] for r in rows] == [6.0, 16.0]
+    assert all(math.isnan(r["update_ratio"]) for r in rows)
+
+
+def test_a_checkpoint_saved_before_the_spike_counts_gets_them_from_its_rows() -> None:
+    """A version-2 history saved before the gradient-norm spike, applied-spike and clipped-step counts: a run short
+    enough to have no buckets gets them exact from its rows."""
+    rows_ = [
+        {"step": float(s), "loss": 1.0, "grad_norm": 3.0 if s in (4, 9) else 1.0, "clip_threshold": 2.0}
+        | {"loss_spike": 0.0, "grad_spike": 1.0 if s == 9 else 0.0, "outcome": 0.0}
+        for s in range(12)
+    ]
+    history = HealthHistory()
+    history.extend(rows_)
+    state = history.state_dict()
+    for key in ("grad_norm_spikes", "spikes_applied", "clipped_steps"):
+        state["totals"].pop(key)
+    restored = HealthHistory()
+    restored.load_state_dict(state)
+    assert restored.totals == history.totals
+    assert (restored.totals["grad_norm_spikes"], restored.totals["spikes_applied"]) == (1, 1)
+    assert restored.totals["clipped_steps"] == 2
