@@ -7,6 +7,9 @@ the mean over the grid of min(final loss, initial loss) minus the best final los
 weights per seed:
 
 * **bare** -- a plain ``lightning.pytorch.Trainer``: the model's AdamW at the grid's LR, no callbacks of the package.
+* **careful** -- what a careful Lightning user sets without the package: ``Trainer(gradient_clip_val=0.5)`` (the
+  "gpt" preset's ``max_norm``) and the preset's LR shape (5% linear warmup, constant, cosine to 0 over the last 20%)
+  as a ``LambdaLR`` the module returns, stepped every optimizer step.
 * **preset** -- the "gpt" preset without its early action: ``StableTrainer.from_preset("gpt", precision="32-true",
   lr_backoff=None)``: ``GradientNormMonitor(max_norm=0.5)``, ``WarmupConstantCosineLR`` (5% warmup, constant, cosine
   to 0 over the last 20%), ``TrainingHealthMonitor(response="skip", skip_on="loss")`` (the preset's own: a loss
@@ -48,8 +51,8 @@ Figures, per arm:
   over every run of the arm; no fault is injected in this benchmark, so every skip is a false alarm or a
   genuine divergence).
 
-Run: ``python -m benchmarks.lr_sensitivity`` (6 LRs x 3 seeds x 4 arms = 72 runs, ~10 s each on a 2-core machine
-with a load average of 3, so about 12 minutes),
+Run: ``python -m benchmarks.lr_sensitivity`` (6 LRs x 3 seeds x 5 arms = 90 runs, ~10 s each on a 2-core machine
+with a load average of 3, so about 15 minutes),
 ``--quick`` for a smoke run (2 LRs, 1 seed, a tiny model: seconds). ``--help`` lists every option.
 """
 
@@ -70,7 +73,12 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from benchmarks.scores import best_final_loss, lr_sensitivity, max_trainable_lr, spike_score
-from lightning_stability import StableTrainer, TrainingDivergedError, TrainingHealthMonitor
+from lightning_stability import (
+    StableTrainer,
+    TrainingDivergedError,
+    TrainingHealthMonitor,
+    WarmupConstantCosineSchedule,
+)
 from lightning_stability.demo.model import Corpus, CorpusWindows, load_corpus
 from lightning_stability.precursors.callback import LRBackoff, PrecursorMonitor
 from lightning_stability.presets import get_preset
@@ -84,14 +92,23 @@ EVAL_WINDOWS, EVAL_SEED, HEADS = 256, 10**6, 4
 class PreLNLM(pl.LightningModule):
     """A decoder-only pre-LN transformer LM; nothing stability-specific in it."""
 
-    def __init__(self, vocab: int, width: int, layers: int, context: int, lr: float, init: str = "torch") -> None:
+    def __init__(
+        self,
+        vocab: int,
+        width: int,
+        layers: int,
+        context: int,
+        lr: float,
+        init: str = "torch",
+        schedule_steps: int | None = None,
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.pos = nn.Parameter(torch.zeros(1, context, width))
         block = nn.TransformerEncoderLayer(width, HEADS, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
         self.blocks = nn.TransformerEncoder(block, layers, norm=nn.LayerNorm(width), enable_nested_tensor=False)
         self.head = nn.Linear(width, vocab)
-        self.lr = lr
+        self.lr, self.schedule_steps = lr, schedule_steps
         if init == "gpt2":  # GPT-2's: every weight N(0, 0.02), biases 0 (torch's defaults are wider)
             for name, p in self.named_parameters():
                 if p.dim() > 1 and name != "pos":
@@ -111,8 +128,16 @@ class PreLNLM(pl.LightningModule):
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         return self.loss(batch)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+    def configure_optimizers(self) -> Any:
+        """AdamW; with ``schedule_steps``, also the "gpt" preset's LR shape over that many steps, as a ``LambdaLR``."""
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+        if self.schedule_steps is None:
+            return optimizer
+        gpt = get_preset("gpt")
+        shape = WarmupConstantCosineSchedule(warmup=gpt.warmup, decay=gpt.decay, min_lr_ratio=gpt.min_lr_ratio)
+        total = self.schedule_steps
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda n: shape(min(n, total), total))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
 class Recorder(pl.Callback):
@@ -136,6 +161,11 @@ def split(corpus: Corpus, start: float, end: float) -> Corpus:
 # ---------------------------------------------------------------------------------------------- the arms
 def bare_trainer(common: dict[str, Any]) -> pl.Trainer:
     return pl.Trainer(**common)
+
+
+def careful_trainer(common: dict[str, Any]) -> pl.Trainer:
+    """Lightning's own clipping at the "gpt" preset's norm; the schedule is the module's (:data:`OWN_SCHEDULE`)."""
+    return pl.Trainer(gradient_clip_val=get_preset("gpt").max_norm, **common)
 
 
 def preset_trainer(common: dict[str, Any], **overrides: Any) -> pl.Trainer:
@@ -163,10 +193,13 @@ def preset_early_qk_trainer(common: dict[str, Any]) -> pl.Trainer:
 #: Each arm's Trainer factory.
 ARMS: dict[str, Callable[[dict[str, Any]], pl.Trainer]] = {
     "bare": bare_trainer,
+    "careful": careful_trainer,
     "preset": preset_trainer,
     "preset+early": preset_early_trainer,
     "preset+early+qk": preset_early_qk_trainer,
 }
+#: the arms whose module returns its own LR scheduler
+OWN_SCHEDULE = frozenset({"careful"})
 
 
 @dataclass
@@ -197,7 +230,7 @@ def evaluate(model: PreLNLM, batch: Tensor) -> float:
 
 
 def run_once(
-    make: Callable[[dict[str, Any]], pl.Trainer],
+    arm: str,
     lr: float,
     seed: int,
     train: Corpus,
@@ -207,7 +240,8 @@ def run_once(
 ) -> Run:
     """Train one seed at one LR in one arm; the same initial weights and batches in every arm."""
     pl.seed_everything(seed, verbose=False)
-    model = PreLNLM(train.vocab, args.width, args.layers, args.context, lr, args.init)
+    schedule = args.steps if arm in OWN_SCHEDULE else None
+    model = PreLNLM(train.vocab, args.width, args.layers, args.context, lr, args.init, schedule)
     initial = evaluate(model, eval_batch)
     data = DataLoader(CorpusWindows(train, args.steps * args.batch, args.context, seed), batch_size=args.batch)
     recorder = Recorder()
@@ -223,7 +257,7 @@ def run_once(
         default_root_dir=root,
         callbacks=[recorder],
     )
-    trainer = make(common)
+    trainer = ARMS[arm](common)
     try:
         trainer.fit(model, data)
         final = evaluate(model, eval_batch)
@@ -337,7 +371,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
         ):  # seeds outermost, arms back to back: drift on a shared machine hits all
             for lr in args.lrs:
                 for arm in arms:
-                    run = run_once(ARMS[arm.name], lr, seed, train, eval_batch, args, root)
+                    run = run_once(arm.name, lr, seed, train, eval_batch, args, root)
                     arm.runs.setdefault(lr, []).append(run)
     threshold, unigram = bigram_loss(train, eval_batch), corpus.unigram_loss
     for line in table(arms, args, threshold, unigram):

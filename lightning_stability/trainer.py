@@ -341,9 +341,27 @@ class EffectiveBatchCheck(Callback):
             rank_zero_warn(message)
 
 
+#: ``top_modules`` for ``per_layer=True``: more than any model's module count, so every module's ratio is logged
+EVERY_MODULE = 2**31 - 1
+
+
+def _health(preset: Preset) -> TrainingHealthMonitor | None:
+    """The preset's health monitor; its ``top_modules`` follows ``per_layer`` (``False``: the monitor's default)."""
+    if preset.health is None:
+        return None
+    kwargs: dict[str, Any] = {"skip_on": preset.skip_on if preset.health == "skip" else "any"}
+    if preset.per_layer is not False:
+        kwargs["top_modules"] = EVERY_MODULE if preset.per_layer is True else int(preset.per_layer)
+    return TrainingHealthMonitor(response=preset.health, **kwargs)
+
+
 #: the preset's callbacks, in the order they are attached
 _PARTS = (
-    _Part(GradientNormMonitor, lambda p, a: GradientNormMonitor(max_norm=p.max_norm), "max_norm"),
+    _Part(
+        GradientNormMonitor,
+        lambda p, a: GradientNormMonitor(max_norm=p.max_norm, per_layer=p.per_layer),
+        "max_norm, per_layer",
+    ),
     _Part(
         WarmupConstantCosineLR,
         lambda p, a: (
@@ -369,12 +387,8 @@ _PARTS = (
     ),
     _Part(
         TrainingHealthMonitor,
-        lambda p, a: (
-            TrainingHealthMonitor(response=p.health, skip_on=p.skip_on if p.health == "skip" else "any")
-            if p.health is not None
-            else None
-        ),
-        "health, skip_on",
+        lambda p, a: _health(p),
+        "health, skip_on, per_layer",
         "health=None",
     ),
     _Part(

@@ -68,12 +68,10 @@ def fit_gpt_preset(logger: Any, root: Path, steps: int = 4, every: int = 2) -> p
         logger=logger,
         default_root_dir=root,
         checkpoint=False,
+        per_layer=True,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    # the preset's own monitor (a second GradientNormMonitor in callbacks= is refused), per module
-    monitor = next(cb for cb in trainer.callbacks if isinstance(cb, GradientNormMonitor))  # type: ignore[attr-defined]
-    monitor.per_layer = True
     torch.manual_seed(0)
     trainer.fit(TwoGroupLM())
     return trainer

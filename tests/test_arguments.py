@@ -254,6 +254,7 @@ ENTRIES: dict[str, Entry] = {
             "health": ["panic"],
             "skip_on": ["grad", None],
             "lr_backoff": [0, -0.1, float("nan"), "0.02"],
+            "per_layer": [0, "all"],
             "checkpoint": [None],
             "watchdog": [1],
             "sources": [3],

@@ -5,11 +5,16 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from benchmarks import lr_sensitivity
+from lightning_stability import WarmupConstantCosineSchedule, get_preset
 
 
 @pytest.fixture
@@ -69,3 +74,41 @@ def test_gpt2_init_draws_every_weight_from_n_0_002_and_zeroes_the_biases() -> No
     torch.manual_seed(0)
     default = lr_sensitivity.PreLNLM(vocab=50, width=32, layers=2, context=16, lr=1e-3)
     assert float(default.embed.weight.std()) > 0.5  # torch's N(0, 1) embedding: what --init gpt2 changes
+
+
+class _LRs(pl.Callback):
+    """The LR each optimizer step applies."""
+
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+
+def test_the_careful_arm_clips_with_lightning_and_warms_up_with_the_presets_shape(tmp_path: Path) -> None:
+    steps, lr = 40, 1e-2
+    corpus = lr_sensitivity.load_corpus()
+    torch.manual_seed(0)
+    model = lr_sensitivity.PreLNLM(corpus.vocab, 16, 1, 8, lr, schedule_steps=steps)
+    data = DataLoader(lr_sensitivity.CorpusWindows(corpus, steps * 2, 8, 0), batch_size=2)
+    seen = _LRs()
+    common: dict[str, Any] = dict(
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        callbacks=[seen],
+    )
+    trainer = lr_sensitivity.ARMS["careful"](common)
+    trainer.fit(model, data)
+    gpt = get_preset("gpt")
+    assert trainer.gradient_clip_val == gpt.max_norm and not any(
+        type(cb).__module__.startswith("lightning_stability") for cb in trainer.callbacks
+    )
+    shape = WarmupConstantCosineSchedule(warmup=gpt.warmup, decay=gpt.decay, min_lr_ratio=gpt.min_lr_ratio)
+    assert seen.lrs == pytest.approx([lr * shape(n, steps) for n in range(steps)])
+    assert "careful" in lr_sensitivity.OWN_SCHEDULE and seen.lrs[0] < seen.lrs[5] == pytest.approx(lr)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import csv
 import logging
 import math
 import os
@@ -17,6 +18,7 @@ import pytest
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger
 
 from lightning_stability import (
     AtomicCheckpointIO,
@@ -37,6 +39,7 @@ from lightning_stability.precursors import LRBackoff, PrecursorMonitor
 from lightning_stability.presets import FIELDS, PRESETS, batch_mismatch, get_preset, layout
 from lightning_stability.trainer import EffectiveBatchCheck
 from tests.helpers import TinyModule, count_syncs_per_step
+from tests.precursors.tiny_lm import TinyLM
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*LitLogger.*")
@@ -244,6 +247,7 @@ REACHES: dict[str, tuple[str, Any, dict[str, Any], Callable[[pl.Trainer], Any]]]
     "health": ("gpt", "rollback", {}, attr(TrainingHealthMonitor, "response")),
     "skip_on": ("gpt", "any", {}, attr(TrainingHealthMonitor, "skip_on")),
     "lr_backoff": ("gpt", 0.05, {}, lambda t: getattr(attr(PrecursorMonitor, "lr_backoff")(t), "threshold", None)),
+    "per_layer": ("gpt", 3, {}, attr(GradientNormMonitor, "per_layer")),
     "checkpoint": ("gpt", False, {}, lambda t: one(t, StableCheckpoint) is not None),
     "watchdog": ("175b", False, {"devices": 2}, lambda t: t.strategy._timeout != default_pg_timeout),
 }
@@ -269,6 +273,61 @@ def test_every_field_overridden_reaches_what_it_configures(
     assert getattr(trainer.preset, field) == value
 
 
+# ------------------------------------------------------------------ per_layer: the per-module figures, logged
+def _logged_parts(tmp_path: Any, per_layer: bool | int) -> tuple[set[str], list[dict[str, set[str]]]]:
+    """A real fit of the "gpt" preset with ``per_layer``: the model's modules that own parameters, and per
+    CSV row (one per logging step) the parts logged under each ``stability/<figure>_by_module/``."""
+    logger = CSVLogger(tmp_path, name="", version="")
+    trainer = StableTrainer.from_preset(
+        "gpt",
+        per_layer=per_layer,
+        precision="32-true",
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        log_every_n_steps=2,
+        logger=logger,
+        checkpoint=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    torch.manual_seed(0)
+    model = TinyLM()
+    trainer.fit(model)
+    owners = {name for name, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None}
+    with open(os.path.join(logger.log_dir, "metrics.csv"), newline="") as f:
+        rows = list(csv.DictReader(f))
+    figures = ("grad_norm", "update_ratio")
+    parts = [
+        {
+            fig: {k.split("/")[-1] for k, v in row.items() if v and k.startswith(f"stability/{fig}_by_module/")}
+            for fig in figures
+        }
+        for row in rows
+    ]
+    return owners, parts
+
+
+def test_per_layer_logs_every_modules_gradient_norm_and_update_ratio(tmp_path: Any) -> None:
+    owners, rows = _logged_parts(tmp_path, True)
+    assert len(owners) > 5 and len(rows) == 2  # more modules than the health monitor's default 5; 2 logging steps
+    for row in rows:
+        assert row == {"grad_norm": owners, "update_ratio": owners}
+
+
+def test_per_layer_k_logs_the_k_largest_of_each_and_false_no_gradient_norm_per_module(tmp_path: Any) -> None:
+    owners, rows = _logged_parts(tmp_path / "k", 2)
+    assert [{fig: len(parts) for fig, parts in row.items()} for row in rows] == [
+        {"grad_norm": 2, "update_ratio": 2}
+    ] * 2
+    assert all(parts <= owners for row in rows for parts in row.values())
+    _, rows = _logged_parts(tmp_path / "off", False)
+    assert [{fig: len(parts) for fig, parts in row.items()} for row in rows] == [
+        {"grad_norm": 0, "update_ratio": 5}
+    ] * 2
+
+
 # ------------------------------------------------------------------ bad fields get the package's error
 @pytest.mark.parametrize(
     ("field", "value"),
@@ -287,6 +346,8 @@ def test_every_field_overridden_reaches_what_it_configures(
         ("skip_on", "grad"),
         ("lr_backoff", 0),
         ("lr_backoff", "0.02"),
+        ("per_layer", 0),
+        ("per_layer", "all"),
     ],
 )
 def test_a_bad_field_is_an_error_naming_it(field: str, value: Any) -> None:

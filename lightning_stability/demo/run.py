@@ -32,11 +32,12 @@ from lightning_stability.trainer import StableTrainer
 BATCH, CONTEXT = 16, 64
 DIVERGE_MARGIN = 1.0  # a loss above ln(V) + this is worse than guessing: diverged
 STALL_MARGIN = 0.1  # a final loss above unigram - this has learned nothing beyond letter frequencies: stalled
-#: CPU threads of the demo in all, split among its processes (``--devices 2``: 1 each), whatever the machine.
-#: A matmul's or a reduction's float sums are split among the threads, so their last bits follow the thread
-#: count, and this fragile run grows those bits into different figures: on the 2-core machine 1 thread ended
-#: the preset's run at 2.507 with 8 skipped steps, 2 threads at 2.477 with 1 (torch's default is one per core).
-DEMO_THREADS = 2
+#: CPU threads of the demo in all, split among its processes (at least 1 each), whatever the machine: fixed, because
+#: a matmul's or a reduction's float sums are split among the threads, so their last bits follow the thread count,
+#: and this fragile run grows those bits into different figures. One, because the model is tiny: a second thread
+#: saves little on an idle machine, and where other work holds the cores each of its ops waits at a barrier for a
+#: thread the scheduler parked, far more than a fair share (``benchmarks/demo_load.py``).
+DEMO_THREADS = 1
 
 
 @dataclass(frozen=True)
