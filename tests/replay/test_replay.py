@@ -5,23 +5,28 @@ run naming the device, a fault in the replay itself, nondeterminism."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_stability import StableCheckpoint, TrainingHealthMonitor
+from lightning_stability import StableCheckpoint, StableTrainer, TrainingHealthMonitor
 from lightning_stability.errors import StabilityConfigError
 from lightning_stability.ledger import Outcome, StepLedger
 from lightning_stability.replay import BitFlip, FailingDeviceError, PoisonedSamples, StepReplay, read_quarantine
-from tests.helpers import TinyModule, make_data, quiet_trainer
+from tests.helpers import TinyModule, count_syncs_per_step, make_data, quiet_trainer
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class IndexedData(Dataset):  # type: ignore[type-arg]
@@ -249,3 +254,68 @@ def test_refused_under_fp16_loss_scaling_and_with_manual_optimization(tmp_path: 
         quiet_trainer(callbacks=[TrainingHealthMonitor(report=False), StepReplay()], max_steps=2).fit(Manual())
     with pytest.raises(StabilityConfigError, match="max_faults"):
         StepReplay(max_faults=0)
+
+
+def test_the_quarantine_survives_a_sigkill_and_the_resume_never_loads_it(tmp_path: Path) -> None:
+    """Killed with SIGKILL three steps after the quarantine; resumed with ckpt_path="last" to the end of the third
+    epoch: the quarantine is back, and no quarantined sample is loaded again, in that epoch or the next two."""
+    script = Path(__file__).with_name("quarantine_kill_run.py")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    first = subprocess.run([sys.executable, str(script), str(tmp_path), "first"], env=env, capture_output=True)
+    assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
+    quarantined = json.loads((tmp_path / "quarantined.json").read_text())
+    assert 17 in quarantined
+    resumed = subprocess.run([sys.executable, str(script), str(tmp_path), "resume"], env=env, capture_output=True)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    result = json.loads((tmp_path / "resume.json").read_text())
+    assert result["quarantined"] == quarantined and result["steps"] == 36
+    assert not set(result["loaded"]) & set(quarantined)
+    assert len(result["loaded"]) > 2 * (96 - len(quarantined))  # it did train on: the rest of the epochs' samples
+
+
+def test_a_preset_with_replay_applies_a_transient_fault_as_replayed(tmp_path: Path) -> None:
+    """from_preset("gpt", replay=True) (bf16 autocast, the LR back-off, clipping): a bit flip is a transient fault
+    and the run ends bit-exact with the same preset run without one."""
+
+    def run(flip: bool) -> tuple[Model, pl.Trainer]:
+        torch.manual_seed(0)
+        model = Model(IndexedData())
+        if flip:
+            BitFlip(model, "net.5", step=15)
+        trainer = StableTrainer.from_preset(
+            "gpt",
+            replay=True,
+            accelerator="cpu",
+            max_steps=24,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            default_root_dir=tmp_path,
+        )
+        trainer.fit(model)
+        return model, trainer
+
+    clean, _ = run(False)
+    faulty, trainer = run(True)
+    (event,) = [e for e in StepLedger.of(trainer).events if e.get("kind") == "replay"]
+    assert event["cause"] == "transient" and event["step"] == 15
+    for a, b in zip(_weights(clean), _weights(faulty), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])
+def test_a_healthy_step_pays_one_host_read_and_nothing_else(optimizer: str) -> None:
+    """The decision to replay is the host's: one read of the step's flags per step (a sync on a GPU), the only one
+    StepReplay adds to a step that does not log (counted against the same Trainer without it)."""
+
+    def syncs(with_replay: bool) -> list[int]:
+        torch.manual_seed(0)
+        model = TinyModule(optimizer=optimizer)
+        callbacks: list[pl.Callback] = [TrainingHealthMonitor(response="skip", warmup_steps=3, report=False)]
+        if with_replay:
+            callbacks.append(StepReplay(quarantine_file=None))
+        trainer = quiet_trainer(callbacks=callbacks, max_steps=12, log_every_n_steps=50)
+        return count_syncs_per_step(trainer, model)
+
+    without, with_it = syncs(False), syncs(True)
+    assert [b - a for a, b in zip(without, with_it, strict=True)][1:-1] == [1] * (len(without) - 2)
