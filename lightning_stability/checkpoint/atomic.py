@@ -28,7 +28,7 @@ import sys
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 from lightning_stability import _compat
 from lightning_stability.checkpoint import checksums
@@ -88,24 +88,30 @@ def write_durably(path: Path, write: Callable[[BinaryIO], object], *, seal: bool
     """Create ``path`` (which must not exist), fill it with ``write(file)``, and ``fsync`` it; with ``seal``
     (``write`` does a ``torch.save``), record its checksum in it first (:func:`checksums.seal`)."""
     with open(path, "xb") as f:
-        write(f)
-        f.flush()
         if seal:
-            checksums.seal(path)
+            hashing = checksums.HashingFile(f)
+            write(cast(BinaryIO, hashing))
+            f.flush()
+            checksums.seal(path, hashing.hexdigest())
+        else:
+            write(f)
+            f.flush()
         os.fsync(f.fileno())
 
 
-def torch_save_durably(path: Path, obj: object) -> None:
+def torch_save_durably(path: Path, obj: object, *, seal: bool = True) -> None:
     """``torch.save(obj)`` into ``path`` (which must not exist and must have a suffix, e.g. ``.pt``: torch names
     the archive after the file's stem), then ``fsync``. Given a path, torch's own C++ writer writes the file
     without calling back into Python for every chunk, so a background save leaves the interpreter to the training
-    thread. Its checksum is recorded in it (:func:`checksums.seal`) before the ``fsync``."""
+    thread. Its checksum is recorded in it (:func:`checksums.seal`, read back) before the ``fsync``; ``seal=False``
+    (for comparisons) leaves it out."""
     import torch
 
     if os.path.lexists(path):
         raise FileExistsError(errno.EEXIST, "a checkpoint's hidden sibling already exists", str(path))
     torch.save(obj, str(path))
-    checksums.seal(path)
+    if seal:
+        checksums.seal(path)
     fd = os.open(path, os.O_RDWR)
     try:
         os.fsync(fd)

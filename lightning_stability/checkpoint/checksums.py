@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from lightning_stability import _compat
 
@@ -32,6 +33,7 @@ from lightning_stability import _compat
 KEY = "lightning_stability_checksums"
 ALGORITHM = "sha256"
 _CHUNK = 8 << 20
+_OVERLAP_MIN = 1 << 20  # smaller writes are hashed in line
 _EOCD = b"PK\x05\x06"  # the zip's end-of-central-directory record: its last 2 bytes are the comment's length
 _EOCD_SIZE = 22
 _PREFIX = f"lightning_stability {ALGORITHM} ".encode()
@@ -69,11 +71,41 @@ def _short(digest: str) -> str:
 
 
 # ---------------------------------------------------------------------- one torch.save file
-def seal(path: Path) -> None:
+class HashingFile:
+    """A file for ``torch.save(obj, f)`` that hashes what it writes. Each large buffer is hashed in a second
+    thread while the first writes it (both release the GIL): where a core is free, the hash costs little beyond
+    the write. Give :meth:`hexdigest` to :func:`seal`."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self._file = file
+        self._digest = hashlib.sha256()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_stability-hash")
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        if view.nbytes < _OVERLAP_MIN:
+            self._digest.update(view)
+            return self._file.write(view)
+        hashed = self._pool.submit(self._digest.update, view)  # the buffer stays valid until write returns
+        try:
+            return self._file.write(view)
+        finally:
+            hashed.result()
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def hexdigest(self) -> str:
+        self._pool.shutdown()
+        return self._digest.hexdigest()
+
+
+def seal(path: Path, digest: str | None = None) -> None:
     """Record the digest of the ``torch.save`` file at ``path`` (just written, not yet synced) in its zip comment.
 
-    The digest covers the file as torch wrote it (an empty comment); the comment then holds ``lightning_stability
-    sha256 <hex>``. A file that does not end in an empty-comment zip record (torch's legacy format) is left as is.
+    The digest covers the file as torch wrote it (an empty comment): ``digest`` when the writer computed it
+    (:class:`HashingFile`), else read back from the file. The comment then holds ``lightning_stability sha256
+    <hex>``. A file that does not end in an empty-comment zip record (torch's legacy format) is left as is.
     """
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -81,7 +113,7 @@ def seal(path: Path) -> None:
         end = f.read(_EOCD_SIZE)
     if len(end) != _EOCD_SIZE or not end.startswith(_EOCD) or end[-2:] != b"\x00\x00":
         return
-    comment = _PREFIX + digest_of(path).encode()
+    comment = _PREFIX + (digest or digest_of(path)).encode()
     with open(path, "r+b") as f:
         f.seek(size - 2)
         f.write(len(comment).to_bytes(2, "little") + comment)
@@ -181,4 +213,3 @@ def read_table(meta: Path) -> dict[str, Any] | None:
     data = torch.load(meta, map_location="cpu", weights_only=False, mmap=True)
     found = data.get(KEY) if isinstance(data, dict) else None
     return found if isinstance(found, dict) else None
-
