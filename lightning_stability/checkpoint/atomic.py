@@ -90,9 +90,12 @@ def write_durably(path: Path, write: Callable[[BinaryIO], object], *, seal: bool
     with open(path, "xb") as f:
         if seal:
             hashing = checksums.HashingFile(f)
-            write(cast(BinaryIO, hashing))
+            try:
+                write(cast(BinaryIO, hashing))
+            finally:
+                digest = hashing.hexdigest()  # also ends its thread
             f.flush()
-            checksums.seal(path, hashing.hexdigest())
+            checksums.seal(path, digest)
         else:
             write(f)
             f.flush()

@@ -96,6 +96,7 @@ class HashingFile:
         self._file.flush()
 
     def hexdigest(self) -> str:
+        """The digest of everything written; ends the hashing thread (call it once, when the writing is done)."""
         self._pool.shutdown()
         return self._digest.hexdigest()
 
