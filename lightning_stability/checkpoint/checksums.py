@@ -11,12 +11,12 @@ rename, a shard replaced by a copy tool). Every file of a checkpoint written by 
   and digest of every other file (each rank hashes the shard files it wrote, :func:`hash_own_files`; rank 0 the
   ``.metadata``), and is itself sealed.
 
-:func:`check_file` and :func:`check_table` recompute the digests and raise ``CheckpointError`` naming the file,
-the digest recorded and the digest found. A checkpoint written before checksums (or by another writer) has no
-digest: it is checked for completeness only, and :func:`check_file` says so by returning ``False``.
+:func:`check_file` and :func:`check_table` recompute the digests and raise :class:`DigestMismatch` naming the
+file, the digest recorded and the digest found (``atomic.py`` turns it into a ``CheckpointError`` naming the
+checkpoint). A checkpoint written before checksums (or by another writer) has no digest: it is checked for
+completeness only, and :func:`check_file` says so by returning ``False``.
 
-SHA-256 (``hashlib``, OpenSSL): ~0.8 GB/s on the CI's CPUs, faster than BLAKE2b there, and 2 GB/s or more on
-CPUs with SHA instructions; see benchmarks/README.md for its cost on a save.
+The hash is ``hashlib``'s SHA-256 (why, and what it costs a save: ``checksum_cost`` in benchmarks/README.md).
 """
 
 from __future__ import annotations
