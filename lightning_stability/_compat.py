@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import re
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, TypeGuard
 
@@ -518,6 +519,16 @@ def check_strategy_supported(strategy: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
+def dcp_file_writer_rank(name: str) -> int | None:
+    """The rank that wrote the shard file ``name`` of a ``torch.distributed.checkpoint`` directory, or ``None``.
+
+    ``FileSystemWriter`` names each rank's files ``__<rank>_<n>.distcp`` (the prefix its global plan gives each
+    rank's plan, in rank order); a name of another form is no rank's.
+    """
+    match = re.fullmatch(r"__(\d+)_\d+\.distcp", name)
+    return int(match.group(1)) if match else None
+
+
 def dcp_file_extents(metadata: Any) -> dict[str, int]:
     """The files a ``torch.distributed.checkpoint`` directory's metadata references, each with the size it needs.
 

@@ -1,4 +1,4 @@
-"""Command line: ``lightning-stability demo | plan | presets [NAME]``."""
+"""Command line: ``lightning-stability demo | plan | presets [NAME] | verify DIR``."""
 
 from __future__ import annotations
 
@@ -224,19 +224,53 @@ def _gpu_memory(text: str) -> str:
 
 
 def _quarantine(args: argparse.Namespace) -> int:
-    from lightning_stability.errors import StabilityConfigError
     from lightning_stability.replay.quarantine import read_quarantine
 
     try:
         entries = read_quarantine(args.file)
     except (OSError, ValueError) as err:
-        raise StabilityConfigError(str(err)) from err
+        raise _Refused(str(err)) from err
     total = sorted({int(i) for e in entries for i in e.get("indices", [])})
     print(f"{len(total)} sample(s) quarantined in {len(entries)} batch(es), from {args.file}")
     for e in entries:
         where = f"step {e.get('step')}, epoch {e.get('epoch')}, rank {e.get('rank')}, batch_idx {e.get('batch_idx')}"
         print(f"  {where} ({e.get('cause')}): {' '.join(str(i) for i in e.get('indices', []))}")
     return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from lightning_stability.checkpoint.survey import COMPLETE, FAILED, survey
+
+    directory = Path(args.dir)
+    fix = "Fix: pass the directory the checkpoints are saved in (StableCheckpoint's dirpath)"
+    if not directory.exists():
+        raise _Refused(f"{args.dir} does not exist. {fix}.")
+    if not directory.is_dir():
+        raise _Refused(f"{args.dir} is a file, not a directory of checkpoints. {fix}, e.g. {directory.parent}.")
+    rows = survey(directory)
+    if not rows:
+        raise _Refused(
+            f"{args.dir} holds no checkpoint (no *.ckpt or *.pt file, no sharded directory, no "
+            f"stable_checkpoints.json). {fix}."
+        )
+    print(f"{'step':>8}  {'healthy':<7}  {'verified':<8}  checkpoint")
+    for row in rows:
+        step = "?" if row.step is None else str(row.step)
+        print(f"{step:>8}  {'yes' if row.listed else '-':<7}  {row.status:<8}  {row.name}")
+    failed = [row for row in rows if row.status == FAILED]
+    for row in failed:
+        print(f"\n{row.name}: {row.detail}")
+    unchecked = sum(row.status == COMPLETE for row in rows)
+    print(
+        f"\n{len(rows)} checkpoint(s) in {directory}: {len(rows) - len(failed) - unchecked} verified (every file's "
+        f"checksum matches), {unchecked} complete without checksums (written by another writer or an older "
+        f"version), {len(failed)} failed. healthy: on stable_checkpoints.json (saved healthy by StableCheckpoint)."
+    )
+    return 1 if failed else 0
+
+
+class _Refused(Exception):
+    """A command's argument is unusable: exit status 2 with this message."""
 
 
 #: the exit status of a command whose reader went away (``plan | head``): 128 + SIGPIPE, what a shell reports for
@@ -365,6 +399,14 @@ def _run(argv: Sequence[str] | None) -> int:
     )
     quarantine.add_argument("file", help="a quarantine.json written by StepReplay, or a checkpoint of its run")
     quarantine.set_defaults(func=_quarantine)
+    verify = sub.add_parser(
+        "verify",
+        help="verify every checkpoint in a directory: step, healthy or not, checksums (exit 1 if any fails)",
+        description="List every checkpoint in DIR with its step, whether StableCheckpoint listed it as healthy, "
+        "and whether it verifies: complete, and every file's checksum as written. Exit status 1 if any fails.",
+    )
+    verify.add_argument("dir", metavar="DIR", help="the directory of the checkpoints (StableCheckpoint's dirpath)")
+    verify.set_defaults(func=_verify)
     args = parser.parse_args(argv)
     if args.command == "demo" and args.nan_at_step is not None and not -1 <= args.nan_at_step < args.steps:
         demo.error(
@@ -375,7 +417,7 @@ def _run(argv: Sequence[str] | None) -> int:
 
     try:
         return int(args.func(args))
-    except StabilityConfigError as err:
+    except (StabilityConfigError, _Refused) as err:
         parser.exit(2, f"lightning-stability {args.command}: {err}\n")
 
 

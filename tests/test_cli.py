@@ -286,3 +286,20 @@ def test_plan_without_a_preset_plans_a_plain_trainer_and_says_so(capsys: pytest.
     with pytest.raises(SystemExit):
         main(["plan", "--help"])
     assert "without --preset none, one replica per GPU" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("kind", ["missing", "file", "empty"])
+def test_verify_refuses_a_bad_directory_naming_it_and_the_fix(
+    tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = tmp_path / "ckpts"
+    if kind == "file":
+        target.write_bytes(b"x")
+    elif kind == "empty":
+        target.mkdir()
+    with pytest.raises(SystemExit) as info:
+        main(["verify", str(target)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.startswith(f"lightning-stability verify: {target} ")
+    assert {"missing": "does not exist", "file": "is a file", "empty": "holds no checkpoint"}[kind] in err
+    assert "Fix: pass the directory the checkpoints are saved in" in err

@@ -2,12 +2,15 @@
 
 * ``atomic.py``: pure file-system work: the hidden sibling, ``fsync``, publish by rename (a directory swapped in
   with ``renameat2(RENAME_EXCHANGE)``, or two renames and a record to recover from), removal, the clean-up of
-  what a crash left, and the completeness checks of a file or a sharded directory (:class:`CheckpointError`).
+  what a crash left, and the checks of a file or a sharded directory: complete, and its checksums as written
+  (:class:`CheckpointError`).
 * ``io.py``: :class:`AtomicCheckpointIO`, the ``CheckpointIO`` for single-device and DDP runs.
 * ``callback.py``: :class:`StableCheckpoint`, a ``ModelCheckpoint`` that saves only healthy states, keeps the
   newest ``keep``, resolves ``ckpt_path="last"`` to the newest that verifies, and saves and stops on a signal.
 * ``async_save.py``: ``StableCheckpoint(async_save=True)``: the state copied to host memory in the step, the write,
   ``fsync`` and publish in a background thread, one save in flight, listed once every rank agrees it succeeded.
+* ``checksums.py``: a SHA-256 of every file of a checkpoint, recorded as it is written and checked on load.
+* ``survey.py``: every checkpoint of a directory, verified (``lightning-stability verify DIR``).
 * ``ring.py``: ``stable_checkpoints.json``, the list of a directory's healthy checkpoints.
 * ``recover.py``: each fit's identity; the checkpoints a crash kept off the list, taken back at restart.
 * ``loader_state.py`` and ``rng.py``: exact mid-epoch resume of a plain ``DataLoader`` (the sampler replayed and

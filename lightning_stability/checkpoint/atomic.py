@@ -28,9 +28,10 @@ import sys
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 from lightning_stability import _compat
+from lightning_stability.checkpoint import checksums
 from lightning_stability.errors import check_instance, check_path
 
 PARTIAL_PREFIX = ".lsckpt-partial-"
@@ -83,24 +84,37 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def write_durably(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """Create ``path`` (which must not exist), fill it with ``write(file)``, and ``fsync`` it."""
+def write_durably(path: Path, write: Callable[[BinaryIO], object], *, seal: bool = False) -> None:
+    """Create ``path`` (which must not exist), fill it with ``write(file)``, and ``fsync`` it; with ``seal``
+    (``write`` does a ``torch.save``), record its checksum in it first (:func:`checksums.seal`)."""
     with open(path, "xb") as f:
-        write(f)
-        f.flush()
+        if seal:
+            hashing = checksums.HashingFile(f)
+            try:
+                write(cast(BinaryIO, hashing))
+            finally:
+                digest = hashing.hexdigest()  # also ends its thread
+            f.flush()
+            checksums.seal(path, digest)
+        else:
+            write(f)
+            f.flush()
         os.fsync(f.fileno())
 
 
-def torch_save_durably(path: Path, obj: object) -> None:
+def torch_save_durably(path: Path, obj: object, *, seal: bool = True) -> None:
     """``torch.save(obj)`` into ``path`` (which must not exist and must have a suffix, e.g. ``.pt``: torch names
     the archive after the file's stem), then ``fsync``. Given a path, torch's own C++ writer writes the file
     without calling back into Python for every chunk, so a background save leaves the interpreter to the training
-    thread."""
+    thread. Its checksum is recorded in it (:func:`checksums.seal`, read back) before the ``fsync``; ``seal=False``
+    (for comparisons) leaves it out."""
     import torch
 
     if os.path.lexists(path):
         raise FileExistsError(errno.EEXIST, "a checkpoint's hidden sibling already exists", str(path))
     torch.save(obj, str(path))
+    if seal:
+        checksums.seal(path)
     fd = os.open(path, os.O_RDWR)
     try:
         os.fsync(fd)
@@ -108,15 +122,16 @@ def torch_save_durably(path: Path, obj: object) -> None:
         os.close(fd)
 
 
-def save_file(target: Path, write: Callable[[BinaryIO], object]) -> None:
-    """Write one file atomically: ``write(file)`` into a hidden sibling, ``fsync``, then publish at ``target``.
+def save_file(target: Path, write: Callable[[BinaryIO], object], *, seal: bool = False) -> None:
+    """Write one file atomically: ``write(file)`` into a hidden sibling, ``fsync``, then publish at ``target``;
+    ``seal``: ``write`` does a ``torch.save``, whose checksum is recorded in the file (see :func:`write_durably`).
 
     Whatever happens, ``target`` holds the previous checkpoint or the new one, whole.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = partial_path(target, new_token())
     try:
-        write_durably(partial, write)
+        write_durably(partial, write, seal=seal)
         publish(partial, target)
     except BaseException:
         delete(partial)
@@ -250,15 +265,25 @@ def clean_directory(directory: Path) -> list[str]:
     return done
 
 
-# ---------------------------------------------------------------------- completeness
+# ---------------------------------------------------------------------- completeness and content
 def _broken(path: Path, what: str) -> CheckpointError:
     return CheckpointError(f"The checkpoint {path} is incomplete: {what}. Fix: {_BROKEN_FIX}.")
 
 
-def verify_file(path: Path, shown: Path | None = None) -> None:
-    """Check that a ``torch.save`` file is whole (its zip directory, at the end, is there and fits the file).
+def _damaged(path: Path, err: checksums.DigestMismatch, within: bool = True) -> CheckpointError:
+    what = f"{err.name}: {err.what}" if within else err.what
+    return CheckpointError(
+        f"The checkpoint {path} is damaged: {what}. It was published whole; its bytes changed "
+        "since (storage, a copy tool, a quota cutting a file). Fix: resume from another checkpoint (ckpt_path='last' "
+        "takes the newest that verifies), or delete this one."
+    )
 
-    Cheap: reads the archive's directory, not the tensors. Files in torch's legacy (non-zip) format pass.
+
+def verify_file(path: Path, shown: Path | None = None) -> bool:
+    """Check that a ``torch.save`` file is whole (its zip directory, at the end, is there and fits the file) and,
+    when it records a checksum, that its bytes match it. Returns whether a checksum was checked.
+
+    Files in torch's legacy (non-zip) format pass.
     """
     shown = shown or path
     size = path.stat().st_size
@@ -267,7 +292,7 @@ def verify_file(path: Path, shown: Path | None = None) -> None:
     with open(path, "rb") as f:
         is_zip = f.read(4) == b"PK\x03\x04"
     if not is_zip:
-        return
+        return False
     try:
         with zipfile.ZipFile(path) as archive:
             end = max((i.header_offset + i.compress_size for i in archive.infolist()), default=0)
@@ -275,13 +300,19 @@ def verify_file(path: Path, shown: Path | None = None) -> None:
         raise _broken(shown, f"the file is truncated ({size} bytes; its zip directory is missing: {err})") from err
     if end > size:
         raise _broken(shown, f"the file is truncated ({size} bytes; its records need {end})")
+    try:
+        return checksums.check_file(path)
+    except checksums.DigestMismatch as err:
+        raise _damaged(shown, err, within=False) from None
 
 
-def verify_sharded(path: Path, meta_file: str | None = "meta.pt") -> None:
-    """Check that a ``torch.distributed.checkpoint`` directory is whole.
+def verify_sharded(path: Path, meta_file: str | None = "meta.pt", share: tuple[int, int] = (0, 1)) -> bool:
+    """Check that a ``torch.distributed.checkpoint`` directory is whole and, when ``meta_file`` records
+    checksums, that every file matches them. Returns whether checksums were checked.
 
     Its ``.metadata`` must be readable, every file that metadata references present and long enough, and
-    ``meta_file`` (the rest of a Lightning checkpoint) present and whole.
+    ``meta_file`` (the rest of a Lightning checkpoint) present and whole. ``share``: ``(rank, world size)`` of a
+    load whose ranks split the reading of the shards (see :func:`checksums.check_table`).
     """
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -303,25 +334,50 @@ def verify_sharded(path: Path, meta_file: str | None = "meta.pt") -> None:
         raise _broken(
             path, f"shard file {name} is truncated ({(path / name).stat().st_size} bytes, {needed[name]} needed)"
         )
-    if meta_file is not None:
-        if not (path / meta_file).is_file():
-            raise _broken(path, f"{meta_file} (the loops, callbacks and ledger) is missing")
-        verify_file(path / meta_file, shown=path / meta_file)
+    if meta_file is None:
+        return False
+    if not (path / meta_file).is_file():
+        raise _broken(path, f"{meta_file} (the loops, callbacks and ledger) is missing")
+    verify_file(path / meta_file, shown=path / meta_file)
+    recorded = checksums.read_table(path / meta_file)
+    if recorded is None:
+        return False
+    try:
+        checksums.check_table(path, recorded, share)
+    except checksums.DigestMismatch as err:
+        raise _damaged(path, err) from None
+    return True
+
+
+def verify(
+    path: str | os.PathLike[str], meta_file: str | None = "meta.pt", share: tuple[int, int] = (0, 1)
+) -> tuple[Path, bool]:
+    """:func:`verify_checkpoint`, also saying whether checksums were checked (``False``: completeness only)."""
+    found = resolve(Path(path))
+    if found.is_dir():
+        return found, verify_sharded(found, meta_file, share)
+    return found, verify_file(found)
 
 
 def verify_checkpoint(path: str | os.PathLike[str], *, meta_file: str | None = "meta.pt") -> Path:
-    """Check that the checkpoint at ``path`` (a ``torch.save`` file or a sharded directory) is complete.
+    """Check that the checkpoint at ``path`` (a ``torch.save`` file or a sharded directory) is complete and that
+    its bytes are those written.
+
+    Checkpoints written by ``AtomicCheckpointIO``, ``StableCheckpoint`` and ``StableFSDPStrategy`` record a
+    SHA-256 of every file (see ``checkpoint/checksums.py``); each is recomputed. Checkpoints written without
+    (older ones, other writers) are checked for completeness only.
 
     Args:
         path: a checkpoint file, or a directory written by ``torch.distributed.checkpoint``.
         meta_file: the file a sharded directory must also hold (``StableFSDPStrategy`` and Lightning's FSDP
-            strategies write ``meta.pt``); ``None`` checks the shards only.
+            strategies write ``meta.pt``); ``None`` checks the shards' completeness only.
 
     Returns:
         The path to read: ``path``, or the previous checkpoint a crash left moved away (see :func:`resolve`).
 
     Raises:
-        CheckpointError: the checkpoint is incomplete; the message names the path and what is missing.
+        CheckpointError: the checkpoint is incomplete, or damaged (a file's size or checksum differs from what
+            was written); the message names the path, the file and what differs.
         FileNotFoundError: there is no checkpoint at ``path``.
 
     Example::
@@ -331,9 +387,4 @@ def verify_checkpoint(path: str | os.PathLike[str], *, meta_file: str | None = "
     check_path("path", path, "'checkpoints/last.ckpt'")
     if meta_file is not None:
         check_instance("meta_file", meta_file, str, "a file name or None", "'meta.pt'")
-    found = resolve(Path(path))
-    if found.is_dir():
-        verify_sharded(found, meta_file)
-    else:
-        verify_file(found)
-    return found
+    return verify(path, meta_file)[0]

@@ -515,14 +515,30 @@ class StableCheckpoint(ModelCheckpoint):
                 "run that last wrote the healthy list, which ended before listing it; it is whole and was healthy "
                 "when saved: back on the list."
             )
+        refused: list[str] = []
         for entry in listed.newest_first():
             path = directory / entry.name
             try:
-                return {str(_verified(path))}
+                found = _verified(path)
+                recover.check_listed(found, entry)
             except CheckpointError as err:
-                rank_zero_warn(f"StableCheckpoint: skipping a damaged checkpoint for ckpt_path='last': {err}")
+                refused.append(str(err))
+                continue
             except FileNotFoundError:
                 continue
+            if refused:
+                rank_zero_warn(
+                    f"StableCheckpoint: ckpt_path='last' resumes from {path} (step {entry.step}), the newest healthy "
+                    f"checkpoint of this run that verifies; {len(refused)} newer one(s) failed verification: "
+                    + " | ".join(refused)
+                )
+            return {str(found)}
+        if refused:
+            rank_zero_warn(
+                f"StableCheckpoint: no healthy checkpoint in {directory} verifies ({' | '.join(refused)}); "
+                "ckpt_path='last' finds nothing to resume from. Fix: pass ckpt_path= a checkpoint you trust, or "
+                "start fresh (ckpt_path=None)."
+            )
         return set()
 
 

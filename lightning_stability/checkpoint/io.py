@@ -68,7 +68,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             super().save_checkpoint(checkpoint, path)
             return
         self.prepare_directory(target.parent)
-        atomic.save_file(target, lambda f: torch.save(checkpoint, f))
+        atomic.save_file(target, lambda f: torch.save(checkpoint, f), seal=True)
 
     def load_checkpoint(
         self,

@@ -52,6 +52,23 @@ def _read_record(path: Path) -> dict[str, Any] | None:
     return found if isinstance(found, dict) else None
 
 
+def check_listed(path: Path, entry: Entry) -> None:
+    """Check that the checkpoint at ``path`` is the one the healthy list names: a ``StableCheckpoint`` save records
+    its name and step in itself, so a file or directory replaced whole by another one (of another step, or copied
+    over it) is refused. Checkpoints without the record (another writer's) pass.
+
+    Raises:
+        CheckpointError: it records another name or step; the message names both.
+    """
+    info = _read_record(path)
+    if info is None or (info.get("name") == entry.name and info.get("step") == entry.step):
+        return
+    raise CheckpointError(
+        f"The checkpoint {path} is not the one listed: the healthy list names it {entry.name} of step {entry.step}, "
+        f"it holds {info.get('name')} of step {info.get('step')} (replaced by a copy). Fix: restore it, or delete it."
+    )
+
+
 def unlisted_newer(listed: HealthyCheckpoints) -> list[Entry]:
     """The checkpoints the fit that last claimed ``listed`` published after its newest entry and a crash kept off
     it: whole (verified), carrying that fit's identity and their own name. Oldest first.

@@ -414,8 +414,9 @@ class StableFSDPStrategy(ParallelStrategy):
             # stager that stages in the background, which ours does not)
             future = getattr(shards, "upload_completion", shards)
             cast(Future, future).result()
+            files = ckpt.gather_checksums(partial, saves.dcp_group)  # each rank hashes its own shards
             if meta is not None:
-                ckpt.write_meta(meta, partial)
+                ckpt.write_meta(meta, partial, files)
 
         publish = (lambda: atomic.publish(partial, path)) if zero else (lambda: None)
         return [saves.submit(write, publish, partial if zero else None)]
@@ -472,10 +473,11 @@ class StableFSDPStrategy(ParallelStrategy):
             atomic.remove(Path(filepath))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Check the checkpoint is complete on every rank, then load it (a clear error otherwise, on every rank)."""
+        """Check the checkpoint is complete on every rank and its files' checksums (each rank a share of the
+        files), then load it (a clear error otherwise, on every rank)."""
         path = Path(self.broadcast(str(checkpoint_path)))
         try:
-            found = atomic.verify_checkpoint(path, meta_file=ckpt.META_FILE)
+            found, _ = atomic.verify(path, ckpt.META_FILE, share=(self.global_rank, self.world_size))
             error = None
         except (atomic.CheckpointError, FileNotFoundError) as err:
             found, error = path, str(err)

@@ -29,7 +29,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_stability import _compat
-from lightning_stability.checkpoint import atomic
+from lightning_stability.checkpoint import atomic, checksums
 from lightning_stability.errors import check_bool, check_path
 
 META_FILE = "meta.pt"
@@ -99,18 +99,41 @@ def save(checkpoint: dict[str, Any], partial: Path, *, full: bool, is_global_zer
 
     ``partial`` is the hidden sibling the strategy publishes afterwards: a new file (``full``, written by rank
     0) or an existing empty directory (sharded: every rank writes its shards, rank 0 adds ``meta.pt``). Every
-    file is ``fsync``-ed before this returns.
+    file is ``fsync``-ed before this returns, and its checksum recorded (``checkpoint/checksums.py``): each rank
+    hashes the shards it wrote, rank 0 records them all in ``meta.pt``.
     """
     if full:
         if is_global_zero:
-            atomic.write_durably(partial, lambda f: torch.save(checkpoint, f))
+            atomic.write_durably(partial, lambda f: torch.save(checkpoint, f), seal=True)
         return
     import torch.distributed.checkpoint as dcp
 
     tensors, rest = split_sharded(checkpoint)
     dcp.save(tensors, checkpoint_id=partial)  # FileSystemWriter fsyncs each shard file and .metadata
+    files = gather_checksums(partial)
     if is_global_zero:
-        write_meta(rest, partial)
+        write_meta(rest, partial, files)
+
+
+def gather_checksums(partial: Path, group: Any = None) -> dict[str, Any]:
+    """Every rank (after the shards are written): hash this rank's files of the sharded ``partial``; returns the
+    table of every rank's (one all-gather on ``group``). A rank that fails to hash raises on every rank."""
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank(group) if distributed else 0
+    try:
+        mine: tuple[dict[str, Any], str | None] = (checksums.hash_own_files(partial, rank), None)
+    except Exception as err:
+        mine = ({}, f"{type(err).__name__}: {err}")
+    parts = [mine]
+    if distributed:
+        parts = [({}, None)] * dist.get_world_size(group)
+        dist.all_gather_object(parts, mine, group=group)
+    failed = [(r, error) for r, (_, error) in enumerate(parts) if error is not None]
+    if failed:
+        raise atomic.CheckpointError(f"Hashing the shards of {partial} failed on rank {failed[0][0]}: {failed[0][1]}")
+    return checksums.table(files for files, _ in parts)
 
 
 def split_sharded(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -122,9 +145,11 @@ def split_sharded(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
     return tensors, rest
 
 
-def write_meta(rest: dict[str, Any], partial: Path) -> None:
-    """Rank 0: ``meta.pt`` (the checkpoint without weights and optimizer states) into the sharded ``partial``."""
-    atomic.write_durably(partial / META_FILE, lambda f: torch.save(rest, f))
+def write_meta(rest: dict[str, Any], partial: Path, files: dict[str, Any]) -> None:
+    """Rank 0: ``meta.pt`` (the checkpoint without weights and optimizer states, with the checksums of every other
+    file, ``files``) into the sharded ``partial``, sealed with its own checksum."""
+    meta = {**rest, checksums.KEY: files}
+    atomic.write_durably(partial / META_FILE, lambda f: torch.save(meta, f), seal=True)
 
 
 # ---------------------------------------------------------------------- load (all ranks call)
@@ -163,6 +188,7 @@ def load(path: Path, module: nn.Module, optimizers: list[Optimizer], *, strict: 
             if _OPTIM_KEY.format(i) in target:
                 set_optimizer_state_dict(module, optimizer, target[_OPTIM_KEY.format(i)])
         meta: dict[str, Any] = torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+        meta.pop(checksums.KEY, None)
         return meta
     checkpoint: dict[str, Any] = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     full = StateDictOptions(full_state_dict=True, strict=strict)
@@ -211,11 +237,12 @@ def consolidate_checkpoint(sharded_dir: str | Path, out_file: str | Path, *, wei
     model = merged.pop(_MODEL_KEY)
     out.parent.mkdir(parents=True, exist_ok=True)
     if weights_only:
-        atomic.save_file(out, lambda f: torch.save(model, f))
+        atomic.save_file(out, lambda f: torch.save(model, f), seal=True)
         return out
     checkpoint: dict[str, Any] = torch.load(src / META_FILE, map_location="cpu", weights_only=False)
+    checkpoint.pop(checksums.KEY, None)
     checkpoint[_MODEL_KEY] = model
     optimizer_keys = sorted((k for k in merged if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
     checkpoint["optimizer_states"] = [index_keyed(merged[k]) for k in optimizer_keys]
-    atomic.save_file(out, lambda f: torch.save(checkpoint, f))
+    atomic.save_file(out, lambda f: torch.save(checkpoint, f), seal=True)
     return out

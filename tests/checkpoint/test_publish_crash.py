@@ -161,3 +161,35 @@ def test_the_data_is_synced_before_the_rename_that_publishes_it(
     synced = [i for i, entry in enumerate(sync_log) if entry == ("fsync", source)]
     assert synced and synced[0] < published[-1], f"{source} was not fsynced before its rename: {sync_log}"
     assert ("fsync", str(tmp_path)) in sync_log[published[-1] :], "the directory entry was not made durable"
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc to name a file descriptor's path")
+def test_the_background_write_syncs_its_file_before_the_rename_that_publishes_it(
+    tmp_path: Path, sync_log: list[tuple[str, str]]
+) -> None:
+    """The same order for ``StableCheckpoint(async_save=True)``, whose background thread writes the file by path
+    (torch's own writer) and seals and syncs it itself."""
+    import lightning.pytorch as pl
+
+    from lightning_stability import AtomicCheckpointIO, StableCheckpoint
+    from tests.helpers import TinyModule, quiet_trainer
+
+    directory = tmp_path / "ckpts"
+    pl.seed_everything(0, verbose=False)
+    callback = StableCheckpoint(dirpath=directory, every_n_train_steps=1, keep=2, async_save=True)
+    trainer = quiet_trainer(
+        max_steps=1, plugins=[AtomicCheckpointIO()], callbacks=[callback], enable_checkpointing=True
+    )
+    trainer.fit(TinyModule(n=8))
+    target = directory / "epoch=0-step=1.ckpt"
+    published = [  # the checkpoint's sibling (a .pt: torch's writer wants a suffix), not the list's
+        i
+        for i, (what, path) in enumerate(sync_log)
+        if what == "rename" and atomic.is_sibling(Path(path).name) and path.endswith(".pt")
+    ]
+    assert target.is_file() and len(published) == 1, sync_log
+    source = sync_log[published[0]][1]
+    synced = [i for i, entry in enumerate(sync_log) if entry == ("fsync", source)]
+    assert synced and synced[0] < published[0], f"{source} was not fsynced before its rename: {sync_log}"
+    assert ("fsync", str(directory)) in sync_log[published[0] :], "the directory entry was not made durable"
+    assert atomic.verify(target) == (target, True)

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lightning_stability.checkpoint import recover
+from lightning_stability.checkpoint import AtomicCheckpointIO, recover
 from lightning_stability.checkpoint.ring import HealthyCheckpoints
 from tests.helpers import REPO
 
@@ -93,3 +93,19 @@ def test_only_whole_newer_checkpoints_of_the_listing_run_under_their_own_name_qu
     assert [(e.name, e.step, e.kind) for e in found] == [("step=3.ckpt", 3, "ring"), ("step=6.ckpt", 6, "last")]
     listed.run = None  # a list no fit claimed: nothing is taken back
     assert recover.unlisted_newer(listed) == []
+
+
+def test_a_newer_checkpoint_whose_bytes_changed_is_never_taken_back(tmp_path: Path) -> None:
+    """Whole (its zip parses, its record reads) but damaged: a byte of its weights flipped after the publish."""
+    listed = _listed(tmp_path, "fitA", [1, 2])
+    for step in (3, 4):
+        AtomicCheckpointIO().save_checkpoint(
+            {"w": torch.randn(4096), recover.RUN_KEY: recover.record("fitA", f"step={step}.ckpt", step, "ring")},
+            tmp_path / f"step={step}.ckpt",
+        )
+    path = tmp_path / "step=4.ckpt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10  # inside the weights
+    path.write_bytes(bytes(data))
+    assert recover._read_record(path) is not None  # readable: only its checksum tells
+    assert [(e.name, e.step) for e in recover.unlisted_newer(listed)] == [("step=3.ckpt", 3)]

@@ -1,0 +1,168 @@
+"""Checkpoints whose bytes changed after they were published whole are refused, naming the file and what differs.
+
+Real files written by the package's own writers (``AtomicCheckpointIO``, the sharded writer of
+``StableFSDPStrategy`` in one process), then damaged as storage or a copy tool would: a byte flipped, a file cut
+short after the rename, a shard or a whole checkpoint replaced by another step's.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_stability.checkpoint import AtomicCheckpointIO, CheckpointError, atomic, checksums, recover
+from lightning_stability.checkpoint.ring import Entry
+from lightning_stability.strategies import fsdp_checkpoint
+
+
+def flip_byte(path: Path, at: float = 0.5) -> None:
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * at)] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def checkpoint(step: int) -> dict[str, object]:
+    torch.manual_seed(step)
+    return {
+        "state_dict": {"w": torch.randn(64, 64), "b": torch.randn(64)},
+        "optimizer_states": [],
+        "global_step": step,
+        recover.RUN_KEY: recover.record("fit", f"step={step}.ckpt", step, "ring"),
+    }
+
+
+def save_file(directory: Path, step: int) -> Path:
+    path = directory / f"step={step}.ckpt"
+    AtomicCheckpointIO().save_checkpoint(checkpoint(step), path)
+    return path
+
+
+def save_sharded(directory: Path, step: int) -> Path:
+    path = directory / f"step={step}.ckpt"
+    partial = atomic.partial_path(path, atomic.new_token())
+    partial.mkdir(parents=True)
+    fsdp_checkpoint.save(checkpoint(step), partial, full=False, is_global_zero=True)
+    atomic.publish(partial, path)
+    return path
+
+
+def refused(path: Path) -> str:
+    with pytest.raises(CheckpointError) as info:
+        atomic.verify_checkpoint(path)
+    message = str(info.value)
+    assert message.startswith(f"The checkpoint {path}"), message
+    return message
+
+
+# ---------------------------------------------------------------------- one file
+def test_a_file_records_its_checksum_and_loads_as_before(tmp_path: Path) -> None:
+    path = save_file(tmp_path, 1)
+    assert atomic.verify(path) == (path, True)
+    loaded = AtomicCheckpointIO().load_checkpoint(path)
+    assert torch.equal(loaded["state_dict"]["w"], checkpoint(1)["state_dict"]["w"])  # type: ignore[index]
+    assert torch.load(path, weights_only=False, mmap=True)["global_step"] == 1  # torch's reader skips the comment
+
+
+@pytest.mark.parametrize("at", [0.3, 0.5, 0.9])
+def test_a_flipped_byte_in_a_file_is_refused_with_both_checksums(tmp_path: Path, at: float) -> None:
+    path = save_file(tmp_path, 1)
+    flip_byte(path, at)
+    message = refused(path)
+    assert "is damaged" in message or "is incomplete" in message  # a flip in the zip's own records: cut short
+    if "is damaged" in message:
+        assert "recorded when written" in message and message.count("sha256:") == 2
+    with pytest.raises(CheckpointError, match=str(path)):
+        AtomicCheckpointIO().load_checkpoint(path)
+
+
+@pytest.mark.parametrize("cut", [0.5, 40])
+def test_a_file_cut_after_publish_is_refused(tmp_path: Path, cut: float) -> None:
+    path = save_file(tmp_path, 1)
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(int(size * cut) if cut < 1 else size - int(cut))  # half, or the end of the checksum record
+    message = refused(path)
+    assert ("is incomplete: the file is truncated" if cut < 1 else "its checksum record") in message
+
+
+def test_a_damaged_checksum_record_is_refused(tmp_path: Path) -> None:
+    path = save_file(tmp_path, 1)
+    flip_byte(path, at=1 - 10 / path.stat().st_size)  # inside the digest's hex
+    assert "its checksum record" in refused(path) or "recorded when written" in refused(path)
+
+
+def test_a_file_written_without_checksums_is_checked_for_completeness_only(tmp_path: Path) -> None:
+    path = tmp_path / "plain.ckpt"
+    torch.save(checkpoint(1), path)
+    assert atomic.verify(path) == (path, False)
+
+
+def test_a_file_replaced_by_another_steps_is_refused_against_its_list_entry(tmp_path: Path) -> None:
+    path, other = save_file(tmp_path, 2), save_file(tmp_path, 1)
+    shutil.copyfile(other, path)  # whole and self-consistent: only the name and step it records tell
+    assert atomic.verify(path) == (path, True)
+    with pytest.raises(CheckpointError, match=r"names it step=2.ckpt of step 2, it holds step=1.ckpt of step 1"):
+        recover.check_listed(path, Entry(path.name, 2, "ring"))
+
+
+# ---------------------------------------------------------------------- a sharded directory
+def test_a_sharded_checkpoint_records_every_files_checksum(tmp_path: Path) -> None:
+    path = save_sharded(tmp_path, 1)
+    assert atomic.verify(path) == (path, True)
+    table = checksums.read_table(path / "meta.pt")
+    assert table is not None
+    names = {p.name for p in path.iterdir()} - {"meta.pt"}
+    assert set(table["files"]) == names and ".metadata" in names and any(n.endswith(".distcp") for n in names)
+    module = torch.nn.Module()
+    module.w, module.b = torch.nn.Parameter(torch.zeros(64, 64)), torch.nn.Parameter(torch.zeros(64))
+    meta = fsdp_checkpoint.load(path, module, [])
+    assert torch.equal(module.w.detach(), checkpoint(1)["state_dict"]["w"])  # type: ignore[index]
+    assert checksums.KEY not in meta and meta["global_step"] == 1  # what Lightning gets back is unchanged
+
+
+def shard_of(path: Path) -> Path:
+    return sorted(path.glob("*.distcp"))[0]
+
+
+def test_a_flipped_byte_in_a_shard_is_refused_naming_the_shard(tmp_path: Path) -> None:
+    path = save_sharded(tmp_path, 1)
+    shard = shard_of(path)
+    flip_byte(shard)
+    message = refused(path)
+    assert f"is damaged: {shard.name}: checksum sha256:" in message and "recorded when written" in message
+
+
+def test_a_shard_cut_after_publish_is_refused(tmp_path: Path) -> None:
+    path = save_sharded(tmp_path, 1)
+    shard = shard_of(path)
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 1)
+    assert shard.name in refused(path)
+
+
+@pytest.mark.parametrize("name", ["shard", ".metadata", "meta.pt"])
+def test_a_file_swapped_for_another_steps_is_refused(tmp_path: Path, name: str) -> None:
+    path, other = save_sharded(tmp_path, 2), save_sharded(tmp_path, 1)
+    swapped = shard_of(path).name if name == "shard" else name
+    shutil.copyfile(other / swapped, path / swapped)
+    message = refused(path)
+    if name == "meta.pt":  # a whole meta.pt of step 1: its table names step 1's shards
+        assert "is damaged: " in message
+    else:
+        assert f"is damaged: {swapped}: " in message
+
+
+def test_ranks_of_a_load_share_the_files_and_together_check_them_all(tmp_path: Path) -> None:
+    path = save_sharded(tmp_path, 1)
+    flip_byte(shard_of(path))
+    outcomes = []
+    for rank in range(2):
+        try:
+            atomic.verify(path, share=(rank, 2))
+            outcomes.append(None)
+        except CheckpointError as err:
+            outcomes.append(str(err))
+    assert sum(o is not None for o in outcomes) == 1, outcomes
