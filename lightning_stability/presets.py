@@ -78,6 +78,9 @@ class Preset:
             (``TrainingHealthMonitor(top_modules=...)`` at least the module count); an int ``k``, the ``k``
             largest of each; ``False``, no gradient norm per module and the health monitor's 5 largest update
             ratios (its default). ``PrecursorMonitor`` logs each attention module's largest logit whatever this is.
+        replay: attach ``StepReplay``: each step the health monitor flags is run again before its update and
+            attributed (a transient fault is applied as replayed, bad data skipped and quarantined, a failing device
+            named). Needs ``health``; refused under fp16 loss scaling.
         checkpoint: attach ``StableCheckpoint`` and ``AtomicCheckpointIO``; ``False``: neither (Lightning's
             ``ModelCheckpoint`` applies unless ``enable_checkpointing=False``).
         watchdog: with several processes, set the NCCL watchdog variables you have not set and a 10-minute
@@ -117,6 +120,7 @@ class Preset:
     skip_on: Literal["any", "loss"] = "loss"
     lr_backoff: float | None = 0.02
     per_layer: bool | int = False
+    replay: bool = False
     checkpoint: bool = True
     watchdog: bool = True
     sources: dict[str, str] = field(default_factory=dict, compare=False)
@@ -156,8 +160,15 @@ class Preset:
             check_int(key, getattr(self, key), 1, example)
         if self.effective_batch is not None:
             check_int("effective_batch", self.effective_batch, 1, "effective_batch=2048 (or None)")
-        for key in ("lr_schedule", "fsdp", "activation_checkpointing", "checkpoint", "watchdog"):
+        for key in ("lr_schedule", "fsdp", "activation_checkpointing", "replay", "checkpoint", "watchdog"):
             check_bool(key, getattr(self, key))
+        if self.replay and self.health is None:
+            raise config_error(
+                "replay",
+                self.replay,
+                "needs the health monitor (its rule flags the steps to replay), and health=None",
+                "pass health='skip' with replay=True, or replay=False",
+            )
         for key, value in (
             ("tensor_parallel", self.tensor_parallel > 1),
             ("activation_checkpointing", self.activation_checkpointing),
@@ -208,6 +219,8 @@ _BASE = Preset(
         "up to LR 0.0959 (0.0306)",
         "per_layer": "off: the totals, and the 5 largest per-module update ratios (a row per module and figure "
         "is costly to log for a large model)",
+        "replay": "off: a flagged step is skipped whatever its cause; replay=True adds StepReplay (a flagged step run "
+        "again: a transient fault applied as replayed, bad data quarantined; one host read a step, not under fp16)",
         "lr_schedule": "on: the recipe's schedule (lr_schedule=False keeps your configure_optimizers' scheduler)",
         "checkpoint": "on: StableCheckpoint with atomic saves (checkpoint=False: Lightning's own checkpointing)",
         "watchdog": "on: PyTorch's NCCL watchdog variables and a 10-minute timeout (watchdog=False: yours as set)",

@@ -35,6 +35,7 @@ from lightning_stability.ledger.callback import LedgerCallback
 from lightning_stability.precursors.callback import LRBackoff, PrecursorMonitor
 from lightning_stability.presets import FIELDS, PRESETS, Preset, batch_mismatch, get_preset, layout
 from lightning_stability.progress import stability_progress_bar
+from lightning_stability.replay.callback import StepReplay
 from lightning_stability.schedules.callback import WarmupConstantCosineLR
 from lightning_stability.strategies import StableFSDPStrategy
 
@@ -355,6 +356,20 @@ def _health(preset: Preset) -> TrainingHealthMonitor | None:
     return TrainingHealthMonitor(response=preset.health, **kwargs)
 
 
+def _replay(preset: Preset, args: dict[str, Any]) -> StepReplay | None:
+    """``StepReplay`` with ``replay=True``; refused at once under fp16 loss scaling (where it cannot run)."""
+    if not preset.replay:
+        return None
+    if _fp16(preset, args):
+        raise config_error(
+            "replay",
+            True,
+            "cannot run under fp16 loss scaling (the scaler judged the original gradients before a replay could run)",
+            "pass precision='bf16-mixed' (or '32-true') with replay=True, or replay=False",
+        )
+    return StepReplay()
+
+
 #: the preset's callbacks, in the order they are attached
 _PARTS = (
     _Part(
@@ -390,6 +405,12 @@ _PARTS = (
         lambda p, a: _health(p),
         "health, skip_on, per_layer",
         "health=None",
+    ),
+    _Part(
+        StepReplay,
+        lambda p, a: _replay(p, a),
+        "replay",
+        "replay=False",
     ),
     _Part(
         PrecursorMonitor,
