@@ -16,6 +16,12 @@ plain one resume where it stopped, the way the HF Trainer does (``accelerate.ski
   ``SequentialSampler`` are a function of their epoch, which Lightning sets.
 * **The RNG states** of every rank (:mod:`~lightning_stability.checkpoint.rng`) and each loader's ``generator``,
   put back when training starts again: dropout and random augmentation draw what they drew.
+* **Another number of processes.** The checkpoint also holds the recipe of the epoch's global order and the global
+  batch (:mod:`~lightning_stability.checkpoint.epoch_order`). A resume on ``W'`` processes with the same global
+  batch deals the rest of that order over them (:meth:`ReplayableSampler.deal`): every sample of the epoch once,
+  in the same global batches. A rank keeps its saved RNG states; a rank the checkpoint has none of gets rank 0's
+  re-seeded for it (:func:`~lightning_stability.checkpoint.rng.derive`). Another global batch, or an order with no
+  recipe (a custom sampler), is said once and the epoch restarts.
 
 Left alone: a loader that has ``state_dict`` and ``load_state_dict`` (Lightning restores it). Not exact, said once at
 fit start with the fix: an ``IterableDataset`` or an iterable that is not a ``DataLoader`` (no index sampler to
@@ -438,7 +444,7 @@ def _not_dealt(
             + (
                 f"a batch size of {per} per process keeps it"
                 if per * world == global_batch
-                else f"no batch size per process keeps it on {world} processes: use a number that divides it"
+                else f"no batch size per process keeps it on {world} processes: resume on a number that divides it"
             )
         )
     return None

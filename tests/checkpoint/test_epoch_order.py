@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
 
 from lightning_stability.checkpoint import epoch_order, rng
-from lightning_stability.checkpoint.loader_state import ReplayableSampler
+from lightning_stability.checkpoint.loader_state import ReplayableSampler, _not_dealt
 
 
 @pytest.mark.parametrize(
@@ -84,3 +84,13 @@ def test_a_new_rank_gets_its_own_reproducible_states() -> None:
     assert draws[1] == draws[3]  # the same for every resume from the same checkpoint
     for first, second in [(0, 1), (0, 2), (1, 2)]:  # rank 0's, rank 1's and rank 2's differ in every generator
         assert all(a != b for a, b in zip(draws[first], draws[second], strict=True))
+
+
+def test_why_the_rest_of_an_epoch_cannot_be_dealt_names_the_fix() -> None:
+    recipe = {"kind": "sequential", "size": 64}
+    assert _not_dealt(recipe, 8, 2, 8, 1) is None
+    assert "(2 x 4) and this run's is 4 (1 x 4); a batch size of 8 per process keeps it" in str(
+        _not_dealt(recipe, 8, 2, 4, 1)
+    )
+    assert "no batch size per process keeps it on 3 processes" in str(_not_dealt(recipe, 8, 2, 2, 3))
+    assert "holds no order of its epoch" in str(_not_dealt(None, 8, 2, 4, 1))

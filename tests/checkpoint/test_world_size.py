@@ -92,6 +92,7 @@ def test_ddp_two_to_one_resumes_exactly(ddp: Path) -> None:
     assert epoch_counts(stop, same_size) == Counter(range(N))
     one = load(ddp, "resume-2", 1)
     assert_exact(epoch_counts(stop, one), one, same_size[0])
+    assert one[0]["draws"] == same_size[0]["draws"]  # rank 0 goes on drawing from its saved states
 
 
 def test_an_epoch_dealt_on_another_world_size_resumes_exactly_again(ddp: Path) -> None:
@@ -108,6 +109,9 @@ def test_ddp_one_to_two_resumes_exactly(ddp: Path) -> None:
     stop, same_size = load(ddp, "stop", 1), load(ddp, "resume-1", 1)[0]
     resumed = load(ddp, "resume-1", 2)
     assert_exact(epoch_counts(stop, resumed), resumed, same_size)
+    # rank 0 goes on drawing from the saved states; rank 1, which the checkpoint has none of, from its own
+    assert resumed[0]["draws"] == same_size["draws"]
+    assert not set(resumed[1]["draws"].values()) & set(resumed[0]["draws"].values())
 
 
 def test_lightning_alone_restarts_the_epoch_on_another_world_size(ddp: Path) -> None:

@@ -16,10 +16,11 @@ Usage: ``world_run.py OUT_DIR RUN...`` in one process or under torchrun (``WORLD
 
 ``WORLD_STRATEGY=fsdp`` trains with ``StableFSDPStrategy`` (sharded checkpoints: DCP reshards them) instead of DDP.
 
-The model draws nothing at random in its step (no dropout): the runs on two world sizes can then differ only by the
-order of the reductions. It has an LR schedule (``LambdaLR`` per step) and a ``GradientNormMonitor`` (the ledger).
-Every run writes ``OUT_DIR/<RUN>.<W>.<rank>.pt``: the samples of each step (``{step: indices}``), the parameters,
-AdamW's state, the LR, the ledger's applied-step count and the ``StableCheckpoint`` warnings.
+The model's loss draws nothing at random (no dropout): the runs on two world sizes can then differ only by the
+order of the reductions. Each step records one draw of torch's generator (what a dropout mask would draw from).
+It has an LR schedule (``LambdaLR`` per step) and a ``GradientNormMonitor`` (the ledger). Every run writes
+``OUT_DIR/<RUN>.<W>.<rank>.pt``: the samples and the draw of each step (``{step: ...}``), the parameters, AdamW's
+state, the LR, the ledger's applied-step count and the ``StableCheckpoint`` warnings.
 """
 
 from __future__ import annotations
@@ -49,10 +50,12 @@ class IndexedLM(TinyLM):
     def __init__(self, batch_size: int) -> None:
         super().__init__(d=16, batch_size=batch_size, n=N)
         self.seen: dict[int, list[int]] = {}
+        self.draws: dict[int, float] = {}  # one number from torch's generator per step, used for nothing
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, index, _ = batch
         self.seen[self.global_step] = index.tolist()
+        self.draws[self.global_step] = float(torch.rand(()))  # what a dropout mask would draw from
         return F.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1))
 
     def configure_optimizers(self) -> Any:
@@ -105,6 +108,7 @@ def run(out: Path, kind: str) -> None:
     torch.save(
         {
             "seen": module.seen,
+            "draws": module.draws,
             "params": {n: _full(p) for n, p in module.named_parameters()},
             "optimizer": {
                 f"{n}.{k}": _full(v) if isinstance(v, torch.Tensor) else torch.tensor(v)
