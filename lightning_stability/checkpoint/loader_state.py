@@ -16,6 +16,12 @@ plain one resume where it stopped, the way the HF Trainer does (``accelerate.ski
   ``SequentialSampler`` are a function of their epoch, which Lightning sets.
 * **The RNG states** of every rank (:mod:`~lightning_stability.checkpoint.rng`) and each loader's ``generator``,
   put back when training starts again: dropout and random augmentation draw what they drew.
+* **Another number of processes.** The checkpoint also holds the recipe of the epoch's global order and the global
+  batch (:mod:`~lightning_stability.checkpoint.epoch_order`). A resume on ``W'`` processes with the same global
+  batch deals the rest of that order over them (:meth:`ReplayableSampler.deal`): every sample of the epoch once,
+  in the same global batches. A rank keeps its saved RNG states; a rank the checkpoint has none of gets rank 0's
+  re-seeded for it (:func:`~lightning_stability.checkpoint.rng.derive`). Another global batch, or an order with no
+  recipe (a custom sampler), is said once and the epoch restarts.
 
 Left alone: a loader that has ``state_dict`` and ``load_state_dict`` (Lightning restores it). Not exact, said once at
 fit start with the fix: an ``IterableDataset`` or an iterable that is not a ``DataLoader`` (no index sampler to
@@ -45,7 +51,7 @@ from torch.utils.data import (
 )
 
 from lightning_stability import _compat
-from lightning_stability.checkpoint import rng
+from lightning_stability.checkpoint import epoch_order, rng
 
 #: the checkpoint's key for what :meth:`LoaderResume.capture` returns
 KEY = "lightning_stability_resume"
@@ -62,6 +68,11 @@ _TORCH_SAMPLERS = (
 _STATEFUL_FIX = (
     "torchdata's StatefulDataLoader (`from torchdata.stateful_dataloader import StatefulDataLoader`, a drop-in "
     "DataLoader), or a loader with state_dict()/load_state_dict(): Lightning saves and restores those itself"
+)
+_WORLD_FIX = (
+    "To resume exactly on another number of processes, keep the global batch (batch size per process x "
+    "processes) and use torch's samplers (shuffle=True or False, or Lightning's DistributedSampler); or resume "
+    "on the checkpoint's number of processes."
 )
 
 
@@ -106,6 +117,10 @@ class ReplayableSampler:
         #: replaced by the last batch yielded, so that every rank still yields as many batches
         self.exclude: set[int] = set()
         self._yielded: deque[tuple[int, Any]] = deque(maxlen=_KEEP_POSITIONS)  # (position in the epoch, item)
+        #: the recipe of the saved epoch's order (:mod:`.epoch_order`) while this iteration deals the rest of it on
+        #: another world size; ``None`` while it runs its own order
+        self.dealt: dict[str, Any] | None = None
+        self._deal: tuple[list[list[int]], dict[str, Any], int] | None = None
 
     def item_at(self, position: int) -> Any | None:
         """What the current iteration yielded at ``position`` (a batch's index list, or one index): the samples of
@@ -127,9 +142,21 @@ class ReplayableSampler:
         """Make the next iteration draw its order from ``start`` (a record) and skip its first ``skip`` items."""
         self._replay = (start, skip)
 
+    def deal(self, batches: list[list[int]], recipe: dict[str, Any], position: int) -> None:
+        """Make the next iteration yield ``batches`` (this rank's share of the rest of the epoch ``recipe``
+        describes), numbered from ``position``, in place of its own order; the iteration after is its own again."""
+        self._deal = (batches, recipe, position)
+
     def __iter__(self) -> Iterator[Any]:
         replay, self._replay = self._replay, None
+        dealt, self._deal = self._deal, None
         self._yielded.clear()
+        self.dealt = None
+        if dealt is not None:
+            batches, self.dealt, position = dealt
+            self.start = None
+            yield from self._kept(iter(batches), position)
+            return
         if replay is None:
             self.start = {"global": _global_states(), "generators": [g.get_state() for g in _generators(self.inner)]}
             yield from self._kept(iter(self.inner), 0)
@@ -243,12 +270,16 @@ class LoaderResume:
                 for loader in loaders
             ],
         }
+        world = _world()
         return {
             "version": 1,
             "epoch": trainer.current_epoch,
             "batches": int(trainer.fit_loop.epoch_loop.batch_progress.current.ready),
             "lengths": [_length(loader) for loader in loaders],
             "ranks": rng.gather(local),
+            # to resume on another world size (the same on every rank): each loader's epoch order and global batch
+            "orders": [_recipe(loader) for loader in loaders],
+            "global_batches": [(_batch_size(loader) or 0) * world or None for loader in loaders],
         }
 
     def load(self, checkpoint: dict[str, Any]) -> None:
@@ -264,19 +295,15 @@ class LoaderResume:
         managed = self._check(loaders)
         wrappers = [install(loader) for loader in managed]
         here = _local_states(loaders)
-        rank = trainer.global_rank
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        rank, world = trainer.global_rank, _world()
         if saved is None:
             # a fresh fit: rebuild the iterator through the wrappers, drawing nothing from the run's generators
             if wrappers and _compat.restart_train_iterator(trainer):
                 _put_back(loaders, here)
             return
-        if len(saved["ranks"]) != world:
-            rank_zero_warn(
-                f"StableCheckpoint: the checkpoint was saved by {len(saved['ranks'])} processes and this run has "
-                f"{world}; the RNG states and the data position cannot be restored per rank. The epoch restarts "
-                "at its first batch (Lightning's default); resume with the same number of processes to be exact."
-            )
+        orders = saved.get("orders") or [None] * len(loaders)
+        if len(saved["ranks"]) != world or any(order is not None and order.get("dealt") for order in orders):
+            self._deal_rest(trainer, saved, loaders, wrappers)
             return
         mine = saved["ranks"][rank]
         batches, epoch = int(saved["batches"]), int(saved["epoch"])
@@ -306,6 +333,49 @@ class LoaderResume:
             _put_back(loaders, mine)
             _compat.restart_train_iterator(trainer)
             return
+        _put_back(loaders, mine)
+
+    def _deal_rest(
+        self, trainer: pl.Trainer, saved: dict[str, Any], loaders: list[Any], wrappers: list[ReplayableSampler]
+    ) -> None:
+        """A resume on another world size (or of an epoch that one dealt): this rank's RNG states (:func:`_states_of`)
+        and, mid-epoch, its share of the rest of the saved epoch's order (:mod:`.epoch_order`), when the global
+        batch is the same; otherwise said once, and the epoch restarts at its first batch."""
+        rank, world, saved_world = trainer.global_rank, _world(), len(saved["ranks"])
+        mine = _states_of(saved["ranks"], rank, len(loaders))
+        batches, epoch = int(saved["batches"]), int(saved["epoch"])
+        total = trainer.num_training_batches
+        if not (0 < batches < total and epoch == trainer.current_epoch) or not wrappers:
+            # at an epoch's end (or nothing to fast-forward): the next epoch is this world's own order
+            _put_back(loaders, mine)
+            if wrappers:
+                _compat.restart_train_iterator(trainer)
+            return
+        wrapper, loader = wrappers[0], loaders[0]
+        recipe = (saved.get("orders") or [None])[0]
+        global_batch = (saved.get("global_batches") or [None])[0]
+        size, drop_last = _batch_size(loader), bool(getattr(wrapper.inner, "drop_last", False))
+        why = _not_dealt(recipe, global_batch, saved_world, size, world)
+        shares: list[list[list[int]]] = []
+        if why is None:
+            assert recipe is not None and global_batch is not None and size is not None
+            order = epoch_order.rebuild(recipe)
+            shares = [epoch_order.deal(order, batches * global_batch, r, world, size, drop_last) for r in range(world)]
+            if any(len(share) != total - batches for share in shares):
+                why = (
+                    f"the rest of the saved epoch ({len(order) - batches * global_batch} samples) does not deal "
+                    f"into {total - batches} batches of {size} on each of the {world} processes"
+                )
+        if why is not None:
+            rank_zero_warn(
+                f"StableCheckpoint: the checkpoint was saved mid-epoch by {saved_world} processes and this run has "
+                f"{world}: {why}. The epoch restarts at its first batch (its samples before the checkpoint are "
+                "trained on again); the RNG states continue (rank 0's re-seeded for a rank the checkpoint has none "
+                f"of). {_WORLD_FIX}"
+            )
+        else:
+            wrapper.deal(shares[rank], {**recipe, "dealt": True}, batches)
+        _compat.restart_train_iterator(trainer)
         _put_back(loaders, mine)
 
     def epoch_start(self, trainer: pl.Trainer) -> None:
@@ -354,6 +424,60 @@ class LoaderResume:
                 "state_dict()/load_state_dict()."
             )
         return [loader]
+
+
+def _not_dealt(
+    recipe: dict[str, Any] | None, global_batch: int | None, saved_world: int, size: int | None, world: int
+) -> str | None:
+    """Why the rest of a saved epoch cannot be dealt over ``world`` processes of ``size`` samples per batch
+    (``None``: it can, exactly)."""
+    if recipe is None or global_batch is None:
+        return (
+            "the checkpoint holds no order of its epoch that another number of processes can deal (a sampler other "
+            "than torch's DistributedSampler, RandomSampler or SequentialSampler, or a checkpoint of an older version)"
+        )
+    if size is None or size * world != global_batch:
+        per = global_batch // world
+        return (
+            f"its global batch was {global_batch} samples ({saved_world} x {global_batch // saved_world}) and this "
+            f"run's is {size * world if size else 'unknown'} ({world} x {size}); "
+            + (
+                f"a batch size of {per} per process keeps it"
+                if per * world == global_batch
+                else f"no batch size per process keeps it on {world} processes: resume on a number that divides it"
+            )
+        )
+    return None
+
+
+def _states_of(ranks: list[dict[str, Any]], rank: int, count: int) -> dict[str, Any]:
+    """``rank``'s RNG states and loader generators in a checkpoint saved by ``len(ranks)`` processes: its own, or
+    for a rank the checkpoint has none of, rank 0's re-seeded for it (:func:`rng.derive`; generators left as
+    they are)."""
+    if rank < len(ranks):
+        return {"rng": ranks[rank]["rng"], "generators": ranks[rank]["generators"]}
+    return {"rng": rng.derive(ranks[0]["rng"], rank), "generators": [None] * count}
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _recipe(loader: Any) -> dict[str, Any] | None:
+    """The recipe of ``loader``'s current epoch order (:func:`.epoch_order.describe`), marked ``dealt`` when this
+    epoch deals a saved one."""
+    wrapper = getattr(loader, "batch_sampler", None) if isinstance(loader, DataLoader) else None
+    if not isinstance(wrapper, ReplayableSampler):
+        return None
+    return wrapper.dealt if wrapper.dealt is not None else epoch_order.describe(wrapper.inner, wrapper.start)
+
+
+def _batch_size(loader: Any) -> int | None:
+    """Samples per batch of this process (its batch sampler's ``batch_size``)."""
+    index = getattr(loader, "batch_sampler", None) if isinstance(loader, DataLoader) else None
+    index = index.inner if isinstance(index, ReplayableSampler) else index
+    size = getattr(index, "batch_size", None)
+    return size if isinstance(size, int) else None
 
 
 def _replayable(loader: Any) -> bool:
