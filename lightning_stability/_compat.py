@@ -263,7 +263,7 @@ def hide_lightning_warning(start: str) -> Any:
 def show_lightning_warning(entry: Any) -> None:
     """Take off a filter :func:`hide_lightning_warning` installed (a no-op when it is gone already)."""
     with contextlib.suppress(ValueError):
-        warnings.filters.remove(entry)
+        warnings.filters.remove(entry)  # type: ignore[attr-defined]
         warnings._filters_mutated()  # type: ignore[attr-defined]
 
 
