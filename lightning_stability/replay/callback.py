@@ -10,9 +10,11 @@ attribution         what the runs show                                  what hap
 transient fault     the step went wrong once, on one rank (a second     the replay's gradients are the step's: it
                     replay agrees with the first, not with the          goes on as in a fault-free run, to the bit;
                     original)                                           the rank is counted
-data                the step reproduces, flag and all                   the update is skipped; the samples of the
-                                                                        micro-batches that reproduce the flag are
-                                                                        quarantined: never trained on again
+data                the step reproduces, flag and all                   the samples of the micro-batches that
+                                                                        reproduce the flag are quarantined: never
+                                                                        trained on again; the step is applied
+                                                                        without those micro-batches when they are
+                                                                        told apart, else skipped
 nondeterministic    no two runs agree                                   the update is skipped; a warning says which
                                                                         ranks
 failing device      a rank counted ``max_faults`` times within          a checkpoint of the state after this

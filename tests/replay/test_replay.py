@@ -105,7 +105,7 @@ def test_with_accumulation_only_the_bad_micro_batch_is_dropped_and_quarantined(t
     """The poisoned micro-batch is told apart: its samples alone are quarantined, and the step is applied as the
     mean of the other two micro-batches, exactly what those two alone give."""
     data = PoisonedSamples(IndexedData(), [17])
-    model, replay, ledger, _, trainer = _fit(tmp_path, data, accumulate_grad_batches=3, max_epochs=3)
+    _, replay, ledger, _, _ = _fit(tmp_path, data, accumulate_grad_batches=3, max_epochs=3)
     (event,) = [e for e in ledger.events if e.get("kind") == "replay"]
     assert event["cause"] == "data" and len(replay.quarantine.indices) == 8 and 17 in replay.quarantine.indices
     (entry,) = replay.quarantine.entries
