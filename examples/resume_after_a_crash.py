@@ -8,7 +8,6 @@ Run: python examples/resume_after_a_crash.py   (EXAMPLE_STEPS=20 runs it at a ti
 
 import os
 import tempfile
-import warnings
 
 import lightning as L
 import torch
@@ -16,16 +15,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_stability import AtomicCheckpointIO, GradientNormMonitor, StableCheckpoint
-
-# Two of Lightning's warnings do not hold with StableCheckpoint, so this script hides them (matched by their text, in
-# Lightning's modules only): at a fresh start, that ckpt_path="last" found no checkpoint, with a hint to set
-# ModelCheckpoint(save_last=True) (StableCheckpoint finds "last" in its list of healthy checkpoints, without
-# save_last); at a mid-epoch resume, that the DataLoader is "not resumable" (StableCheckpoint resumes a plain
-# DataLoader itself, as the last line printed shows).
-warnings.filterwarnings("ignore", r'.*ckpt_path="last"\) is set, but there is no last', module=r"lightning\.pytorch")
-warnings.filterwarnings(
-    "ignore", r".*before the epoch ended and your dataloader is not resumable", module=r"lightning\.pytorch"
-)
 
 STEPS = int(os.environ.get("EXAMPLE_STEPS", 200))
 CRASH_AT = STEPS // 2 + 8  # the newest checkpoint before it is mid-epoch (10 batches an epoch, a save every 5)

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import importlib
 import re
+import warnings
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, TypeGuard
 
@@ -242,6 +243,28 @@ def training_step_again(trainer: pl.Trainer, batch: Any) -> Iterator[None]:
         yield
     finally:
         loop._results, module._current_fx_name, connector._current_fx = kept
+
+
+#: the start of Lightning's warning that a mid-epoch resume of a loader without ``state_dict`` is not exact
+#: (``_TrainingEpochLoop.reset``): not so where ``StableCheckpoint`` fast-forwards the loader itself
+LOADER_NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended and your dataloader is"
+#: the start of Lightning's warning that ``ckpt_path="last"`` found nothing, with its hint to set ``save_last``
+#: (``_CheckpointConnector._parse_ckpt_path``): ``StableCheckpoint`` finds "last" in its list without it
+NO_LAST_CHECKPOINT = '.fit(ckpt_path="last") is set, but there is no last checkpoint available'
+
+
+def hide_lightning_warning(start: str) -> Any:
+    """Ignore the warnings whose message starts with ``start`` until :func:`show_lightning_warning`; returns the
+    filter installed."""
+    warnings.filterwarnings("ignore", message=re.escape(start))
+    return warnings.filters[0]
+
+
+def show_lightning_warning(entry: Any) -> None:
+    """Take off a filter :func:`hide_lightning_warning` installed (a no-op when it is gone already)."""
+    with contextlib.suppress(ValueError):
+        warnings.filters.remove(entry)  # type: ignore[attr-defined]
+        warnings._filters_mutated()  # type: ignore[attr-defined]
 
 
 def callback_state_key(callback: pl.Callback, **kwargs: Any) -> str:

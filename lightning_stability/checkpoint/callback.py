@@ -160,6 +160,7 @@ class StableCheckpoint(ModelCheckpoint):
         self._healthy_list = HealthyCheckpoints(Path("."))
         self._kind = BEST  # what the next _save_checkpoint writes
         self._taken_back: list[Entry] = []  # see _find_last_checkpoints
+        self._hidden: list[Any] = []  # Lightning warnings hidden where they do not hold (shown again at setup / batch)
         self._loader_resume = loader_state.LoaderResume()
         self._reset_run_state()
 
@@ -179,7 +180,7 @@ class StableCheckpoint(ModelCheckpoint):
         self._saving: tuple[str, str] | None = None  # (name, kind) of the checkpoint being written
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_batch_loss": None}
+        return {**self.__dict__, "_batch_loss": None, "_hidden": []}
 
     # ------------------------------------------------------------------ setup and teardown
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -192,6 +193,7 @@ class StableCheckpoint(ModelCheckpoint):
         for entry in self._taken_back:  # what resolving ckpt_path="last" put back on the list (rank 0 wrote it)
             self._healthy_list.add(entry.name, entry.step, entry.kind, write=False)
         self._taken_back = []
+        self._show_lightning_warnings()  # resolving "last" is over
         if stage == "fit":
             self._reset_run_state()
             self._preemption.open()
@@ -211,7 +213,23 @@ class StableCheckpoint(ModelCheckpoint):
                 f"handlers; {', '.join(s.name for s in self.signals)} will not save and stop this run."
             )
         self._handlers_installed = True
+        if self._loader_resume.pending is not None:
+            # Lightning warns next (its epoch loop's reset) that a plain loader cannot resume mid-epoch: this one does
+            self._hidden.append(_compat.hide_lightning_warning(_compat.LOADER_NOT_RESUMABLE))
         self._loader_resume.start(trainer)  # last: the data position and RNG states of a resumed checkpoint
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self._hidden:
+            self._show_lightning_warnings()
+
+    def _show_lightning_warnings(self) -> None:
+        """Lightning's warnings hidden while they could not hold (see where they are hidden) show again."""
+        for entry in self._hidden:
+            _compat.show_lightning_warning(entry)
+        self._hidden = []
 
     def _forget_other_timelines(self, trainer: pl.Trainer) -> None:
         """Listed checkpoints newer than the step this fit starts from belong to another run (a fresh fit in a used
@@ -497,7 +515,14 @@ class StableCheckpoint(ModelCheckpoint):
 
     # ------------------------------------------------------------------ resume
     def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
-        """What ``ckpt_path="last"`` may use: the newest listed healthy checkpoint that verifies (or nothing)."""
+        """What ``ckpt_path="last"`` may use: the newest listed healthy checkpoint that verifies (or nothing: a
+        fresh start, where Lightning's warning and its hint to set ``save_last`` do not apply, hidden until setup)."""
+        found = self._newest_healthy(trainer)
+        if not found:
+            self._hidden.append(_compat.hide_lightning_warning(_compat.NO_LAST_CHECKPOINT))
+        return found
+
+    def _newest_healthy(self, trainer: pl.Trainer) -> set[str]:
         directory = _local_dir(_compat.model_checkpoint_dir(self, trainer))
         if directory is None or not directory.is_dir():
             return set()

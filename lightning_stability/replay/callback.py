@@ -10,9 +10,11 @@ attribution         what the runs show                                  what hap
 transient fault     the step went wrong once, on one rank (a second     the replay's gradients are the step's: it
                     replay agrees with the first, not with the          goes on as in a fault-free run, to the bit;
                     original)                                           the rank is counted
-data                the step reproduces, flag and all                   the update is skipped; the samples of the
-                                                                        micro-batches that reproduce the flag are
-                                                                        quarantined: never trained on again
+data                the step reproduces, flag and all                   the samples of the micro-batches that
+                                                                        reproduce the flag are quarantined: never
+                                                                        trained on again; the step is applied
+                                                                        without those micro-batches when they are
+                                                                        told apart, else skipped
 nondeterministic    no two runs agree                                   the update is skipped; a warning says which
                                                                         ranks
 failing device      a rank counted ``max_faults`` times within          a checkpoint of the state after this
@@ -275,14 +277,18 @@ class StepReplay(LedgerCallback):
             )
         elif found.cause is Cause.DATA:
             self.counts["data"] += 1
-            reason = Outcome.SKIPPED_NONFINITE if nonfinite else Outcome.SKIPPED_SPIKE
-            ledger.mark_skip(reason, True)
-            count = self._quarantine_bad(trainer, monitor, losses, step)
+            count, bad = self._quarantine_bad(trainer, monitor, losses, step)
             event["quarantined"] = count
+            dropped = self._apply_without(trainer, ledger, monitor, bad)
+            if dropped is None:
+                ledger.mark_skip(Outcome.SKIPPED_NONFINITE if nonfinite else Outcome.SKIPPED_SPIKE, True)
+                done = "skipped"
+            else:
+                event["dropped_micro_batches"] = dropped
+                done = f"applied without its bad micro-batch(es) {dropped} (rank, position)"
             seen = f"; a run also went wrong once on rank(s) {list(found.replay_faults)}" if found.replay_faults else ""
             event["detail"] = (
-                f"the data: the step reproduces its flag{seen}; skipped, {count} sample(s) quarantined "
-                f"({seconds:.2f} s)"
+                f"the data: the step reproduces its flag{seen}; {done}, {count} sample(s) quarantined ({seconds:.2f} s)"
             )
         else:
             self.counts["nondeterministic"] += 1
@@ -297,11 +303,27 @@ class StepReplay(LedgerCallback):
         for rank in found.faulty_ranks:
             self._count_fault(rank, step)
 
+    def _apply_without(
+        self, trainer: pl.Trainer, ledger: StepLedger, monitor: TrainingHealthMonitor, bad: list[list[bool]]
+    ) -> list[tuple[int, int]] | None:
+        """With accumulation, when the bad micro-batches are told apart and every rank keeps at least one: run the
+        step again without them (its gradient the mean over the kept micro-batches) and keep it if it is no longer
+        flagged. Returns the dropped ``(rank, position)`` pairs, or ``None``: the step is to be skipped."""
+        if len(self.inputs.micro) < 2 or not any(any(r) for r in bad) or any(all(r) for r in bad):
+            return None
+        keep = [not b for b in bad[trainer.global_rank]]
+        losses = rerun(trainer, ledger.step.optimizer, self.inputs, keep)
+        ledger.step.regrad(_update_loss(losses, sum(keep)))
+        if bool(monitor.flags(ledger).any()):  # HOST READ, on a replayed step only
+            return None
+        return [(r, i) for r, flags in enumerate(bad) for i, b in enumerate(flags) if b]
+
     def _quarantine_bad(
         self, trainer: pl.Trainer, monitor: TrainingHealthMonitor, losses: list[Tensor | None], step: int
-    ) -> int:
+    ) -> tuple[int, list[list[bool]]]:
         """Quarantine the samples of the micro-batches whose own loss reproduces the flag, every rank's (all the
-        step's micro-batches when none does alone: a gradient spike); returns how many samples were new."""
+        step's micro-batches when none does alone: a gradient spike). Returns how many samples were new, and each
+        rank's bad micro-batches (in rank order)."""
         micro = self.inputs.micro
         values = (
             torch.stack(
@@ -333,7 +355,7 @@ class StepReplay(LedgerCallback):
                     )
         if self.quarantine_file is not None and trainer.is_global_zero:
             self.quarantine.write(self._manifest_path(trainer))
-        return new
+        return new, [[flagged for _, _, flagged in batches] for batches in everyone]
 
     def _manifest_path(self, trainer: pl.Trainer) -> Path:
         path = Path(self.quarantine_file)  # type: ignore[arg-type]

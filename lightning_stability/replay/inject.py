@@ -34,8 +34,9 @@ class BitFlip:
         layer: the name of the submodule whose output is corrupted (as in ``module.named_modules()``).
         step: the optimizer step (``trainer.global_step`` while the step runs), or several.
         rank: the rank whose output is corrupted.
-        bit: which bit of the element, 0 the lowest: 30 is a float32's highest exponent bit (the value is multiplied
-            by 2**128 or collapses to a tiny one), 14 a bfloat16's or float16's.
+        bit: which bit of the element, 0 the lowest; ``None``: the highest exponent bit of the output's dtype (30 for
+            float32, 14 for bfloat16 and float16, 62 for float64), which multiplies the value by 2**128 (float32 and
+            bfloat16) or sends it to a tiny one.
         element: which element of the output (its flat index); ``None``: the first whose ``bit`` is 0, so the flip
             sets it (for bit 30 of a float32: the value grows by 2**128, whatever it was).
         runs: which runs of the step are corrupted: 0 the step itself, 1 its first replay, 2 a second one. Each run
@@ -48,7 +49,7 @@ class BitFlip:
         layer: str,
         step: int | Iterable[int],
         rank: int = 0,
-        bit: int = 30,
+        bit: int | None = None,
         element: int | None = None,
         runs: Iterable[int] = (0,),
     ) -> None:
@@ -58,7 +59,8 @@ class BitFlip:
                 f"BitFlip: layer={layer!r} is not a submodule of {type(module).__name__}. Fix: one of "
                 f"{sorted(n for n in modules if n)[:8]} (the names of module.named_modules())"
             )
-        self.module, self.bit, self.rank = module, int(bit), int(rank)
+        self.module, self.rank = module, int(rank)
+        self.bit = None if bit is None else int(bit)
         self.element = None if element is None else int(element)
         self.steps = {int(step)} if isinstance(step, int) else {int(s) for s in step}
         self.runs = {int(r) for r in runs}
@@ -84,8 +86,12 @@ class BitFlip:
             return None
         if not isinstance(output, Tensor) or not output.is_floating_point():
             raise StabilityConfigError("BitFlip: the layer's output is not a floating-point tensor; pick another layer")
+        bits = output.element_size() * 8
+        bit = bits - 2 if self.bit is None else self.bit
+        if not 0 <= bit < bits:
+            raise StabilityConfigError(f"BitFlip: bit={bit} is not a bit of {output.dtype}. Fix: 0 to {bits - 1}")
         self.flipped.append((step, call // per_run))
-        return flip_bit(output, self.element, self.bit)
+        return flip_bit(output, self.element, bit)
 
     def remove(self) -> None:
         """Take the hook off."""

@@ -96,19 +96,28 @@ class StepInputs:
         return sum(t.numel() * t.element_size() for _, t in self._buffers)
 
 
-def rerun(trainer: pl.Trainer, optimizer: Optimizer, inputs: StepInputs) -> list[Tensor | None]:
+def rerun(
+    trainer: pl.Trainer, optimizer: Optimizer, inputs: StepInputs, keep: Sequence[bool] | None = None
+) -> list[Tensor | None]:
     """Run the step's micro-batches again (see the module's doc); returns each one's loss as passed to backward.
-    Every rank calls it together (data parallelism syncs the gradients in the last backward)."""
+    Every rank calls it together (data parallelism syncs the gradients in the last backward).
+
+    With ``keep`` (a flag per micro-batch, at least one true), only the kept ones run, and each loss is divided by
+    their number: the gradient is their mean (``None`` in the losses for the others)."""
     module = trainer.lightning_module
     for group in optimizer.param_groups:
         for p in group["params"]:
             p.grad = None
     inputs.restore_buffers()
-    normalize = trainer.accumulate_grad_batches
+    kept = [True] * len(inputs.micro) if keep is None else list(keep)
+    normalize = trainer.accumulate_grad_batches if keep is None else sum(kept)
     with_idx = _takes_batch_idx(module)
     losses: list[Tensor | None] = []
-    last = len(inputs.micro) - 1
+    last = max(i for i, k in enumerate(kept) if k)
     for i, micro in enumerate(inputs.micro):
+        if not kept[i]:
+            losses.append(None)
+            continue
         _restore_torch_states(micro.rng)
         with _sync_held_back(trainer, i < last), _compat.training_step_again(trainer, micro.batch):
             args = (micro.batch, micro.batch_idx) if with_idx else (micro.batch,)

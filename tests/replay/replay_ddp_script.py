@@ -1,7 +1,8 @@
 """Run under torchrun (2 CPU processes, gloo; third argument: the strategy, ``ddp`` or ``fsdp``) with StepReplay.
 
 Fourth argument, the fault: ``none``; ``flip`` — an exponent bit flipped in the last layer's output on rank 1 at
-step FLIP; ``poison`` — sample POISONED of the dataset is NaN. Each rank writes what it trained on and decided.
+step FLIP; ``failing`` — the same on rank 1 at FLIP - 2, FLIP - 1 and FLIP (a failing device); ``poison`` — sample
+POISONED of the dataset is NaN. Each rank writes what it trained on and decided.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Any
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
-from lightning_stability import StableFSDPStrategy, StepLedger, TrainingHealthMonitor
-from lightning_stability.replay import BitFlip, PoisonedSamples, StepReplay
+from lightning_stability import StableCheckpoint, StableFSDPStrategy, StepLedger, TrainingHealthMonitor
+from lightning_stability.replay import BitFlip, FailingDeviceError, PoisonedSamples, StepReplay
 from tests.helpers import exit_worker, quiet_trainer
 from tests.replay.test_replay import IndexedData, Model
 
@@ -35,12 +36,22 @@ inner = IndexedData(64)
 data: Any = PoisonedSamples(inner, [POISONED]) if fault == "poison" else inner
 model = DistributedModel(data)
 flip = BitFlip(model, "net.5", step=FLIP, rank=1) if fault == "flip" else None
+if fault == "failing":  # the same fault three times on rank 1
+    flip = BitFlip(model, "net.5", step=[FLIP - 2, FLIP - 1, FLIP], rank=1)
 strategy: Any = StableFSDPStrategy() if strategy_name == "fsdp" else "ddp"
 replay = StepReplay(quarantine_file=None)
 monitor = TrainingHealthMonitor(response="skip", warmup_steps=4, report=False)
-trainer = quiet_trainer(max_epochs=3, devices=2, strategy=strategy, callbacks=[monitor, replay])
-trainer.fit(model)
+callbacks: list[pl.Callback] = [monitor, replay]
+if fault == "failing":
+    callbacks.append(StableCheckpoint(dirpath=os.path.join(out_dir, "ckpts"), every_n_train_steps=100))
+trainer = quiet_trainer(max_epochs=3, devices=2, strategy=strategy, callbacks=callbacks, enable_checkpointing=True)
+stopped: dict[str, Any] = {}
+try:
+    trainer.fit(model)
+except FailingDeviceError as err:
+    stopped = {"rank": err.rank, "host": err.host, "steps": err.steps, "checkpoint": err.checkpoint}
 result = {
+    "stopped": stopped,
     "events": [e for e in StepLedger.of(trainer).events if e.get("kind") == "replay"],
     "flipped": flip.flipped if flip is not None else [],
     "quarantined": sorted(replay.quarantine.indices),

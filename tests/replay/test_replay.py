@@ -101,13 +101,19 @@ def test_a_bit_flip_is_a_transient_fault_and_the_run_ends_bit_exact(tmp_path: Pa
         assert torch.equal(a, b)
 
 
-def test_with_accumulation_only_the_bad_micro_batch_is_quarantined(tmp_path: Path) -> None:
+def test_with_accumulation_only_the_bad_micro_batch_is_dropped_and_quarantined(tmp_path: Path) -> None:
+    """The poisoned micro-batch is told apart: its samples alone are quarantined, and the step is applied as the
+    mean of the other two micro-batches, exactly what those two alone give."""
     data = PoisonedSamples(IndexedData(), [17])
     _, replay, ledger, _, _ = _fit(tmp_path, data, accumulate_grad_batches=3, max_epochs=3)
     (event,) = [e for e in ledger.events if e.get("kind") == "replay"]
     assert event["cause"] == "data" and len(replay.quarantine.indices) == 8 and 17 in replay.quarantine.indices
     (entry,) = replay.quarantine.entries
     assert entry["cause"] == "non-finite or spiking loss"
+    (dropped,) = event["dropped_micro_batches"]
+    assert dropped[0] == 0 and event["detail"].startswith("the data: the step reproduces its flag; applied without")
+    counts = ledger.record_of().counts.tolist()
+    assert counts[Outcome.APPLIED] == ledger.record_of().steps  # nothing skipped
 
 
 def test_a_poisoned_sample_is_quarantined_and_never_trained_on_again(tmp_path: Path) -> None:

@@ -44,3 +44,13 @@ def test_a_poisoned_sample_is_quarantined_on_every_rank_and_never_loaded_again(t
     loaded = rank0["loaded"] + rank1["loaded"]
     assert all(loaded.count(i) == 1 for i in rank0["quarantined"])  # the first epoch only
     assert rank0["counts"] == rank1["counts"] and rank0["weights"] == rank1["weights"]
+
+
+@pytest.mark.distributed
+def test_the_same_fault_three_times_on_rank_1_stops_both_ranks_naming_it(tmp_path: Path) -> None:
+    rank0, rank1 = torchrun(SCRIPT, 2, tmp_path, "ddp", "failing")
+    assert rank0["stopped"] == rank1["stopped"]
+    stopped = rank0["stopped"]
+    assert stopped["rank"] == 1 and stopped["steps"] == [FLIP - 2, FLIP - 1, FLIP] and stopped["host"]
+    assert stopped["checkpoint"] and Path(stopped["checkpoint"]).exists()
+    assert f"step={FLIP + 1}" in stopped["checkpoint"]  # the state after the third fault's step, applied as replayed
