@@ -35,8 +35,9 @@ def test_a_bit_flip_on_rank_1_is_its_transient_fault_and_the_run_ends_bit_exact(
 
 
 @pytest.mark.distributed
-def test_a_poisoned_sample_is_quarantined_on_every_rank_and_never_loaded_again(tmp_path: Path) -> None:
-    rank0, rank1 = torchrun(SCRIPT, 2, tmp_path, "ddp", "poison")
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_poisoned_sample_is_quarantined_on_every_rank_and_never_loaded_again(tmp_path: Path, strategy: str) -> None:
+    rank0, rank1 = torchrun(SCRIPT, 2, tmp_path, strategy, "poison")
     assert decisions(rank0["events"]) == decisions(rank1["events"])
     assert [e["cause"] for e in rank0["events"]] == ["data"]
     assert rank0["quarantined"] == rank1["quarantined"] and POISONED in rank0["quarantined"]
