@@ -10,6 +10,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
@@ -28,6 +29,14 @@ class Wrong:
 
 
 WRONG = Wrong()
+
+
+class _Module(pl.LightningModule):
+    """A LightningModule with one submodule, for BitFlip (a hook that got through would touch nothing trained)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(2, 2)
 
 
 class _Attention(nn.Module):
@@ -166,6 +175,27 @@ ENTRIES: dict[str, Entry] = {
         lambda **kw: ls.register_attention(**{"cls": _Attention, "fn": lambda module, args, kwargs: None, **kw}),
         {"cls": [int, nn.Linear(2, 2)], "fn": [3], "projection": [3]},
     ),
+    "StepReplay": (
+        ls.StepReplay,
+        {"max_faults": [0, 1.5], "fault_window": [0], "quarantine_file": [3], "log_every_n_steps": [0]},
+    ),
+    "BitFlip": (
+        lambda **kw: ls.BitFlip(**{"module": _Module(), "layer": "net", "step": 3, **kw}),
+        {
+            "module": [nn.Linear(2, 2)],
+            "layer": ["nope", 3],
+            "step": [-1, [1, "2"], []],
+            "rank": [-1],
+            "bit": [-1, 1.5],
+            "element": [-1],
+            "runs": [(-1,), "0"],
+        },
+    ),
+    "PoisonedSamples": (
+        lambda **kw: ls.PoisonedSamples(**{"dataset": [1, 2, 3], "indices": [1], **kw}),
+        {"dataset": [3], "indices": [-1, "1"], "value": ["nan", True]},
+    ),
+    "read_quarantine": (ls.read_quarantine, {"path": [3, "no/such/quarantine.json"]}),
     "ClusterHealthMonitor": (
         ls.ClusterHealthMonitor,
         {"straggler_factor": [1.0, 0], "weight_hash_every": [0], "straggler_min_gap_s": [-1], "log_every_n_steps": [0]},
@@ -255,6 +285,7 @@ ENTRIES: dict[str, Entry] = {
             "skip_on": ["grad", None],
             "lr_backoff": [0, -0.1, float("nan"), "0.02"],
             "per_layer": [0, "all"],
+            "replay": [1],
             "checkpoint": [None],
             "watchdog": [1],
             "sources": [3],
@@ -323,6 +354,7 @@ NOT_ENTRY_POINTS = {
     "LossScaleFloorError": "an exception",
     "StabilityConfigError": "an exception",
     "TrainingDivergedError": "an exception",
+    "FailingDeviceError": "an exception",
 }
 #: arguments that are the Trainer's to pass (Lightning's accelerator connector sets them), or open keywords
 NOT_THE_USERS = {

@@ -30,6 +30,7 @@ from lightning_stability import (
     StableCheckpoint,
     StableFSDPStrategy,
     StableTrainer,
+    StepReplay,
     TrainingHealthMonitor,
     WarmupConstantCosineSchedule,
 )
@@ -248,6 +249,7 @@ REACHES: dict[str, tuple[str, Any, dict[str, Any], Callable[[pl.Trainer], Any]]]
     "skip_on": ("gpt", "any", {}, attr(TrainingHealthMonitor, "skip_on")),
     "lr_backoff": ("gpt", 0.05, {}, lambda t: getattr(attr(PrecursorMonitor, "lr_backoff")(t), "threshold", None)),
     "per_layer": ("gpt", 3, {}, attr(GradientNormMonitor, "per_layer")),
+    "replay": ("gpt", True, {}, lambda t: one(t, StepReplay) is not None),
     "checkpoint": ("gpt", False, {}, lambda t: one(t, StableCheckpoint) is not None),
     "watchdog": ("175b", False, {"devices": 2}, lambda t: t.strategy._timeout != default_pg_timeout),
 }

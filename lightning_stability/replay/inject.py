@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import Dataset
 
-from lightning_stability.errors import StabilityConfigError
+from lightning_stability.errors import StabilityConfigError, check_instance, check_int, config_error
 
 _INT_OF = {8: torch.int64, 4: torch.int32, 2: torch.int16}
 
@@ -53,17 +53,20 @@ class BitFlip:
         element: int | None = None,
         runs: Iterable[int] = (0,),
     ) -> None:
+        check_instance("module", module, pl.LightningModule, "the LightningModule being trained", "model")
         modules = dict(module.named_modules())
-        if layer not in modules:
-            raise StabilityConfigError(
-                f"BitFlip: layer={layer!r} is not a submodule of {type(module).__name__}. Fix: one of "
-                f"{sorted(n for n in modules if n)[:8]} (the names of module.named_modules())"
+        if not isinstance(layer, str) or layer not in modules:
+            raise config_error(
+                "layer",
+                layer,
+                f"is not a submodule of {type(module).__name__}",
+                f"pass one of {sorted(n for n in modules if n)[:8]} (the names of module.named_modules())",
             )
-        self.module, self.rank = module, int(rank)
-        self.bit = None if bit is None else int(bit)
-        self.element = None if element is None else int(element)
-        self.steps = {int(step)} if isinstance(step, int) else {int(s) for s in step}
-        self.runs = {int(r) for r in runs}
+        self.module, self.rank = module, check_int("rank", rank, 0, "rank=1")
+        self.bit = None if bit is None else check_int("bit", bit, 0, "bit=30 (float32's top exponent bit), or None")
+        self.element = None if element is None else check_int("element", element, 0, "element=0, or None")
+        self.steps = _ints("step", step, "step=40 or step=[40, 80]")
+        self.runs = _ints("runs", runs, "runs=(0,) (the step itself) or runs=(1,) (its first replay)")
         self.flipped: list[tuple[int, int]] = []  # (step, run) of each flip made
         self._calls: dict[int, int] = {}  # step -> forward calls of the layer at that step
         self._per_run = 1
@@ -98,6 +101,17 @@ class BitFlip:
         self._handle.remove()
 
 
+def _ints(argument: str, value: object, example: str) -> set[int]:
+    """An int >= 0 or an iterable of them, as a set; else a config error naming ``argument``."""
+    items = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+        raise config_error(argument, value, "must be an int >= 0 or a list of them", f"pass e.g. {example}")
+    listed = list(items)
+    if not listed or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in listed):
+        raise config_error(argument, value, "must be an int >= 0 or a list of them", f"pass e.g. {example}")
+    return set(listed)
+
+
 def flip_bit(tensor: Tensor, element: int | None, bit: int) -> Tensor:
     """A copy of ``tensor`` with bit ``bit`` of its element ``element`` (flat index; ``None``: the first element
     whose bit is 0) flipped."""
@@ -122,7 +136,13 @@ class PoisonedSamples(Dataset):
     """
 
     def __init__(self, dataset: Any, indices: Iterable[int], value: float = float("nan")) -> None:
-        self.dataset, self.indices, self.value = dataset, {int(i) for i in indices}, float(value)
+        if not (callable(getattr(dataset, "__getitem__", None)) and callable(getattr(dataset, "__len__", None))):
+            raise config_error(
+                "dataset", dataset, "is not a map-style dataset", "pass one with __getitem__ and __len__"
+            )
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise config_error("value", value, "must be a number", "pass e.g. value=float('nan') or value=30.0")
+        self.dataset, self.indices, self.value = dataset, _ints("indices", indices, "indices=[17]"), float(value)
         self.served: list[int] = []  # poisoned indices handed out, in order (what the run trained on)
 
     def __len__(self) -> int:

@@ -15,8 +15,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from lightning_stability.errors import check_path, config_error
+
 #: the manifest's format
 VERSION = 1
+_FIX = "pass the quarantine.json that StepReplay wrote, or a checkpoint of its run"
 
 
 class Quarantine:
@@ -64,25 +67,29 @@ class Quarantine:
 
 def read_quarantine(path: str | Path) -> list[dict[str, Any]]:
     """The quarantine entries in ``path``: a JSON manifest written by ``StepReplay``, or a checkpoint of a run with
-    ``StepReplay`` (its callback state). Raises ``ValueError`` naming the path when it holds neither."""
+    ``StepReplay`` (its callback state). Raises ``StabilityConfigError`` naming the path when it is neither."""
+    check_path("path", path, "'lightning_logs/quarantine.json'")
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(
-            f"{path}: no such file. Fix: pass a quarantine manifest (quarantine.json) or a checkpoint"
+    if not path.is_file():
+        raise config_error(
+            "path", str(path), "is no such file", "pass a quarantine manifest (quarantine.json) or a checkpoint"
         )
     if path.suffix == ".json":
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path} is not a quarantine manifest: {err}") from err
+            raise config_error("path", str(path), f"is not a quarantine manifest ({err})", _FIX) from err
         if not isinstance(data, dict) or "entries" not in data:
-            raise ValueError(f"{path} is not a quarantine manifest (no 'entries')")
+            raise config_error("path", str(path), "is not a quarantine manifest (no 'entries')", _FIX)
         return [dict(e) for e in data["entries"]]
     import torch
 
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # not a torch file: what torch raises depends on the bytes
+        raise config_error("path", str(path), f"is neither a manifest nor a checkpoint ({err})", _FIX) from err
     states = checkpoint.get("callbacks", {}) if isinstance(checkpoint, dict) else {}
     for key, state in states.items():
         if str(key).startswith("StepReplay") and isinstance(state, dict):
             return [dict(e) for e in state.get("quarantine", {}).get("entries", [])]
-    raise ValueError(f"{path} holds no StepReplay state: it was not saved by a run with StepReplay")
+    raise config_error("path", str(path), "holds no StepReplay state (not saved by a run with StepReplay)", _FIX)
