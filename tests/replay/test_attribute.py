@@ -1,0 +1,58 @@
+"""The attribution of a flagged step, a pure function of the runs' comparisons (replay/attribute.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_stability.replay.attribute import Cause, Evidence, RankVerdict, attribute, rank_verdict
+
+R, F, FR, N = RankVerdict.REPRODUCED, RankVerdict.FAULT, RankVerdict.FAULT_IN_REPLAY, RankVerdict.NONDETERMINISTIC
+
+
+@pytest.mark.parametrize(
+    ("evidence", "verdict"),
+    [
+        (Evidence(True), R),  # original = replay
+        (Evidence(False, False, True), F),  # original != replay = second
+        (Evidence(False, True, False), FR),  # original = second != replay
+        (Evidence(False, False, False), N),  # all three differ
+    ],
+)
+def test_each_rank_s_verdict_is_the_vote_of_its_runs(evidence: Evidence, verdict: RankVerdict) -> None:
+    assert rank_verdict(evidence) is verdict
+
+
+def test_runs_that_differ_need_a_second_replay() -> None:
+    with pytest.raises(ValueError, match="second replay"):
+        rank_verdict(Evidence(False))
+
+
+@pytest.mark.parametrize(
+    ("verdicts", "grads", "flagged", "cause", "ranks", "replay_faults"),
+    [
+        ([R, R], R, True, Cause.DATA, (), ()),  # reproduces, flag and all
+        ([R, F], F, False, Cause.TRANSIENT, (1,), ()),  # rank 1's original went wrong
+        ([R, R], F, False, Cause.TRANSIENT, (), ()),  # only the averaged gradients differ: no rank to name
+        ([F, R], F, True, Cause.DATA, (), (0,)),  # a fault on rank 0, and the replayed step is flagged too
+        ([FR, R], FR, True, Cause.DATA, (), (0,)),  # rank 0's replay went wrong: the original reproduces
+        ([R, N], N, True, Cause.NONDETERMINISTIC, (1,), ()),
+        ([F, R], N, False, Cause.NONDETERMINISTIC, (), ()),  # nondeterminism wins over a fault
+    ],
+)
+def test_the_step_s_attribution(
+    verdicts: list[RankVerdict],
+    grads: RankVerdict,
+    flagged: bool,
+    cause: Cause,
+    ranks: tuple[int, ...],
+    replay_faults: tuple[int, ...],
+) -> None:
+    found = attribute(verdicts, grads, flagged)
+    assert (found.cause, found.ranks, found.replay_faults) == (cause, ranks, replay_faults)
+    assert found.verdicts == tuple(verdicts)
+
+
+def test_the_ranks_counted_against_their_device() -> None:
+    assert attribute([F, FR], F, False).faulty_ranks == (0, 1)  # the original's fault and the replay's
+    assert attribute([FR, R], FR, True).faulty_ranks == (0,)
+    assert attribute([R, R], R, True).faulty_ranks == ()
