@@ -1,8 +1,10 @@
 """A run with a poisoned sample that kills itself with SIGKILL a few steps after StepReplay quarantined it
 (``first``), or resumes the killed run with ``ckpt_path="last"`` and trains to the end (``resume``).
 
-Usage: ``python quarantine_kill_run.py OUT_DIR first|resume``. Writes ``OUT_DIR/<mode>.json`` (``resume`` only:
-the killed run writes nothing after its kill): every sample index loaded, in order, the quarantine and the steps.
+Usage: ``python quarantine_kill_run.py OUT_DIR first|resume``, or under ``torchrun --nproc_per_node 2`` with a third
+argument ``ddp`` (2 CPU processes; the kill hits rank 1 only, torchrun then stops rank 0). Writes
+``OUT_DIR/<mode>.<rank>.json`` (``resume`` only: the killed run writes nothing after its kill): every sample index
+this rank loaded, in order, the quarantine and the steps.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from tests.helpers import quiet_trainer
 from tests.replay.test_replay import IndexedData, Model
 
 out, mode = Path(sys.argv[1]), sys.argv[2]
+ddp = len(sys.argv) > 3 and sys.argv[3] == "ddp"
+RANK = int(os.environ.get("RANK", "0"))
 POISONED, KILL_AFTER = 17, 3  # the kill comes this many steps after the quarantine
 
 
@@ -34,8 +38,8 @@ class KillAfterQuarantine(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if self.at is None and self.replay.quarantine.indices:
             self.at = trainer.global_step + KILL_AFTER
-            (out / "quarantined.json").write_text(json.dumps(sorted(self.replay.quarantine.indices)))
-        if self.at is not None and trainer.global_step >= self.at:
+            (out / f"quarantined.{RANK}.json").write_text(json.dumps(sorted(self.replay.quarantine.indices)))
+        if self.at is not None and trainer.global_step >= self.at and (1 if ddp else 0) == RANK:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -50,7 +54,8 @@ callbacks: list[pl.Callback] = [
 ]
 if mode == "first":
     callbacks.append(KillAfterQuarantine(replay))
-trainer = quiet_trainer(callbacks=callbacks, max_epochs=3, enable_checkpointing=True, default_root_dir=out)
+parallel = {"devices": 2, "strategy": "ddp"} if ddp else {}
+trainer = quiet_trainer(callbacks=callbacks, max_epochs=3, enable_checkpointing=True, default_root_dir=out, **parallel)
 trainer.fit(model, ckpt_path="last" if mode == "resume" else None)
 result = {"loaded": inner.loaded, "quarantined": sorted(replay.quarantine.indices), "steps": trainer.global_step}
-(out / f"{mode}.json").write_text(json.dumps(result))
+(out / f"{mode}.{RANK}.json").write_text(json.dumps(result))

@@ -269,11 +269,11 @@ def test_the_quarantine_survives_a_sigkill_and_the_resume_never_loads_it(tmp_pat
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     first = subprocess.run([sys.executable, str(script), str(tmp_path), "first"], env=env, capture_output=True)
     assert first.returncode == -signal.SIGKILL, first.stderr[-2000:]
-    quarantined = json.loads((tmp_path / "quarantined.json").read_text())
+    quarantined = json.loads((tmp_path / "quarantined.0.json").read_text())
     assert 17 in quarantined
     resumed = subprocess.run([sys.executable, str(script), str(tmp_path), "resume"], env=env, capture_output=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    result = json.loads((tmp_path / "resume.json").read_text())
+    result = json.loads((tmp_path / "resume.0.json").read_text())
     assert result["quarantined"] == quarantined and result["steps"] == 36
     assert not set(result["loaded"]) & set(quarantined)
     assert len(result["loaded"]) > 2 * (96 - len(quarantined))  # it did train on: the rest of the epochs' samples

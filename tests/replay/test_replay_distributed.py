@@ -4,11 +4,15 @@ and never loaded again; every rank decides alike."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import torchrun
+from tests.helpers import REPO, torchrun
 
 SCRIPT = Path(__file__).with_name("replay_ddp_script.py")
 FLIP, POISONED = 9, 17
@@ -55,3 +59,22 @@ def test_the_same_fault_three_times_on_rank_1_stops_both_ranks_naming_it(tmp_pat
     assert stopped["rank"] == 1 and stopped["steps"] == [FLIP - 2, FLIP - 1, FLIP] and stopped["host"]
     assert stopped["checkpoint"] and Path(stopped["checkpoint"]).exists()
     assert f"step={FLIP + 1}" in stopped["checkpoint"]  # the state after the third fault's step, applied as replayed
+
+
+@pytest.mark.distributed
+def test_the_quarantine_survives_a_sigkill_of_rank_1_and_the_resumed_ranks_never_load_it(tmp_path: Path) -> None:
+    """Rank 1 is SIGKILLed three steps after the quarantine (torchrun then stops rank 0); both ranks resume with
+    ckpt_path="last" to the end of the third epoch: the quarantine is back on both, no rank loads it again."""
+    script = Path(__file__).with_name("quarantine_kill_run.py")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    first = subprocess.run([*launch, str(tmp_path), "first", "ddp"], env=env, capture_output=True, timeout=300)
+    assert first.returncode != 0, first.stderr[-2000:]  # rank 1 was killed
+    quarantined = json.loads((tmp_path / "quarantined.0.json").read_text())
+    assert POISONED in quarantined and not (tmp_path / "first.0.json").exists()
+    resumed = subprocess.run([*launch, str(tmp_path), "resume", "ddp"], env=env, capture_output=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"resume.{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["quarantined"] == ranks[1]["quarantined"] == quarantined
+    loaded = ranks[0]["loaded"] + ranks[1]["loaded"]
+    assert loaded and not set(loaded) & set(quarantined)
