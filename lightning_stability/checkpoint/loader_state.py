@@ -381,9 +381,7 @@ class LoaderResume:
     def epoch_start(self, trainer: pl.Trainer) -> None:
         """At ``on_train_epoch_start``: wrap the samplers of loaders Lightning built anew for this epoch
         (``reload_dataloaders_every_n_epochs``); the epoch's iterator is built after this hook."""
-        loaders = _compat.train_loaders(trainer)
-        if len(loaders) == 1 and _replayable(loaders[0]):
-            install(loaders[0])
+        training_sampler(trainer, fresh_epoch=True)
 
     # ------------------------------------------------------------------ fit-start checks
     def _check(self, loaders: list[Any]) -> list[DataLoader]:

@@ -48,6 +48,7 @@ from lightning_stability.checkpoint.loader_state import ReplayableSampler, train
 from lightning_stability.errors import StabilityConfigError, check_int, check_path
 from lightning_stability.health.callback import TrainingHealthMonitor
 from lightning_stability.ledger import LedgerCallback, Outcome, StepLedger, loss_scaler
+from lightning_stability.ledger.step_ledger import StepLoss
 from lightning_stability.replay.attribute import Attribution, Cause, Evidence, attribute, rank_verdict
 from lightning_stability.replay.quarantine import Quarantine
 from lightning_stability.replay.rerun import StepInputs, copies, gradients, rerun, same_bits
@@ -408,14 +409,13 @@ class StepReplay(LedgerCallback):
 
 
 def _update_loss(losses: list[Tensor | None], normalize: int) -> Tensor | None:
-    """The update's loss as ``ledger.step.loss`` holds it: the mean of the micro-batches' losses, undivided."""
-    kept = [loss.float() * normalize for loss in losses if loss is not None]
-    if not kept:
-        return None
-    total = kept[0]
-    for loss in kept[1:]:
-        total = total + loss
-    return total / len(kept) if len(kept) > 1 else total
+    """The update's loss as ``ledger.step.loss`` holds it (the ledger's own ``StepLoss``): the mean of the
+    micro-batches' losses, each times ``normalize``, the factor it was divided by."""
+    total = StepLoss()
+    for loss in losses:
+        if loss is not None:
+            total.add(loss, None, normalize)
+    return total.take()
 
 
 def _save_last_good(trainer: pl.Trainer) -> str | None:

@@ -21,8 +21,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from lightning_stability.errors import StabilityConfigError, check_instance, check_int, config_error
-
-_INT_OF = {8: torch.int64, 4: torch.int32, 2: torch.int16}
+from lightning_stability.replay.rerun import int_view
 
 
 class BitFlip:
@@ -116,7 +115,7 @@ def flip_bit(tensor: Tensor, element: int | None, bit: int) -> Tensor:
     """A copy of ``tensor`` with bit ``bit`` of its element ``element`` (flat index; ``None``: the first element
     whose bit is 0) flipped."""
     out = tensor.clone()
-    flat = out.view(-1).view(_INT_OF[out.element_size()])
+    flat = int_view(out.view(-1))
     mask = 1 << bit if bit < out.element_size() * 8 - 1 else -(1 << bit)
     if element is None:
         clear = ((flat & mask) == 0).nonzero()

@@ -10,11 +10,10 @@ loader's sampler leaves the quarantined indices out of every batch it yields fro
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from lightning_stability.checkpoint import atomic
 from lightning_stability.errors import check_path, config_error
 
 #: the manifest's format
@@ -52,17 +51,10 @@ class Quarantine:
             self.indices.update(int(i) for i in entry.get("indices", []))
 
     def write(self, path: Path) -> None:
-        """Write the manifest to ``path`` as JSON, atomically (a reader never sees half a file)."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        body = json.dumps({**self.state_dict(), "indices": sorted(self.indices)}, indent=1)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(body + "\n")
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        """Write the manifest to ``path`` as JSON, atomically and durably (``checkpoint/atomic.py``: a reader never
+        sees half a file)."""
+        body = json.dumps({**self.state_dict(), "indices": sorted(self.indices)}, indent=1) + "\n"
+        atomic.save_file(path, lambda f: f.write(body.encode()))
 
 
 def read_quarantine(path: str | Path) -> list[dict[str, Any]]:

@@ -23,17 +23,18 @@ buffers and the RNG states are those of the replayed step, as a fault-free run l
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_stability import _compat
+from lightning_stability.checkpoint import rng
 from lightning_stability.norms import local_tensor
 
 
@@ -63,7 +64,7 @@ class StepInputs:
         step, copy the buffers its forward may change."""
         if not self.micro:
             self._copy_buffers(module)
-        self.micro.append(MicroBatch(batch, batch_idx, _torch_states(), indices))
+        self.micro.append(MicroBatch(batch, batch_idx, rng.capture_torch(), indices))
 
     def add_loss(self, loss: Tensor) -> None:
         """At ``on_before_backward``: the current micro-batch's loss as passed to backward."""
@@ -111,14 +112,14 @@ def rerun(
     inputs.restore_buffers()
     kept = [True] * len(inputs.micro) if keep is None else list(keep)
     normalize = trainer.accumulate_grad_batches if keep is None else sum(kept)
-    with_idx = _takes_batch_idx(module)
+    with_idx = is_param_in_hook_signature(module.training_step, "batch_idx", min_args=2)  # as Lightning's loop
     losses: list[Tensor | None] = []
     last = max(i for i, k in enumerate(kept) if k)
     for i, micro in enumerate(inputs.micro):
         if not kept[i]:
             losses.append(None)
             continue
-        _restore_torch_states(micro.rng)
+        rng.restore(micro.rng)
         with _sync_held_back(trainer, i < last), _compat.training_step_again(trainer, micro.batch):
             args = (micro.batch, micro.batch_idx) if with_idx else (micro.batch,)
             output = trainer.strategy.training_step(*args)
@@ -162,24 +163,16 @@ def same_bits(a: Sequence[Tensor | None], b: Sequence[Tensor | None]) -> bool:
 _INT_OF = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
 
+def int_view(t: Tensor) -> Tensor:
+    """``t``'s bits as the signed integers of its element size (a view: writing it writes ``t``)."""
+    return t.view(_INT_OF[t.element_size()])
+
+
 def _bits(t: Tensor) -> Tensor:
     t = t.detach()
-    if t.is_floating_point() or t.is_complex():
-        return t.contiguous().view(_INT_OF[t.element_size()] if not t.is_complex() else torch.int64)
-    return t
-
-
-def _torch_states() -> dict[str, Any]:
-    states: dict[str, Any] = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def _restore_torch_states(states: dict[str, Any]) -> None:
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states:
-        torch.cuda.set_rng_state_all(states["cuda"])
+    if t.is_complex():
+        return t.contiguous().view(torch.int64)
+    return int_view(t.contiguous()) if t.is_floating_point() else t
 
 
 def _closure_loss(output: Any) -> Tensor | None:
@@ -190,11 +183,6 @@ def _closure_loss(output: Any) -> Tensor | None:
         loss = output.get("loss")
         return loss if isinstance(loss, Tensor) else None
     return None
-
-
-def _takes_batch_idx(module: pl.LightningModule) -> bool:
-    params = inspect.signature(module.training_step).parameters
-    return len(params) >= 2 or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params.values())
 
 
 @contextlib.contextmanager
