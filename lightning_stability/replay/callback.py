@@ -84,8 +84,10 @@ class StepReplay(LedgerCallback):
             ``default_root_dir`` unless absolute; ``None``: not written (it is in every checkpoint either way).
         log_every_n_steps: as for every callback of the package (default: the Trainer's).
 
-    Metrics (on logging steps): ``stability/replays`` (steps replayed so far), ``stability/faults`` (transient
-    faults attributed), ``stability/quarantined`` (samples quarantined).
+    Metrics (every step, so ``ModelCheckpoint``/``EarlyStopping`` can monitor them; to the loggers on logging
+    steps): ``stability/replays`` (steps replayed so far), ``stability/faults`` (transient faults attributed),
+    ``stability/nondeterministic`` (steps no two runs of which agreed), ``stability/quarantined`` (samples
+    quarantined).
 
     Example::
 
@@ -182,11 +184,11 @@ class StepReplay(LedgerCallback):
 
     def after_step(self, trainer: pl.Trainer, ledger: StepLedger) -> None:
         self.inputs.clear()
-        if self.is_logging_step:  # host counts: nothing to read from the device
-            self.record_metric("stability/replays", float(self.counts["replays"]))
-            self.record_metric("stability/faults", float(self.counts["faults"]))
-            self.record_metric("stability/nondeterministic", float(self.counts["nondeterministic"]))
-            self.record_metric("stability/quarantined", float(len(self.quarantine.indices)))
+        # host counts, every step (ModelCheckpoint and EarlyStopping can monitor them); to the loggers on logging steps
+        self.record_metric("stability/replays", float(self.counts["replays"]))
+        self.record_metric("stability/faults", float(self.counts["faults"]))
+        self.record_metric("stability/nondeterministic", float(self.counts["nondeterministic"]))
+        self.record_metric("stability/quarantined", float(len(self.quarantine.indices)))
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

@@ -235,6 +235,23 @@ def test_a_healthy_run_is_the_same_with_and_without_it_and_replays_nothing(tmp_p
         assert torch.equal(a, b)
 
 
+def test_early_stopping_and_model_checkpoint_monitor_its_keys_at_the_trainer_s_defaults(tmp_path: Path) -> None:
+    """log_every_n_steps=50 over a 24-step run: no step logs, the keys are monitorable on every step."""
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    torch.manual_seed(0)
+    model = Model(PoisonedSamples(IndexedData(), [17]))
+    stop = EarlyStopping(
+        monitor="stability/quarantined", mode="max", stopping_threshold=1.0, check_on_train_epoch_end=True
+    )
+    best = ModelCheckpoint(dirpath=tmp_path, monitor="stability/replays", mode="max")
+    callbacks = [TrainingHealthMonitor(response="skip", warmup_steps=5, report=False), StepReplay(), stop, best]
+    trainer = quiet_trainer(callbacks=callbacks, max_epochs=5, enable_checkpointing=True, default_root_dir=tmp_path)
+    trainer.fit(model)
+    assert trainer.current_epoch == 1  # stopped at the first epoch's end: a sample was quarantined in it
+    assert best.best_model_score == 1.0 and Path(best.best_model_path).exists()
+
+
 def test_its_state_survives_a_checkpoint_and_a_pickle(tmp_path: Path) -> None:
     _, replay, _, _, trainer = _fit(tmp_path, PoisonedSamples(IndexedData(), [17]), log_every_n_steps=1)
     assert trainer.callback_metrics["stability/quarantined"] == 8
