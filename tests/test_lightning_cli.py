@@ -16,6 +16,7 @@ from lightning_stability import (
     PrecursorMonitor,
     StableFSDPStrategy,
     StableTrainer,
+    StepReplay,
     TrainingHealthMonitor,
     WarmupConstantCosineLR,
 )
@@ -47,6 +48,8 @@ trainer:
       init_args: {init_scale: 1024.0}
     - class_path: lightning_stability.TrainingHealthMonitor
       init_args: {response: skip, report: false}
+    - class_path: lightning_stability.StepReplay
+      init_args: {max_faults: 2, quarantine_file: null}
 """
 
 
@@ -60,6 +63,7 @@ def test_every_callback_from_yaml(tmp_path: Path) -> None:
     assert kinds[GradientAccumulation].steps == 2  # type: ignore[attr-defined]
     assert kinds[TrainingHealthMonitor].response == "skip"  # type: ignore[attr-defined]
     assert LossScaleTuner in kinds
+    assert kinds[StepReplay].max_faults == 2 and kinds[StepReplay].quarantine_file is None  # type: ignore[attr-defined]
     cli.trainer.fit(cli.model)
     assert cli.trainer.global_step == 4
 
@@ -97,7 +101,8 @@ def test_the_strategy_by_class_path_or_registered_name(strategy: str) -> None:
 
 
 def test_a_preset_from_the_command_line() -> None:
-    args = ["--trainer.preset=gpt", "--trainer.preset_overrides={max_norm: 0.3, health: warn}", "--trainer.max_steps=3"]
+    overrides = "--trainer.preset_overrides={max_norm: 0.3, health: warn, replay: true}"
+    args = ["--trainer.preset=gpt", overrides, "--trainer.max_steps=3"]
     cli = LightningCLI(
         TinyModule, trainer_class=StableTrainer, run=False, save_config_callback=None, args=[*args, *QUIET]
     )
@@ -106,6 +111,7 @@ def test_a_preset_from_the_command_line() -> None:
     norm = next(cb for cb in trainer.callbacks if isinstance(cb, GradientNormMonitor))
     health = next(cb for cb in trainer.callbacks if isinstance(cb, TrainingHealthMonitor))
     assert norm.max_norm == 0.3 and health.response == "warn"
+    assert any(isinstance(cb, StepReplay) for cb in trainer.callbacks)
     health.report = False
     trainer.fit(cli.model)
     assert trainer.global_step == 3
