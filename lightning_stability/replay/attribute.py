@@ -17,9 +17,10 @@ all three differ                    the step does not reproduce at all          
 The step's attribution then reads the ranks' verdicts (:func:`attribute`): any ``NONDETERMINISTIC`` rank makes the
 step nondeterministic; else any ``FAULT`` rank makes it a transient fault on those ranks (the replay's gradients
 are the ones a fault-free run computes), unless the replay is flagged as well (then the data is bad too); else the
-step reproduces, and a step that reproduces its flag is the data's doing. A fault seen only in the gradients,
-which data parallelism averages over ranks before anyone can compare them, cannot be placed on a rank: it is a
-fault on an unknown rank (``ranks`` empty).
+step reproduces, and a step that reproduces its flag is the data's doing. The gradients are compared after data
+parallelism averaged them: a fault that changed them on every rank of several (it happened before the averaging)
+is placed by the losses, or on an unknown rank (``ranks`` empty); one that changed them on some ranks only (after
+the averaging) is placed there.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class Attribution:
     Attributes:
         cause: :class:`Cause`.
         ranks: the ranks the cause lies on: the faulty ranks (``TRANSIENT``; empty when the fault showed only in the
-            averaged gradients), the ranks that did not reproduce (``NONDETERMINISTIC``); empty for ``DATA``.
+            gradients of every rank), the ranks that did not reproduce (``NONDETERMINISTIC``); empty for ``DATA``.
         replay_faults: ranks whose *replay* went wrong (counted against their device like any fault).
         verdicts: every rank's :class:`RankVerdict`, in rank order.
     """
@@ -98,27 +99,40 @@ class Attribution:
 
 
 def attribute(
-    verdicts: list[RankVerdict], grads: RankVerdict = RankVerdict.REPRODUCED, replay_flagged: bool = True
+    verdicts: list[RankVerdict], grads: list[RankVerdict] | None = None, replay_flagged: bool = True
 ) -> Attribution:
-    """The step's attribution from every rank's verdict on its losses, the verdict on the gradients (the same on
-    every rank: data parallelism averages them before they are compared) and whether the replay is still flagged.
+    """The step's attribution from every rank's verdict on its own losses and on its gradients, and whether the
+    replay is still flagged.
+
+    A rank's gradients are compared after data parallelism averaged (or reduce-scattered) them: a fault in any
+    rank's forward or backward changes every rank's, so a gradient fault seen on every rank of several names none
+    (the losses may); one seen on some ranks only happened there, after the averaging, and names them.
 
     Args:
         verdicts: each rank's :func:`rank_verdict` on its own losses, in rank order.
-        grads: the runs' verdict on the gradients, by the same table.
+        grads: each rank's verdict on its gradients, by the same table (``None``: all reproduced).
         replay_flagged: the replay's step is flagged too (read when the original went wrong: the replay is then
             what a fault-free run computes; a reproduced step is flagged like the original).
     """
     by_rank = tuple(verdicts)
-    odd = tuple(r for r, v in enumerate(by_rank) if v is RankVerdict.NONDETERMINISTIC)
-    if odd or grads is RankVerdict.NONDETERMINISTIC:
+    by_grads = tuple(grads) if grads is not None else (RankVerdict.REPRODUCED,) * len(by_rank)
+
+    def ranks_of(kind: RankVerdict) -> tuple[tuple[int, ...], bool]:
+        """The ranks whose runs say ``kind``, by losses or by gradients (the latter only where they locate it), and
+        whether the gradients say it anywhere."""
+        by_loss = {r for r, v in enumerate(by_rank) if v is kind}
+        in_grads = {r for r, v in enumerate(by_grads) if v is kind}
+        located = in_grads if len(in_grads) < len(by_grads) or len(by_grads) == 1 else set()
+        return tuple(sorted(by_loss | located)), bool(in_grads)
+
+    odd, odd_grads = ranks_of(RankVerdict.NONDETERMINISTIC)
+    if odd or odd_grads:
         return Attribution(Cause.NONDETERMINISTIC, odd, verdicts=by_rank)
-    in_replay = tuple(r for r, v in enumerate(by_rank) if v is RankVerdict.FAULT_IN_REPLAY)
-    faulty = tuple(r for r, v in enumerate(by_rank) if v is RankVerdict.FAULT)
-    if faulty or grads is RankVerdict.FAULT:
+    in_replay, _ = ranks_of(RankVerdict.FAULT_IN_REPLAY)
+    faulty, faulty_grads = ranks_of(RankVerdict.FAULT)
+    if faulty or faulty_grads:
         # the replay is what a fault-free run computes; flagged still, the data is bad as well
-        cause = Cause.DATA if replay_flagged else Cause.TRANSIENT
-        if cause is Cause.DATA:
+        if replay_flagged:
             return Attribution(Cause.DATA, (), tuple(sorted({*faulty, *in_replay})), by_rank)
         return Attribution(Cause.TRANSIENT, faulty, in_replay, by_rank)
     # the original reproduces (a fault in the replay aside), flag and all: the batch is bad

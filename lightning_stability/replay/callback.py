@@ -219,8 +219,7 @@ class StepReplay(LedgerCallback):
         runs = 2
         gathered: list[Any] = rng.gather(same)
         if all(loss and grads for loss, grads in gathered):
-            losses = [Evidence(True) for _ in gathered]
-            grads = Evidence(True)
+            losses = grads = [Evidence(True) for _ in gathered]
             final = first
         else:  # the runs differ somewhere: a third run decides, on every rank
             kept = copies(first_grads)
@@ -234,13 +233,12 @@ class StepReplay(LedgerCallback):
             )
             gathered = rng.gather(local)
             losses = [Evidence(s[0], *o) for s, o, _ in gathered]
-            grads = Evidence(all(s[1] for s, _, _ in gathered), *(all(g[i] for _, _, g in gathered) for i in (0, 1)))
+            grads = [Evidence(s[1], *g) for s, _, g in gathered]
             final = second
         step.regrad(_update_loss(final, trainer.accumulate_grad_batches))
         flags = monitor.flags(ledger)
         replay_flagged = bool(flags.any())  # HOST READ, on a replayed step only
-        verdicts = [rank_verdict(e) for e in losses]
-        found = attribute(verdicts, rank_verdict(grads), replay_flagged)
+        found = attribute([rank_verdict(e) for e in losses], [rank_verdict(e) for e in grads], replay_flagged)
         seconds = time.perf_counter() - start
         self._act(
             trainer, ledger, monitor, found, final, bool(flags[0]) if replay_flagged else nonfinite, runs, seconds
@@ -275,7 +273,7 @@ class StepReplay(LedgerCallback):
         if found.cause is Cause.TRANSIENT:
             self.counts["faults"] += 1
             event["detail"] = (
-                f"a transient fault on {where or 'a rank the averaged gradients cannot name'}: the step was "
+                f"a transient fault on {where or 'a rank the gradients of every rank cannot name'}: the step was "
                 f"replayed and applied as replayed ({seconds:.2f} s)"
             )
         elif found.cause is Cause.DATA:

@@ -1,8 +1,9 @@
 """Run under torchrun (2 CPU processes, gloo; third argument: the strategy, ``ddp`` or ``fsdp``) with StepReplay.
 
 Fourth argument, the fault: ``none``; ``flip`` — an exponent bit flipped in the last layer's output on rank 1 at
-step FLIP; ``failing`` — the same on rank 1 at FLIP - 2, FLIP - 1 and FLIP (a failing device); ``poison`` — sample
-POISONED of the dataset is NaN. Each rank writes what it trained on and decided.
+step FLIP; ``failing`` — the same on rank 1 at FLIP - 2, FLIP - 1 and FLIP (a failing device); ``after_allreduce``
+— rank 1's gradients made non-finite at step FLIP after DDP averaged them; ``poison`` — sample POISONED of the
+dataset is NaN. Each rank writes what it trained on and decided.
 """
 
 from __future__ import annotations
@@ -42,6 +43,19 @@ strategy: Any = StableFSDPStrategy() if strategy_name == "fsdp" else "ddp"
 replay = StepReplay(quarantine_file=None)
 monitor = TrainingHealthMonitor(response="skip", warmup_steps=4, report=False)
 callbacks: list[pl.Callback] = [monitor, replay]
+
+
+class CorruptRank1AfterAllReduce(pl.Callback):
+    """Rank 1's gradients made non-finite after DDP averaged them (placed before the package's callbacks)."""
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, opt: Any) -> None:
+        if trainer.global_step == FLIP and trainer.global_rank == 1:
+            for p in pl_module.parameters():
+                p.grad.mul_(float("inf"))
+
+
+if fault == "after_allreduce":
+    callbacks.insert(0, CorruptRank1AfterAllReduce())
 if fault == "failing":
     callbacks.append(StableCheckpoint(dirpath=os.path.join(out_dir, "ckpts"), every_n_train_steps=100))
 trainer = quiet_trainer(max_epochs=3, devices=2, strategy=strategy, callbacks=callbacks, enable_checkpointing=True)

@@ -30,18 +30,21 @@ def test_runs_that_differ_need_a_second_replay() -> None:
 @pytest.mark.parametrize(
     ("verdicts", "grads", "flagged", "cause", "ranks", "replay_faults"),
     [
-        ([R, R], R, True, Cause.DATA, (), ()),  # reproduces, flag and all
-        ([R, F], F, False, Cause.TRANSIENT, (1,), ()),  # rank 1's original went wrong
-        ([R, R], F, False, Cause.TRANSIENT, (), ()),  # only the averaged gradients differ: no rank to name
-        ([F, R], F, True, Cause.DATA, (), (0,)),  # a fault on rank 0, and the replayed step is flagged too
-        ([FR, R], FR, True, Cause.DATA, (), (0,)),  # rank 0's replay went wrong: the original reproduces
-        ([R, N], N, True, Cause.NONDETERMINISTIC, (1,), ()),
-        ([F, R], N, False, Cause.NONDETERMINISTIC, (), ()),  # nondeterminism wins over a fault
+        ([R, R], [R, R], True, Cause.DATA, (), ()),  # reproduces, flag and all
+        ([R, F], [F, F], False, Cause.TRANSIENT, (1,), ()),  # rank 1's forward went wrong: every rank's gradients
+        ([R, R], [F, F], False, Cause.TRANSIENT, (), ()),  # every rank's gradients differ, no loss: no rank to name
+        ([R, R], [R, F], False, Cause.TRANSIENT, (1,), ()),  # rank 1's gradients alone: after the averaging
+        ([F], [F], False, Cause.TRANSIENT, (0,), ()),  # one process: its gradients are its own
+        ([R], [F], False, Cause.TRANSIENT, (0,), ()),  # one process, a fault in the backward only
+        ([F, R], [F, F], True, Cause.DATA, (), (0,)),  # a fault on rank 0, and the replayed step is flagged too
+        ([FR, R], [FR, FR], True, Cause.DATA, (), (0,)),  # rank 0's replay went wrong: the original reproduces
+        ([R, N], [N, N], True, Cause.NONDETERMINISTIC, (1,), ()),
+        ([F, R], [N, N], False, Cause.NONDETERMINISTIC, (), ()),  # nondeterminism wins over a fault
     ],
 )
 def test_the_step_s_attribution(
     verdicts: list[RankVerdict],
-    grads: RankVerdict,
+    grads: list[RankVerdict],
     flagged: bool,
     cause: Cause,
     ranks: tuple[int, ...],
@@ -53,6 +56,6 @@ def test_the_step_s_attribution(
 
 
 def test_the_ranks_counted_against_their_device() -> None:
-    assert attribute([F, FR], F, False).faulty_ranks == (0, 1)  # the original's fault and the replay's
-    assert attribute([FR, R], FR, True).faulty_ranks == (0,)
-    assert attribute([R, R], R, True).faulty_ranks == ()
+    assert attribute([F, FR], [F, F], False).faulty_ranks == (0, 1)  # the original's fault and the replay's
+    assert attribute([FR, R], [FR, FR], True).faulty_ranks == (0,)
+    assert attribute([R, R], None, True).faulty_ranks == ()

@@ -78,3 +78,17 @@ def test_the_quarantine_survives_a_sigkill_of_rank_1_and_the_resumed_ranks_never
     assert ranks[0]["quarantined"] == ranks[1]["quarantined"] == quarantined
     loaded = ranks[0]["loaded"] + ranks[1]["loaded"]
     assert loaded and not set(loaded) & set(quarantined)
+
+
+@pytest.mark.distributed
+def test_a_fault_after_the_all_reduce_on_rank_1_only_is_its_transient_fault(tmp_path: Path) -> None:
+    """Rank 1's gradients alone go wrong after DDP averaged them: the losses agree everywhere, the gradients differ
+    on rank 1 only, which names it; the run ends bit-exact with the fault-free run, both ranks alike."""
+    (tmp_path / "clean").mkdir()
+    (tmp_path / "fault").mkdir()
+    clean = torchrun(SCRIPT, 2, tmp_path / "clean", "ddp", "none")
+    rank0, rank1 = torchrun(SCRIPT, 2, tmp_path / "fault", "ddp", "after_allreduce")
+    assert decisions(rank0["events"]) == decisions(rank1["events"])
+    (event,) = rank0["events"]
+    assert event["cause"] == "transient" and event["ranks"] == [1] and event["step"] == FLIP
+    assert rank0["weights"] == rank1["weights"] == clean[0]["weights"]
