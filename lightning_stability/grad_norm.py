@@ -181,12 +181,14 @@ class GradientNormMonitor(LedgerCallback):
         gradients = ledger.gradients(self.norm_type)  # computed once per step, shared with other callbacks
         params, norms, total = gradients.params, gradients.norms, gradients.total
         self._gradients = gradients if params else None
+        # known finite on every rank (StepReplay's early read, alike on every rank): no all-reduce, a host vote
+        known_finite = ledger.step.known_finite
         if not params:
-            if self.skip_nonfinite:  # every rank joins the flag's all-reduce, also one without gradients
+            if self.skip_nonfinite and not known_finite:  # every rank joins the all-reduce, also one without gradients
                 ledger.any_rank(torch.zeros((), dtype=torch.bool, device=total.device))
             return
         bad = (total - total) != 0  # NaN or inf
-        if self.skip_nonfinite:
+        if self.skip_nonfinite and not known_finite:
             # A gradient can go bad on one rank after the data-parallel all-reduce (a hook that edits it, a
             # faulty device): one 0-dim all-reduce makes every rank see, and skip, the same step.
             bad = ledger.any_rank(bad)
@@ -203,7 +205,7 @@ class GradientNormMonitor(LedgerCallback):
         layers.remember_first_bad(bad, norms)
         if self.skip_nonfinite:
             # Under fp16 the vote joins the loss scaler's own overflow decision: no extra sync.
-            ledger.mark_skip(Outcome.SKIPPED_NONFINITE, bad)
+            ledger.mark_skip(Outcome.SKIPPED_NONFINITE, False if known_finite else bad)
         if self.is_logging_step:
             layer_norms = group_norms(norms, layers.index, len(layers.names), self.norm_type)
             every, top = self._send_layers(layer_norms)

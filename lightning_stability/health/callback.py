@@ -195,6 +195,7 @@ class TrainingHealthMonitor(LedgerCallback):
         self._sent_memory: OnHost | None = None  # a logging step's peak memory, read back in on_host
         self._sent: dict[int, HealthSent] = {}  # per optimizer: what a logging step sent, read in on_host
         self._scored_of: tuple[Any, int, Scored, Tensor] | None = None  # (step, generation, scores, values)
+        self._read_of: tuple[Any, int, list[bool]] | None = None  # (step, generation, flags): see flags_on_host
 
     @property
     def history(self) -> HealthHistory:
@@ -258,8 +259,9 @@ class TrainingHealthMonitor(LedgerCallback):
         # 1. the verdict: the update's loss and gradient norm, averaged over ranks, scored
         scored, values, raw, z = self._score(ledger, grads, const)
         # 2. the response: a non-finite value is never applied, whatever the response; then the response's own
-        ledger.mark_skip(Outcome.SKIPPED_NONFINITE, scored.nonfinite)
-        answer = self._respond(ledger, grads, scored, values, z, const)
+        read = self._read_flags(ledger)  # host bools, where StepReplay read them as the step opened
+        ledger.mark_skip(Outcome.SKIPPED_NONFINITE, scored.nonfinite if read is None else read[0])
+        answer = self._respond(ledger, grads, scored, values, z, const, read)
         verdict = ledger.health = HealthVerdict(scored.flags, scored.spikes, answer.damaged)  # StableCheckpoint's
         # 3. what the step leaves: the statistics move, the metrics, the history's row
         self.stats.update(answer.deviation, answer.include, scored.run)
@@ -315,12 +317,25 @@ class TrainingHealthMonitor(LedgerCallback):
         data window skipped after it). Reads nothing from the device it would not read anyway."""
         return not (self.response == "rollback" and (self.rollback.skip_left > 0 or self._damaged.peek()))
 
-    def flags(self, ledger: StepLedger) -> Tensor:
-        """The open step's ``[non-finite, loss spike]`` flags (bool, the same on every rank) by the monitor's rule,
-        from its running statistics as they stand: nothing moves. A gradient-norm spike alone does not count."""
-        grads = ledger.gradients()
-        scored, _ = self._scored(ledger, grads, self._constants(grads.total.device))
-        return torch.stack([scored.nonfinite, scored.spikes[_LOSS]])
+    def flags_on_host(self, ledger: StepLedger) -> list[bool]:
+        """The open step's ``[non-finite, loss spike, gradient-norm spike]`` by the monitor's rule, read on the host
+        in the step's early read (``OptimizerStep.read_on_host``: a HOST SYNC on a GPU), once per generation of its
+        gradients. This monitor's votes on the step are then host bools, and so is any vote on non-finite values
+        (``step.known_finite``): a non-fused optimizer's step needs no other read."""
+        read = self._read_flags(ledger)
+        if read is None:
+            grads = ledger.gradients()
+            scored, _ = self._scored(ledger, grads, self._constants(grads.total.device))
+            flags = torch.cat([scored.nonfinite.reshape(1), scored.spikes])
+            read = [bool(v) for v in ledger.step.read_on_host(flags)]
+            self._read_of = (ledger.step, ledger.step.generation, read)
+            ledger.step.known_finite = not read[0]
+        return read
+
+    def _read_flags(self, ledger: StepLedger) -> list[bool] | None:
+        memo = self._read_of
+        step = ledger.step
+        return memo[2] if memo is not None and memo[0] is step and memo[1] == step.generation else None
 
     def loss_flags(self, losses: Tensor) -> Tensor:
         """Which of ``losses`` (a vector of single micro-batch losses, this rank's) are non-finite or spikes of the
@@ -331,7 +346,14 @@ class TrainingHealthMonitor(LedgerCallback):
         return ~torch.isfinite(losses) | (ready & (z > self.spike_z))
 
     def _respond(
-        self, ledger: StepLedger, grads: StepGradients, scored: Scored, values: Tensor, z: Tensor, const: _Constants
+        self,
+        ledger: StepLedger,
+        grads: StepGradients,
+        scored: Scored,
+        values: Tensor,
+        z: Tensor,
+        const: _Constants,
+        read: list[bool] | None = None,
     ) -> _Answer:
         """The response to the verdict: ``"clip"`` clips (ZClip), ``"skip"``/``"rollback"`` vote, ``"rollback"``
         also notes whether the damage got in; what the statistics then fold in."""
@@ -350,7 +372,10 @@ class TrainingHealthMonitor(LedgerCallback):
             self.record_metric("stability/clip_threshold", threshold[0])
         elif self.response in ("skip", "rollback"):
             # skip_on="loss": the loss's flag alone (a gradient-norm spike without one is applied)
-            ledger.mark_skip(Outcome.SKIPPED_SPIKE, spikes[_LOSS] if self.skip_on == "loss" else spikes.any())
+            if read is not None:  # [non-finite, loss spike, gradient-norm spike] as StepReplay read them
+                ledger.mark_skip(Outcome.SKIPPED_SPIKE, read[1] or (self.skip_on != "loss" and read[2]))
+            else:
+                ledger.mark_skip(Outcome.SKIPPED_SPIKE, spikes[_LOSS] if self.skip_on == "loss" else spikes.any())
         if self.response == "rollback":
             # the damage got in when this step spiked on the weights of a spike whose update was skipped
             spiked, before = spikes.any(), self._spiked
@@ -630,6 +655,7 @@ class TrainingHealthMonitor(LedgerCallback):
             "_sent_memory": None,
             "_sent": {},
             "_scored_of": None,
+            "_read_of": None,
         }
 
 

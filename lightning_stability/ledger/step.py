@@ -11,25 +11,28 @@
     optimizer, one overflow flag per device     ``amp/scaler.py`` max-reduces the flag over the ranks
  3  **the step opens**: a fused optimizer is    :class:`OptimizerStep` ``__init__``, from ``StepLedger.open_step``
     unscaled now; the scaler's decision kept    (the first ``LedgerCallback.on_before_optimizer_step``)
-3b  **a flagged step replayed** (with           ``StepReplay``, from ``StepLedger.open_step``: the micro-batches
-    ``StepReplay``): the step's forward and     run again (``replay/rerun.py``), then :meth:`OptimizerStep.regrad`;
-    backward run again, before anything         its look at the step (``TrainingHealthMonitor.flags``) is the
-    measures it; the fault attributed           values row 6 scores, computed once
+3b  **a flagged step replayed** (with           ``StepReplay``, from ``StepLedger.open_step``: its look
+    ``StepReplay``): the flags read on the      (``TrainingHealthMonitor.flags_on_host``) is the values row 6
+    host, once; the step's forward and          scores, computed once, read with the factors known at open
+    backward run again, before anything         (:meth:`OptimizerStep.read_on_host`); the micro-batches run again
+    measures it; the fault attributed           (``replay/rerun.py``), then :meth:`OptimizerStep.regrad`
  4  **gradients measured**, once for all        :meth:`OptimizerStep.gradients` -> ``gradients.StepGradients``
  5  **clips**, each relative to the norm the    ``StepGradients.clip_`` -> ``norms.clip_by_global_norm_``:
     ones before left (the tightest wins)        ``GradientNormMonitor(max_norm)``, ``TrainingHealthMonitor``'s
                                                 adaptive clip (ZClip)
  6  **votes** to skip: any callback, the        ``StepLedger.mark_skip`` -> :meth:`OptimizerStep.vote`;
     module's ``on_before_optimizer_step``;      ``StepLedger.scale_update`` -> :meth:`OptimizerStep.scale_update`
-    **factors on the update**, any callback     (``PrecursorMonitor``'s LR back-off, AdaScale's gain)
+    **factors on the update**, any callback     (AdaScale's gain; ``PrecursorMonitor``'s LR back-off is added as
+                                                the step opens, ``StepLedger._at_open``)
  7  ``Trainer(gradient_clip_val)``, after       ``StableFSDPPrecision.clip_grad_by_norm``,
     every ``on_before_optimizer_step``          ``FusedClipMixedPrecision.clip_grad_by_norm`` ->
                                                 ``norms.clip_by_global_norm_``; Lightning's other plugins:
                                                 ``torch.nn.utils.clip_grad_norm_`` (the same coefficient);
                                                 ``backend="fairscale"``: FairScale's ``clip_grad_norm_``
  8  **votes enforced**, together, one host      :meth:`OptimizerStep.enforce` (the table there says how), from
-    read at most; **the update's scale**: the   the optimizer's step pre-hook (:func:`enforce_before_update`);
-    factors' product times each group's LR      ``update.UpdateScale.apply`` (read with the votes if on the host)
+    read at most (none when 3b read what they   the optimizer's step pre-hook (:func:`enforce_before_update`);
+    vote); **the update's scale**: the          ``update.UpdateScale.apply`` (read with the votes if on the host,
+    factors' product times each group's LR      or at 3b)
  9  the update: ``optimizer.step()``, or not    torch, at ``lr x scale`` (every optimizer that reads
     (the fp16 scaler calls it only without      ``group["lr"]``)
     overflow)
@@ -133,6 +136,9 @@ class OptimizerStep:
         #: how many times the step's gradients were computed again (row 3b): a measure of the gradients is valid
         #: for the generation it was taken at
         self.generation = 0
+        #: known on the host (an early read, row 3b) that every rank's loss and gradient norm of this generation are
+        #: finite: a vote on non-finite values can then be a host ``False`` (no read at row 8)
+        self.known_finite = False
         if scaler is None:
             return
         # 3. A fused optimizer would unscale inside step(): unscale now, so that callbacks see true gradients.
@@ -159,6 +165,20 @@ class OptimizerStep:
         self._grads = {}
         self.loss = loss
         self.generation += 1
+        self.known_finite = False
+
+    def read_on_host(self, values: Tensor) -> list[float]:
+        """``values`` (a device tensor) as host numbers, read now in one transfer (a HOST SYNC on a GPU): a step's
+        early read (row 3b, ``StepReplay``). The product of the factors on the update added so far comes with it, so
+        that a step whose votes are then host bools needs no read at row 8."""
+        parts = [values.detach().float().reshape(-1)]
+        factor = self.scale.total if self.scale.needs_host(self.optimizer) else None
+        if isinstance(factor, Tensor):
+            parts.append(factor.detach().float().reshape(1).to(parts[0].device, non_blocking=True))
+        host = torch.cat(parts).to("cpu", copy=True).tolist()
+        if isinstance(factor, Tensor):
+            self.scale.read_as(host.pop())
+        return host
 
     # 4. ---------------------------------------------------------------- measure
     def gradients(self, norm_type: float = 2.0) -> StepGradients:
@@ -230,10 +250,12 @@ class OptimizerStep:
         scale_now = before_update and not self._scaled
         self._scaled = self._scaled or before_update
         on_host = scale_now and self.scale.needs_host(self.optimizer)
-        host_scale = self._enforce_votes(self.scale.total if on_host else None)  # type: ignore[arg-type]
+        read_early = self.scale.on_host() if on_host else None  # the product, if an early read carried it
+        host_scale = self._enforce_votes(self.scale.total if on_host and read_early is None else None)  # type: ignore[arg-type]
         if scale_now:
-            if on_host and host_scale is None:  # HOST SYNC: no vote was read to carry it (on a CPU: none)
-                host_scale = float(self.scale.total)
+            if on_host and host_scale is None:
+                # HOST SYNC when no read carried it (the votes', an early one)
+                host_scale = read_early if read_early is not None else float(self.scale.total)
             self.scale.apply(self.optimizer, host_scale)
 
     def _enforce_votes(self, also: Tensor | None) -> float | None:

@@ -85,6 +85,7 @@ class StepLedger:
         self._several: bool | None = None  # _several_optimizers, as of the step open now (None between steps)
         self._close_hooks: list[Callable[[StepLedger], None]] = []
         self._replay: Callable[[StepLedger], None] | None = None  # StepReplay's look at each step as it opens
+        self._open_hooks: dict[str, Callable[[StepLedger], None]] = {}  # see _at_open
         self._queue = MetricQueue()
         self._loss = StepLoss()
         # id(optimizer) -> (weak reference, record index, hook handles); the reference tells a reused id apart
@@ -202,6 +203,8 @@ class StepLedger:
         self._several = len(self._optimizers()) > 1
         scaler = loss_scaler(trainer) if trainer is not None else None
         self._step = OptimizerStep(optimizer, record, scaler, self._loss.take(), enforce_each_vote=late)
+        for hook in list(self._open_hooks.values()):
+            hook(self)  # factors known before the step (PrecursorMonitor's back-off): in an early read too
         if self._replay is not None:
             self._replay(self)  # 3b: a flagged step replayed, before anything measures it (StepReplay)
         return True
@@ -209,6 +212,14 @@ class StepLedger:
     def _replay_with(self, look: Callable[[StepLedger], None] | None) -> None:
         """Have ``look(ledger)`` run as each step opens, before any callback measures it (``StepReplay``)."""
         self._replay = look
+
+    def _at_open(self, name: str, hook: Callable[[StepLedger], None] | None) -> None:
+        """Have ``hook(ledger)`` run as each step opens, before the replay's look (``None``: no more): for a factor on
+        the update known before the step, so that an early host read (row 3b) carries it."""
+        if hook is None:
+            self._open_hooks.pop(name, None)
+        else:
+            self._open_hooks[name] = hook
 
     @property
     def is_open(self) -> bool:

@@ -50,6 +50,8 @@ class UpdateScale:
         self.lrs: list[Any] | None = None
         self._saved: list[Any] = []
         self._applied: list[Any] = []
+        self._version = 0  # factors added so far
+        self._read: tuple[int, float] | None = None  # (version, product) read on the host early (see ``read_as``)
 
     def add(self, source: str, factor: Tensor | float) -> None:
         """Multiply the update by ``factor``; a source that adds twice gets the product of both."""
@@ -71,6 +73,15 @@ class UpdateScale:
             factor = float(factor)
         earlier = self.factors.get(source)
         self.factors[source] = factor if earlier is None else earlier * factor
+        self._version += 1
+
+    def read_as(self, value: float) -> None:
+        """The product of the factors added so far was read on the host as ``value`` (the step's early read)."""
+        self._read = (self._version, value)
+
+    def on_host(self) -> float | None:
+        """The product as read on the host, if it was read and no factor came since; else ``None``."""
+        return self._read[1] if self._read is not None and self._read[0] == self._version else None
 
     @property
     def total(self) -> Tensor | float:

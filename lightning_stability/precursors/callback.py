@@ -288,6 +288,14 @@ class PrecursorMonitor(LedgerCallback):
                     "Rprop reads its LR only once, as its first step sizes",
                     "lr_backoff",
                 )
+        StepLedger.of(trainer)._at_open("lr_backoff", self._scale_by_backoff if self._backoff_on else None)
+
+    def _scale_by_backoff(self, ledger: StepLedger) -> None:
+        """As each step opens (before ``StepReplay``'s early read, which then carries it): the back-off's factor on
+        the update (row 6 of the step table)."""
+        trainer = ledger.trainer
+        if trainer is not None:
+            ledger.scale_update("lr_backoff", self._backoff_tensor(self._device(trainer)))
 
     def _refuse_or_warn(self, what: str, why: str, arguments: str) -> bool:
         """Refuse (``other_optimizers="error"``) or warn once and turn the action off (returns ``False``)."""
@@ -387,8 +395,6 @@ class PrecursorMonitor(LedgerCallback):
             self._reads or self.is_logging_step or clipping or (tick and config is not None and config.measures_update)
         ) and step.measure_update() is not None
         device = self._device(trainer)
-        if self._backoff_on:
-            ledger.scale_update("lr_backoff", self._backoff_tensor(device))
         open_step = self._open = _OpenStep(optimizer, measured, tick)
         if self._adam_actions:
             params = [

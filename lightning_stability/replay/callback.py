@@ -23,11 +23,12 @@ failing device      a rank counted ``max_faults`` times within          a checkp
                                                                         naming the rank and its host
 ==================  ==================================================  ==========================================
 
-Cost: on a healthy step, one host read of the step's two flags (the decision to replay is the host's), and the
-RNG states of each micro-batch (a few kB on the host); the batches stay alive until the update; the buffers a forward
-changes (BatchNorm's statistics) are copied once per step. A flagged step pays one or two more forward and backward
-passes and a copy of its gradients; each replay's time is in its event.
-"""
+Cost: on a healthy step, one host read of the step's flags as it opens (the decision to replay is the host's), which
+the votes on the step and the update's factors then use, so that a non-fused optimizer's step makes no read of its
+own at row 8 (a fused one reads nothing without ``StepReplay``: one read more there); the RNG states of each
+micro-batch (a few kB on the host); the batches stay alive until the update; the buffers a forward changes
+(BatchNorm's statistics) are copied once per step. A flagged step pays one or two more forward and backward passes
+and a copy of its gradients; each replay's time is in its event."""
 
 from __future__ import annotations
 
@@ -203,10 +204,11 @@ class StepReplay(LedgerCallback):
         trainer, monitor = ledger.trainer, self._monitor
         if trainer is None or monitor is None or not self.inputs.micro or not monitor.scores_step():
             return
-        flags = monitor.flags(ledger)
-        if not bool(flags.any()):  # HOST SYNC: the one read a healthy step pays (decided alike on every rank)
-            return
-        self._replay(trainer, ledger, monitor, bool(flags[0]))
+        # the step's early read (a HOST SYNC on a GPU), alike on every rank; the votes on the step use it (no read at
+        # row 8): with a non-fused optimizer it is the step's one read, as without StepReplay
+        nonfinite, loss_spike, _ = monitor.flags_on_host(ledger)
+        if nonfinite or loss_spike:
+            self._replay(trainer, ledger, monitor, nonfinite)
 
     def _replay(self, trainer: pl.Trainer, ledger: StepLedger, monitor: TrainingHealthMonitor, nonfinite: bool) -> None:
         start = time.perf_counter()
@@ -236,12 +238,12 @@ class StepReplay(LedgerCallback):
             grads = [Evidence(s[1], *g) for s, _, g in gathered]
             final = second
         step.regrad(_update_loss(final, trainer.accumulate_grad_batches))
-        flags = monitor.flags(ledger)
-        replay_flagged = bool(flags.any())  # HOST READ, on a replayed step only
+        replay_nonfinite, replay_spike, _ = monitor.flags_on_host(ledger)  # HOST READ, on a replayed step only
+        replay_flagged = replay_nonfinite or replay_spike
         found = attribute([rank_verdict(e) for e in losses], [rank_verdict(e) for e in grads], replay_flagged)
         seconds = time.perf_counter() - start
         self._act(
-            trainer, ledger, monitor, found, final, bool(flags[0]) if replay_flagged else nonfinite, runs, seconds
+            trainer, ledger, monitor, found, final, replay_nonfinite if replay_flagged else nonfinite, runs, seconds
         )
 
     def _act(
@@ -315,7 +317,8 @@ class StepReplay(LedgerCallback):
         keep = [not b for b in bad[trainer.global_rank]]
         losses = rerun(trainer, ledger.step.optimizer, self.inputs, keep)
         ledger.step.regrad(_update_loss(losses, sum(keep)))
-        if bool(monitor.flags(ledger).any()):  # HOST READ, on a replayed step only
+        nonfinite, loss_spike, _ = monitor.flags_on_host(ledger)  # HOST READ, on a replayed step only
+        if nonfinite or loss_spike:
             return None
         return [(r, i) for r, flags in enumerate(bad) for i, b in enumerate(flags) if b]
 
