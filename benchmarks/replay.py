@@ -2,17 +2,20 @@
 steps, and its step-time cost without faults.
 
 **Attribution.** A regression MLP with dropout (16 -> 64 -> 64 -> 1, AdamW, batch 16, a shuffled loader over 4,096
-samples) trains ``--steps`` steps with ``TrainingHealthMonitor(response="skip")`` and ``StepReplay`` (``max_faults``
-above the number of faults, so no run stops). Injected, at random (seeded by ``--seed``): ``--flips`` bit flips
-(``BitFlip``: bit 30 of one element of the last layer's output, at steps drawn after the monitor's warm-up) and
-``--poisoned`` NaN samples (``PoisonedSamples``). The truth: each flip's step is a transient fault (unless the same
-step's batch holds a poisoned sample: then the data), each poisoned sample lies in a batch attributed to the data
-and is quarantined, every other step is healthy. Printed: each attribution's count against the truth, the healthy
-steps replayed, and the poisoned samples served after their quarantine.
+samples; ``--target``: ``linear``, a linear function plus Gaussian noise of std 0.1, whose batch losses have light
+tails; ``curved``, the sum of the inputs plus a tenth of the first one squared, whose residual has heavy tails and
+spikes of its own by the monitor's rule) trains ``--steps`` steps with ``TrainingHealthMonitor(response="skip")``
+and ``StepReplay`` (``max_faults`` above the number of faults, so no run stops). Injected, at random (seeded by
+``--seed``): ``--flips`` bit flips (``BitFlip``: bit 30 of one element of the last layer's output, at steps drawn
+after the monitor's warm-up) and ``--poisoned`` NaN samples (``PoisonedSamples``). The truth: each flip's step is a
+transient fault (unless the same step's batch holds a poisoned sample: then the data), each poisoned sample lies in
+a batch attributed to the data and is quarantined, every other step is healthy. Printed: each attribution's count
+against the truth, the healthy steps replayed, and the poisoned samples served after their quarantine.
 
 **Cost.** ``benchmarks/overhead.py``'s decoder (``--size``), the ``tiny`` preset against the same preset with
 ``StepReplay`` added, no faults. ``--repeats`` pairs, the order alternating; each run's figure is the median step
-time after ``--warmup`` steps; printed: the median of the pair ratios (with replay / without), their range.
+time after ``--warmup`` steps; printed: the median of the pair ratios (with replay / without), their range, and the
+wall time a step spends in StepReplay's own hooks (:class:`HookClock`), a figure the machine's noise moves less.
 
 Run: ``python benchmarks/replay.py`` (``--quick``: a short run of both, as the tests do).
 """
@@ -24,6 +27,7 @@ import random
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +53,20 @@ from lightning_stability import (  # noqa: E402
 WARMUP = 10  # the monitor's warm-up steps: flips are drawn after it
 
 
+class LossSpikes(pl.Callback):
+    """The steps whose update's loss the monitor called a spike or non-finite, as it scored them: after a replay,
+    the replayed values (instrumentation: one host read a step)."""
+
+    def __init__(self) -> None:
+        self.steps: set[int] = set()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        ledger = StepLedger.of(trainer)  # the step just closed (one micro-batch per step here)
+        verdict, loss = ledger.health, ledger.step.loss
+        if verdict is not None and (bool(verdict.spikes[0]) or (loss is not None and not bool(loss.isfinite()))):
+            self.steps.add(trainer.global_step - 1)
+
+
 class Regression(pl.LightningModule):
     def __init__(self, data: Any) -> None:
         super().__init__()
@@ -68,16 +86,25 @@ class Regression(pl.LightningModule):
         return DataLoader(self.data, batch_size=16, shuffle=True)
 
 
-def attribution(steps: int, flips: int, poisoned: int, seed: int) -> dict[str, Any]:
+def _targets(x: torch.Tensor, target: str, seed: int) -> torch.Tensor:
+    if target == "linear":
+        g = torch.Generator().manual_seed(seed + 1)
+        w = torch.randn(16, 1, generator=g)
+        return x @ w + 0.1 * torch.randn(x.shape[0], 1, generator=g)
+    return x.sum(1, keepdim=True) + 0.1 * x[:, :1] ** 2
+
+
+def attribution(steps: int, flips: int, poisoned: int, seed: int, target: str = "curved") -> dict[str, Any]:
     pick = random.Random(seed)
     flip_steps = sorted(pick.sample(range(WARMUP + 5, steps), flips))
     bad = sorted(pick.sample(range(4096), poisoned))
     pl.seed_everything(seed)
     x = torch.randn(4096, 16, generator=torch.Generator().manual_seed(seed))
-    data = PoisonedSamples(TensorDataset(x, x.sum(1, keepdim=True) + 0.1 * x[:, :1] ** 2), bad)
+    data = PoisonedSamples(TensorDataset(x, _targets(x, target, seed)), bad)
     model = Regression(data)
     flip = BitFlip(model, "net.5", step=flip_steps)
     replay = StepReplay(max_faults=flips + 1, quarantine_file=None)
+    spikes = LossSpikes()
     trainer = pl.Trainer(
         max_steps=steps,
         accelerator="cpu",
@@ -85,7 +112,7 @@ def attribution(steps: int, flips: int, poisoned: int, seed: int) -> dict[str, A
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[TrainingHealthMonitor(response="skip", warmup_steps=WARMUP, report=False), replay],
+        callbacks=[TrainingHealthMonitor(response="skip", warmup_steps=WARMUP, report=False), replay, spikes],
     )
     trainer.fit(model)
     events = [e for e in StepLedger.of(trainer).events if e.get("kind") == "replay"]
@@ -106,7 +133,9 @@ def attribution(steps: int, flips: int, poisoned: int, seed: int) -> dict[str, A
             right["data"] += 1
         else:
             wrong.append(f"poisoned batch at step {s}: {by_step.get(s, {}).get('cause')}")
-    healthy_replayed = sorted(set(by_step) - set(flip_steps) - data_steps)
+    natural = sorted(set(by_step) - set(flip_steps) - data_steps)  # replayed without an injected fault
+    spiked = [s for s in natural if s in spikes.steps]  # the monitor's own loss spikes, reproduced by the replay
+    healthy_replayed = [s for s in natural if s not in spikes.steps]
     served_twice = sorted(i for i in bad if data.served.count(i) > 1)
     return {
         "flips": flip_steps,
@@ -115,6 +144,7 @@ def attribution(steps: int, flips: int, poisoned: int, seed: int) -> dict[str, A
         "right": right,
         "wrong": wrong,
         "healthy_replayed": healthy_replayed,
+        "natural_spikes": spiked,
         "quarantined_all_poisoned": set(bad) <= replay.quarantine.indices,
         "served_after_quarantine": served_twice,
         "replays": len(events),
@@ -142,11 +172,49 @@ def _preset_trainer(steps: int, root: str, timer: pl.Callback, with_replay: bool
     return trainer
 
 
+class HookClock:
+    """Wall time spent in StepReplay's own hooks (its look at the step less the monitor's flags, which the monitor
+    computes for its own votes anyway), and in the monitor's flags: the part of the step StepReplay adds, measured
+    inside the run, where the step-time ratio of two runs carries this machine's noise."""
+
+    OWN = ("on_train_batch_start", "on_before_backward", "after_step", "on_train_batch_end", "_look")
+
+    def __init__(self) -> None:
+        self.seconds = {"own": 0.0, "flags": 0.0}
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> HookClock:
+        for name in self.OWN:
+            self._time(StepReplay, name, "own")
+        self._time(TrainingHealthMonitor, "flags_on_host", "flags")
+        return self
+
+    def _time(self, owner: Any, name: str, bucket: str) -> None:
+        original = owner.__dict__[name]
+        self._saved.append((owner, name, original))
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[bucket] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self.seconds["own"] -= self.seconds["flags"]  # the look's flags are the monitor's work
+
+
 def cost(size_name: str, steps: int, warmup: int, repeats: int) -> dict[str, Any]:
     size = SIZES[size_name]
     tokens = bigram_tokens(size, warmup + steps + 1)
     medians: dict[bool, list[float]] = {False: [], True: []}
-    ratios = []
+    ratios: list[float] = []
+    own: list[float] = []  # seconds a step in StepReplay's own hooks
+    flags: list[float] = []  # seconds a step in the monitor's flags, computed in StepReplay's look
     with tempfile.TemporaryDirectory() as root:
         for pair in range(repeats):
             order = (False, True) if pair % 2 == 0 else (True, False)
@@ -154,7 +222,11 @@ def cost(size_name: str, steps: int, warmup: int, repeats: int) -> dict[str, Any
             for with_replay in order:
                 timer = StepTimer()
                 trainer = _preset_trainer(tokens.shape[0], root, timer, with_replay)
-                trainer.fit(model_for(size, "adamw"), DataLoader(Batches(tokens), batch_size=None))
+                with HookClock() as clock:
+                    trainer.fit(model_for(size, "adamw"), DataLoader(Batches(tokens), batch_size=None))
+                if with_replay:
+                    own.append(clock.seconds["own"] / len(timer.times))
+                    flags.append(clock.seconds["flags"] / len(timer.times))
                 got[with_replay] = statistics.median(timer.times[warmup:])
                 medians[with_replay].append(got[with_replay])
             ratios.append(got[True] / got[False])
@@ -162,6 +234,8 @@ def cost(size_name: str, steps: int, warmup: int, repeats: int) -> dict[str, Any
         "ratio": statistics.median(ratios),
         "range": (min(ratios), max(ratios)),
         "ms": {k: 1e3 * statistics.median(v) for k, v in medians.items()},
+        "own_ms": 1e3 * statistics.median(own),
+        "flags_ms": 1e3 * statistics.median(flags),
     }
 
 
@@ -171,6 +245,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--flips", type=int, default=10)
     parser.add_argument("--poisoned", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--target", default="curved", choices=["linear", "curved"], help="the regression's target")
     parser.add_argument("--size", default="small", choices=sorted(SIZES))
     parser.add_argument("--cost-steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
@@ -180,16 +255,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.quick:
         args.steps, args.flips, args.poisoned, args.size, args.cost_steps, args.repeats = 200, 3, 2, "tiny", 20, 1
     torch.set_num_threads(1)
-    found = attribution(args.steps, args.flips, args.poisoned, args.seed)
+    found = attribution(args.steps, args.flips, args.poisoned, args.seed, args.target)
     print(
-        f"attribution: {args.steps} steps, {args.flips} bit flips at steps {found['flips']}, "
+        f"attribution ({args.target} target): {args.steps} steps, {args.flips} bit flips at steps {found['flips']}, "
         f"poisoned samples {found['poisoned']}"
     )
     print(
         f"  attributed right: {found['right']} of {args.flips} flips and the poisoned batches; "
         f"wrong: {found['wrong'] or 'none'}"
     )
-    print(f"  steps replayed: {found['replays']}; healthy steps replayed: {found['healthy_replayed'] or 'none'}")
+    print(
+        f"  steps replayed: {found['replays']}; without an injected fault: the data's own loss spikes (flagged again "
+        f"when replayed) {found['natural_spikes'] or 'none'}, healthy steps {found['healthy_replayed'] or 'none'}"
+    )
     print(
         f"  every poisoned sample quarantined: {found['quarantined_all_poisoned']}; "
         f"served again after it: {found['served_after_quarantine'] or 'none'}"
@@ -199,6 +277,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"cost ({args.size} decoder, tiny preset, {args.repeats} pairs of {args.cost_steps} steps): with StepReplay / "
         f"without = {paid['ratio']:.3f} (range {paid['range'][0]:.3f}-{paid['range'][1]:.3f}); "
         f"{paid['ms'][False]:.2f} ms without, {paid['ms'][True]:.2f} ms with"
+    )
+    print(
+        f"  in the run with StepReplay, a step spent {paid['own_ms']:.3f} ms in StepReplay's own hooks "
+        f"({paid['own_ms'] / paid['ms'][True]:.2%} of the step) and {paid['flags_ms']:.3f} ms in the monitor's flags "
+        "(computed at the look instead of in the monitor's own hook)"
     )
     return {"attribution": found, "cost": paid}
 

@@ -2,7 +2,8 @@
 (``first``), or resumes the killed run with ``ckpt_path="last"`` and trains to the end (``resume``).
 
 Usage: ``python quarantine_kill_run.py OUT_DIR first|resume``, or under ``torchrun --nproc_per_node 2`` with a third
-argument ``ddp`` (2 CPU processes; the kill hits rank 1 only, torchrun then stops rank 0). Writes
+argument ``ddp`` or ``fsdp`` (2 CPU processes, ``StableFSDPStrategy`` for ``fsdp``, sharded checkpoints; the kill
+hits rank 1 only, torchrun then stops rank 0). Writes
 ``OUT_DIR/<mode>.<rank>.json`` (``resume`` only: the killed run writes nothing after its kill): every sample index
 this rank loaded, in order, the quarantine and the steps.
 """
@@ -19,13 +20,14 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_stability import StableCheckpoint, TrainingHealthMonitor
+from lightning_stability import StableCheckpoint, StableFSDPStrategy, TrainingHealthMonitor
 from lightning_stability.replay import PoisonedSamples, StepReplay
 from tests.helpers import quiet_trainer
 from tests.replay.test_replay import IndexedData, Model
 
 out, mode = Path(sys.argv[1]), sys.argv[2]
-ddp = len(sys.argv) > 3 and sys.argv[3] == "ddp"
+strategy = sys.argv[3] if len(sys.argv) > 3 else None
+ddp = strategy is not None  # two processes
 RANK = int(os.environ.get("RANK", "0"))
 POISONED, KILL_AFTER = 17, 3  # the kill comes this many steps after the quarantine
 
@@ -54,7 +56,9 @@ callbacks: list[pl.Callback] = [
 ]
 if mode == "first":
     callbacks.append(KillAfterQuarantine(replay))
-parallel = {"devices": 2, "strategy": "ddp"} if ddp else {}
+parallel: dict[str, Any] = {}
+if strategy is not None:
+    parallel = {"devices": 2, "strategy": StableFSDPStrategy() if strategy == "fsdp" else "ddp"}
 trainer = quiet_trainer(callbacks=callbacks, max_epochs=3, enable_checkpointing=True, default_root_dir=out, **parallel)
 trainer.fit(model, ckpt_path="last" if mode == "resume" else None)
 result = {"loaded": inner.loaded, "quarantined": sorted(replay.quarantine.indices), "steps": trainer.global_step}

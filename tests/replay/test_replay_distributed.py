@@ -62,17 +62,21 @@ def test_the_same_fault_three_times_on_rank_1_stops_both_ranks_naming_it(tmp_pat
 
 
 @pytest.mark.distributed
-def test_the_quarantine_survives_a_sigkill_of_rank_1_and_the_resumed_ranks_never_load_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_quarantine_survives_a_sigkill_of_rank_1_and_the_resumed_ranks_never_load_it(
+    tmp_path: Path, strategy: str
+) -> None:
     """Rank 1 is SIGKILLed three steps after the quarantine (torchrun then stops rank 0); both ranks resume with
-    ckpt_path="last" to the end of the third epoch: the quarantine is back on both, no rank loads it again."""
+    ckpt_path="last" (DDP: a file; FSDP2: sharded) to the end of the third epoch: the quarantine is back on both,
+    no rank loads it again."""
     script = Path(__file__).with_name("quarantine_kill_run.py")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    first = subprocess.run([*launch, str(tmp_path), "first", "ddp"], env=env, capture_output=True, timeout=300)
+    first = subprocess.run([*launch, str(tmp_path), "first", strategy], env=env, capture_output=True, timeout=300)
     assert first.returncode != 0, first.stderr[-2000:]  # rank 1 was killed
     quarantined = json.loads((tmp_path / "quarantined.0.json").read_text())
     assert POISONED in quarantined and not (tmp_path / "first.0.json").exists()
-    resumed = subprocess.run([*launch, str(tmp_path), "resume", "ddp"], env=env, capture_output=True, timeout=300)
+    resumed = subprocess.run([*launch, str(tmp_path), "resume", strategy], env=env, capture_output=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"resume.{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["quarantined"] == ranks[1]["quarantined"] == quarantined
