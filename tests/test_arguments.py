@@ -177,7 +177,13 @@ ENTRIES: dict[str, Entry] = {
     ),
     "StepReplay": (
         ls.StepReplay,
-        {"max_faults": [0, 1.5], "fault_window": [0], "quarantine_file": [3], "log_every_n_steps": [0]},
+        {
+            "max_faults": [0, 1.5],
+            "fault_window": [0],
+            "quarantine_file": [3],
+            "rng_states": ["numpy", None],
+            "log_every_n_steps": [0],
+        },
     ),
     "BitFlip": (
         lambda **kw: ls.BitFlip(**{"module": _Module(), "layer": "net", "step": 3, **kw}),

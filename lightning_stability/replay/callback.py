@@ -46,7 +46,7 @@ from torch import Tensor
 
 from lightning_stability.checkpoint import rng
 from lightning_stability.checkpoint.loader_state import ReplayableSampler, training_sampler
-from lightning_stability.errors import StabilityConfigError, check_int, check_path
+from lightning_stability.errors import StabilityConfigError, check_int, check_path, config_error
 from lightning_stability.health.callback import TrainingHealthMonitor
 from lightning_stability.ledger import LedgerCallback, Outcome, StepLedger, loss_scaler
 from lightning_stability.ledger.step_ledger import StepLoss
@@ -83,6 +83,10 @@ class StepReplay(LedgerCallback):
         fault_window: the window, in optimizer steps.
         quarantine_file: where rank 0 writes the quarantine manifest (JSON), relative to the Trainer's
             ``default_root_dir`` unless absolute; ``None``: not written (it is in every checkpoint either way).
+        rng_states: the random generators replayed as each micro-batch started: ``"torch"`` (the CPU generator and
+            every CUDA device's: dropout, ``torch.rand*``), or ``"all"``, also NumPy's global one and Python's
+            ``random`` (about 50 us more a micro-batch), for a ``training_step`` that draws from those; without it
+            such a step's runs disagree and a flagged step is judged nondeterministic and skipped.
         log_every_n_steps: as for every callback of the package (default: the Trainer's).
 
     Metrics (every step, so ``ModelCheckpoint``/``EarlyStopping`` can monitor them; to the loggers on logging
@@ -102,6 +106,7 @@ class StepReplay(LedgerCallback):
         max_faults: int = 3,
         fault_window: int = 1000,
         quarantine_file: str | Path | None = "quarantine.json",
+        rng_states: str = "torch",
         log_every_n_steps: int | None = None,
     ) -> None:
         super().__init__(log_every_n_steps)
@@ -109,10 +114,18 @@ class StepReplay(LedgerCallback):
         check_int("fault_window", fault_window, 1, "1000")
         if quarantine_file is not None:
             check_path("quarantine_file", quarantine_file, "'quarantine.json'")
+        if rng_states not in ("torch", "all"):
+            raise config_error(
+                "rng_states",
+                rng_states,
+                "is not one of 'torch', 'all'",
+                "rng_states='all' when training_step draws from NumPy or Python's random, else 'torch'",
+            )
         self.max_faults, self.fault_window = max_faults, fault_window
         self.quarantine_file = quarantine_file
+        self.rng_states = rng_states
         self.quarantine = Quarantine()
-        self.inputs = StepInputs()
+        self.inputs = StepInputs(every_generator=rng_states == "all")
         self.counts = {"replays": 0, "faults": 0, "data": 0, "nondeterministic": 0}
         self._faults: dict[int, deque[int]] = {}  # rank -> steps of its faults within the window
         self._failing: tuple[int, str, list[int]] | None = None
@@ -299,7 +312,7 @@ class StepReplay(LedgerCallback):
             event["detail"] = (
                 f"nondeterminism: no two of {runs} runs agree on rank(s) {list(found.ranks) or 'all (gradients)'}; "
                 "skipped. Fix: torch.use_deterministic_algorithms(True), and draw random numbers in the training "
-                "step from torch's generators (NumPy's and Python's are not replayed)"
+                "step from torch's generators, or StepReplay(rng_states='all') to replay NumPy's and Python's too"
             )
         monitor.record_event(ledger, event)  # in the stability report's events too
         rank_zero_warn(f"StepReplay: step {label}: {event['detail']}")
@@ -408,7 +421,7 @@ class StepReplay(LedgerCallback):
         self._faults = {int(r): deque(int(s) for s in steps) for r, steps in state_dict.get("faults", {}).items()}
 
     def transient_state(self) -> dict[str, Any]:
-        return {"inputs": StepInputs(), "_monitor": None, "_sampler": None}
+        return {"inputs": StepInputs(self.rng_states == "all"), "_monitor": None, "_sampler": None}
 
 
 def _update_loss(losses: list[Tensor | None], normalize: int) -> Tensor | None:

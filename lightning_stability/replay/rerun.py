@@ -54,7 +54,9 @@ class MicroBatch:
 class StepInputs:
     """What the open step started from, kept as its micro-batches come (see the module's doc)."""
 
-    def __init__(self) -> None:
+    def __init__(self, every_generator: bool = False) -> None:
+        #: also NumPy's and Python's generators, not torch's alone (~50 us a micro-batch)
+        self.every_generator = every_generator
         self.micro: list[MicroBatch] = []
         self._buffers: list[tuple[Tensor, Tensor]] = []  # (buffer, its copy before the step)
         self._kept: list[tuple[str, Tensor]] | None = None  # the module's state_dict buffers (found at the first step)
@@ -64,7 +66,8 @@ class StepInputs:
         step, copy the buffers its forward may change."""
         if not self.micro:
             self._copy_buffers(module)
-        self.micro.append(MicroBatch(batch, batch_idx, rng.capture_torch(), indices))
+        states = rng.capture() if self.every_generator else rng.capture_torch()
+        self.micro.append(MicroBatch(batch, batch_idx, states, indices))
 
     def add_loss(self, loss: Tensor) -> None:
         """At ``on_before_backward``: the current micro-batch's loss as passed to backward."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import random
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.plugins import MixedPrecision
@@ -167,6 +169,44 @@ def test_no_two_runs_agree_is_nondeterminism_and_the_step_is_skipped(tmp_path: P
     assert event["cause"] == "nondeterministic" and event["runs"] == 3
     counts = StepLedger.of(trainer).record_of().counts.tolist()
     assert counts[Outcome.SKIPPED_SPIKE] + counts[Outcome.SKIPPED_NONFINITE] == 1
+
+
+class NumpyNoise(Model):
+    """Draws a noise scale from NumPy and Python's random in its training step (torch's generators do not see it)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y, _ = batch
+        scale = float(np.random.rand()) * random.random()
+        return nn.functional.mse_loss(self(x + 0.01 * scale), y)
+
+
+@pytest.mark.parametrize("rng_states", ["torch", "all"])
+def test_numpy_and_python_draws_are_replayed_with_rng_states_all(tmp_path: Path, rng_states: str) -> None:
+    """A bit flip in a step that draws from NumPy and Python: with rng_states="torch" its replays disagree, so the
+    step is nondeterministic and skipped; with "all" it is a transient fault and the run ends bit-exact."""
+
+    def run(flip: bool) -> tuple[Model, pl.Trainer]:
+        torch.manual_seed(0)
+        np.random.seed(0)
+        random.seed(0)
+        model = NumpyNoise(IndexedData())
+        if flip:
+            BitFlip(model, "net.5", step=15)
+        monitor = TrainingHealthMonitor(response="skip", warmup_steps=5, report=False)
+        replay = StepReplay(quarantine_file=None, rng_states=rng_states)
+        trainer = quiet_trainer(callbacks=[monitor, replay], max_steps=20)
+        trainer.fit(model)
+        return model, trainer
+
+    clean, _ = run(False)
+    faulty, trainer = run(True)
+    (event,) = [e for e in StepLedger.of(trainer).events if e.get("kind") == "replay"]
+    if rng_states == "torch":
+        assert event["cause"] == "nondeterministic" and "rng_states='all'" in event["detail"]
+    else:
+        assert event["cause"] == "transient"
+        for a, b in zip(_weights(clean), _weights(faulty), strict=True):
+            assert torch.equal(a, b)
 
 
 def test_three_faults_on_one_rank_stop_the_run_naming_it_and_it_resumes_elsewhere(tmp_path: Path) -> None:
