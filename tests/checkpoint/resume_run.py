@@ -134,6 +134,14 @@ class Interrupt(pl.Callback):
     def __init__(self, how: str) -> None:
         self.how = how
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Other random draws on each rank (Lightning seeded them alike), so that a rank given another's RNG states
+        at a resume trains differently; before the resume's restore, which runs later in this hook."""
+        if trainer.world_size > 1:
+            torch.manual_seed(1000 + trainer.global_rank)
+            random.seed(1000 + trainer.global_rank)
+            np.random.seed(1000 + trainer.global_rank)
+
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         step = trainer.global_step
         if self.how == "kill" and step == STOP_AT + 1:

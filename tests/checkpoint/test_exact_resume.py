@@ -59,7 +59,8 @@ def test_sigkilled_mid_epoch_resumes_exactly_from_a_named_file(tmp_path: Path) -
 
 @pytest.mark.distributed
 def test_ddp_resumes_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Lightning injects a shuffling DistributedSampler into the plain loader; each rank's RNG states differ."""
+    """Lightning injects a shuffling DistributedSampler into the plain loader; each rank draws other random numbers
+    (resume_run.py seeds them apart), so a rank resumed with another's RNG states fails here."""
     monkeypatch.setenv("RESUME_CALLBACK", "exact")
     torchrun(SCRIPT, 2, tmp_path, "ddp", "shuffle", "reference", "stop", "resume-stop")
     assert differences(tmp_path, "ddp-shuffle", "stop", ranks=2) == []
