@@ -58,6 +58,17 @@ def test_sigkilled_mid_epoch_resumes_exactly_from_a_named_file(tmp_path: Path) -
 
 
 @pytest.mark.distributed
+def test_a_stable_checkpoint_file_resumes_exactly_with_it_alone(tmp_path: Path) -> None:
+    """The same checkpoint key: a checkpoint StableCheckpoint wrote mid-epoch, resumed beside a plain
+    ModelCheckpoint with ExactResume (ckpt_path names the file)."""
+    single(tmp_path, "shuffle", "reference", "stop")  # StableCheckpoint saves every step; stopped at step 11
+    env = {"RESUME_CALLBACK": "exact", "RESUME_CKPT": "epoch=1-step=11.ckpt"}
+    single(tmp_path, "shuffle", "resume-stop", **env)
+    assert differences(tmp_path, "single-shuffle", "stop") == []
+    assert min(load(tmp_path, "single-shuffle", "resume-stop", 0)["seen"]) == 11
+
+
+@pytest.mark.distributed
 def test_ddp_resumes_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Lightning injects a shuffling DistributedSampler into the plain loader; each rank draws other random numbers
     (resume_run.py seeds them apart), so a rank resumed with another's RNG states fails here."""
