@@ -49,8 +49,12 @@ class StableCheckpoint(ModelCheckpoint):
       :func:`~lightning_stability.checkpoint.atomic.verify_checkpoint` (or none: a fresh start), after taking back one a
       crash kept off the list.
     * **Exact mid-epoch resume** for a plain ``DataLoader`` over a map-style dataset: each checkpoint holds the
-      data position and every rank's RNG states. What cannot be exact is said once at fit start.
-    * **Preemption.** On any of ``signals``, every rank saves at the same step boundary and the Trainer stops.
+      data position and every rank's RNG states. What cannot be exact is said once at fit start. (It composes
+      :class:`~lightning_stability.checkpoint.exact_resume.ExactResume`, which does this alone beside Lightning's
+      ``ModelCheckpoint``.)
+    * **Preemption.** On any of ``signals``, every rank saves at the same step boundary (a healthy state) and the
+      Trainer stops. (It composes
+      :class:`~lightning_stability.checkpoint.preemption_checkpoint.PreemptionCheckpoint` with its own save.)
     * **Asynchronous saves** (``async_save=True``): the step waits only for a copy of the state in host memory.
 
     Checkpoints are written by the Trainer's strategy: atomically with ``AtomicCheckpointIO`` (single device, DDP)

@@ -59,8 +59,8 @@ class ExactResume(Callback):
         """The unit inside another callback (``StableCheckpoint``) that calls its hooks from its own; its messages
         name ``owner``, and it is always active."""
         unit = cls()
-        unit._owner, unit._part = owner, True
-        unit._loader_resume = LoaderResume(owner)
+        unit._owner = unit._loader_resume.owner = owner
+        unit._part = True
         return unit
 
     def __getstate__(self) -> dict[str, Any]:

@@ -218,7 +218,8 @@ def training_sampler(
 
     Installed during ``on_train_start``, the fit loop's iterator is rebuilt through it and every RNG state it drew
     from is put back, so the run draws what it would have drawn; with ``fresh_epoch`` (at
-    ``on_train_epoch_start``, before the epoch's iterator is built) it is only installed.
+    ``on_train_epoch_start``, before the epoch's iterator is built) it is only installed. ``owner``: the callback
+    a warning names.
     """
     loaders = _compat.train_loaders(trainer)
     if len(loaders) != 1 or not _replayable(loaders[0]):
