@@ -42,6 +42,8 @@ _EXPORTS = {
     # checkpoints a crash cannot half-write
     "AtomicCheckpointIO": "lightning_stability.checkpoint.io",
     "CheckpointError": "lightning_stability.checkpoint.atomic",
+    "ExactResume": "lightning_stability.checkpoint.exact_resume",
+    "PreemptionCheckpoint": "lightning_stability.checkpoint.preemption_checkpoint",
     "StableCheckpoint": "lightning_stability.checkpoint.callback",
     "verify_checkpoint": "lightning_stability.checkpoint.atomic",
     # replay a flagged step: a bad batch or a bad chip
@@ -111,7 +113,9 @@ if TYPE_CHECKING:
     from lightning_stability.amp.scaler import TunedGradScaler
     from lightning_stability.checkpoint.atomic import CheckpointError, verify_checkpoint
     from lightning_stability.checkpoint.callback import StableCheckpoint
+    from lightning_stability.checkpoint.exact_resume import ExactResume
     from lightning_stability.checkpoint.io import AtomicCheckpointIO
+    from lightning_stability.checkpoint.preemption_checkpoint import PreemptionCheckpoint
     from lightning_stability.cluster.callback import ClusterHealthMonitor
     from lightning_stability.cluster.watchdog import WatchdogSettings, watchdog_environment, watchdog_settings
     from lightning_stability.errors import StabilityConfigError

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import signal
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
@@ -209,6 +210,7 @@ ENTRIES: dict[str, Entry] = {
     "LedgerCallback": (ls.LedgerCallback, {"log_every_n_steps": [0, -1]}),
     "StepLedger": (ls.StepLedger, {"trainer": [3]}),
     "check_training_status": (call(ls.check_training_status, model=nn.Linear(2, 2)), {"model": [3], "verbose": [1]}),
+    "PreemptionCheckpoint": (ls.PreemptionCheckpoint, {"signals": [["TERM"], "SIGTERM", [signal.SIGKILL]]}),
     "StableCheckpoint": (
         ls.StableCheckpoint,
         {
@@ -344,6 +346,7 @@ ENTRIES: dict[str, Entry] = {
 #: public names that take no arguments, or whose arguments are not the user's to pass, with the reason
 NOT_ENTRY_POINTS = {
     "AtomicCheckpointIO": "no arguments",
+    "ExactResume": "no arguments",
     "QKProjection": "a record your projection function returns: qk_projection refuses anything else, and "
     "apply_qk_clip_ checks its head count against the logits",
     "HeadBlocks": "a record inside QKProjection (the same checks)",

@@ -8,12 +8,16 @@ import re
 from pathlib import Path
 
 import pytest
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 import lightning_stability
 from lightning_stability.ledger import LedgerCallback
 
 ROOT = Path(__file__).resolve().parents[1]
+#: the checkpoint units usable alone: plain Lightning callbacks (not LedgerCallbacks)
+CHECKPOINT_UNITS = {"ExactResume", "PreemptionCheckpoint"}
 CALLBACKS = {
+    *CHECKPOINT_UNITS,
     "ClusterHealthMonitor",
     "GradientAccumulation",
     "GradientNormMonitor",
@@ -51,7 +55,10 @@ def test_callbacks_holds_every_callback() -> None:
     assert set(callbacks.__all__) == CALLBACKS
     exported = {n for n in lightning_stability.__all__ if isinstance(getattr(lightning_stability, n), type)}
     ours = {n for n in exported if issubclass(getattr(lightning_stability, n), LedgerCallback)} - {"LedgerCallback"}
-    assert ours == CALLBACKS
+    assert ours == CALLBACKS - CHECKPOINT_UNITS
+    for name in CHECKPOINT_UNITS:
+        unit = getattr(lightning_stability, name)
+        assert issubclass(unit, Callback) and not issubclass(unit, (LedgerCallback, ModelCheckpoint)), name
     for name in CALLBACKS:
         assert getattr(callbacks, name) is getattr(lightning_stability, name)
 

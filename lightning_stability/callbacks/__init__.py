@@ -1,8 +1,10 @@
 """Every ``lightning_stability`` callback in one place, for ``from lightning_stability.callbacks import ...``
-(each lives in its feature's folder)."""
+(each lives in its feature's folder). ``StableCheckpoint``, a ``ModelCheckpoint``, is with the checkpoints."""
 
 from lightning_stability.accumulation.callback import GradientAccumulation
 from lightning_stability.amp.callback import LossScaleTuner
+from lightning_stability.checkpoint.exact_resume import ExactResume
+from lightning_stability.checkpoint.preemption_checkpoint import PreemptionCheckpoint
 from lightning_stability.cluster.callback import ClusterHealthMonitor
 from lightning_stability.grad_norm import GradientNormMonitor
 from lightning_stability.health.callback import TrainingHealthMonitor
@@ -12,9 +14,11 @@ from lightning_stability.schedules.callback import ScheduledLR, WarmupConstantCo
 
 __all__ = [
     "ClusterHealthMonitor",
+    "ExactResume",
     "GradientAccumulation",
     "GradientNormMonitor",
     "LossScaleTuner",
+    "PreemptionCheckpoint",
     "PrecursorMonitor",
     "ScheduledLR",
     "StepReplay",

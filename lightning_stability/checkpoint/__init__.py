@@ -13,15 +13,28 @@
 * ``survey.py``: every checkpoint of a directory, verified (``lightning-stability verify DIR``).
 * ``ring.py``: ``stable_checkpoints.json``, the list of a directory's healthy checkpoints.
 * ``recover.py``: each fit's identity; the checkpoints a crash kept off the list, taken back at restart.
-* ``loader_state.py`` and ``rng.py``: exact mid-epoch resume of a plain ``DataLoader`` (the sampler replayed and
-  fast-forwarded) and every rank's RNG states, in each checkpoint.
-* ``preemption.py``: the signal handlers, and how every rank agrees on a signal at a step boundary.
+* ``exact_resume.py``: :class:`ExactResume`, the callback for exact mid-epoch resume, alone next to Lightning's
+  ``ModelCheckpoint`` or inside ``StableCheckpoint``; ``loader_state.py`` and ``rng.py`` do the work: a plain
+  ``DataLoader``'s sampler replayed and fast-forwarded, and every rank's RNG states, in each checkpoint.
+* ``preemption_checkpoint.py``: :class:`PreemptionCheckpoint`, save and stop on a signal at one agreed step
+  boundary, alone (as the ``ModelCheckpoint``'s ``last.ckpt``) or inside ``StableCheckpoint`` (its healthy save);
+  ``preemption.py``: the signal handlers, and how every rank agrees on a signal at a step boundary.
 
 ``StableFSDPStrategy`` (``strategies/fsdp.py``) uses ``atomic`` for both of its layouts.
 """
 
 from lightning_stability.checkpoint.atomic import CheckpointError, clean_directory, verify_checkpoint
 from lightning_stability.checkpoint.callback import StableCheckpoint
+from lightning_stability.checkpoint.exact_resume import ExactResume
 from lightning_stability.checkpoint.io import AtomicCheckpointIO
+from lightning_stability.checkpoint.preemption_checkpoint import PreemptionCheckpoint
 
-__all__ = ["AtomicCheckpointIO", "CheckpointError", "StableCheckpoint", "clean_directory", "verify_checkpoint"]
+__all__ = [
+    "AtomicCheckpointIO",
+    "CheckpointError",
+    "ExactResume",
+    "PreemptionCheckpoint",
+    "StableCheckpoint",
+    "clean_directory",
+    "verify_checkpoint",
+]

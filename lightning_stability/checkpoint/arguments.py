@@ -4,10 +4,10 @@ and accepts others of the wrong type until the first save)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+from lightning_stability.checkpoint.preemption import check_signals
 from lightning_stability.errors import check_bool, check_instance, check_int, check_path, config_error
 
 MODES = ("min", "max")
@@ -45,8 +45,8 @@ def check_model_checkpoint_arguments(
     if not (save_last is None or isinstance(save_last, bool) or save_last == "link"):
         raise config_error("save_last", save_last, "is not a save_last mode", "pass True, False, 'link' or None")
     check_int("save_top_k", save_top_k, -1, "1 (-1: every checkpoint)")
-    if signals is not None and (isinstance(signals, (str, bytes)) or not isinstance(signals, Sequence)):
-        raise config_error("signals", signals, "must be a sequence of signals", "pass e.g. [signal.SIGTERM]")
+    if signals is not None:
+        check_signals(signals)
     if mode not in MODES:
         raise config_error("mode", mode, "is not a mode", "pass 'min' or 'max'")
     for name, count in (("every_n_train_steps", every_n_train_steps), ("every_n_epochs", every_n_epochs)):

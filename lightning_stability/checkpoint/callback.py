@@ -4,7 +4,6 @@ from the newest with ``ckpt_path="last"``, and saves and stops cleanly on a pree
 from __future__ import annotations
 
 import os
-import signal
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -19,12 +18,14 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_stability import _compat
-from lightning_stability.checkpoint import atomic, loader_state, recover
+from lightning_stability.checkpoint import atomic, recover
 from lightning_stability.checkpoint.arguments import check_model_checkpoint_arguments
 from lightning_stability.checkpoint.async_save import AsyncSaves, PendingSave
 from lightning_stability.checkpoint.atomic import CheckpointError
+from lightning_stability.checkpoint.exact_resume import ExactResume
 from lightning_stability.checkpoint.io import local_path
-from lightning_stability.checkpoint.preemption import PreemptionSignals, check_signals, default_signals
+from lightning_stability.checkpoint.preemption import check_signals, default_signals
+from lightning_stability.checkpoint.preemption_checkpoint import PreemptionCheckpoint
 from lightning_stability.checkpoint.ring import BEST, LAST, RING, Entry, HealthyCheckpoints
 from lightning_stability.errors import check_bool, check_int, config_error
 from lightning_stability.ledger.step_ledger import StepLedger
@@ -48,8 +49,12 @@ class StableCheckpoint(ModelCheckpoint):
       :func:`~lightning_stability.checkpoint.atomic.verify_checkpoint` (or none: a fresh start), after taking back one a
       crash kept off the list.
     * **Exact mid-epoch resume** for a plain ``DataLoader`` over a map-style dataset: each checkpoint holds the
-      data position and every rank's RNG states. What cannot be exact is said once at fit start.
-    * **Preemption.** On any of ``signals``, every rank saves at the same step boundary and the Trainer stops.
+      data position and every rank's RNG states. What cannot be exact is said once at fit start. (It composes
+      :class:`~lightning_stability.checkpoint.exact_resume.ExactResume`, which does this alone beside Lightning's
+      ``ModelCheckpoint``.)
+    * **Preemption.** On any of ``signals``, every rank saves at the same step boundary (a healthy state) and the
+      Trainer stops. (It composes
+      :class:`~lightning_stability.checkpoint.preemption_checkpoint.PreemptionCheckpoint` with its own save.)
     * **Asynchronous saves** (``async_save=True``): the step waits only for a copy of the state in host memory.
 
     Checkpoints are written by the Trainer's strategy: atomically with ``AtomicCheckpointIO`` (single device, DDP)
@@ -156,12 +161,13 @@ class StableCheckpoint(ModelCheckpoint):
         self._async = AsyncSaves() if async_save else None
         self.save_at_end = save_at_end
         self.signals = check_signals(default_signals() if signals is None else signals)
-        self._preemption = PreemptionSignals(self.signals)
+        # save and stop on a signal, with the healthy save of _save_on_signal
+        self._preemption = PreemptionCheckpoint.part_of("StableCheckpoint", self.signals, self._save_on_signal)
         self._healthy_list = HealthyCheckpoints(Path("."))
         self._kind = BEST  # what the next _save_checkpoint writes
         self._taken_back: list[Entry] = []  # see _find_last_checkpoints
-        self._hidden: list[Any] = []  # Lightning warnings hidden where they do not hold (shown again at setup / batch)
-        self._loader_resume = loader_state.LoaderResume()
+        self._hidden: list[Any] = []  # Lightning's warning hidden where it does not hold (shown again at setup)
+        self._exact_resume = ExactResume.part_of("StableCheckpoint")  # the data position and RNG states
         self._reset_run_state()
 
     def _reset_run_state(self) -> None:
@@ -169,13 +175,9 @@ class StableCheckpoint(ModelCheckpoint):
         self._deferred_from: int | None = None  # the step whose save waits for a healthy step
         self._boundary = -1  # global_step at the last optimizer-step boundary seen
         self._batch_loss: Tensor | None = None  # the last batch's loss as training_step returned it
-        self._stop: dict[signal.Signals, int] = {}  # the agreed signals (ranks per signal)
-        self._stop_step = -1
-        self._handlers_installed = False
         self._saved_names: set[str] = set()  # the checkpoints this fit wrote
         self._resumed_step = -1  # the listed checkpoint this fit resumed from, if any: it and older ones are its own
         self._removals: list[str] = []  # removals asked for while an asynchronous save was in flight
-        self._loader_resume.pending = None  # set by on_load_checkpoint, which comes after setup
         self._run_id = recover.new_run_id()  # this fit's identity, in the list and in its checkpoints
         self._saving: tuple[str, str] | None = None  # (name, kind) of the checkpoint being written
 
@@ -194,9 +196,10 @@ class StableCheckpoint(ModelCheckpoint):
             self._healthy_list.add(entry.name, entry.step, entry.kind, write=False)
         self._taken_back = []
         self._show_lightning_warnings()  # resolving "last" is over
+        self._exact_resume.setup(trainer, pl_module, stage)
         if stage == "fit":
             self._reset_run_state()
-            self._preemption.open()
+            self._preemption.setup(trainer, pl_module, stage)
             if self._async is not None:
                 self._async.setup(trainer)
 
@@ -206,27 +209,17 @@ class StableCheckpoint(ModelCheckpoint):
         self._resumed_step = self._listed_step(trainer.ckpt_path)
         self._forget_other_timelines(trainer)
         self._healthy_list.claim(self._run_id, write=trainer.is_global_zero)
-        # after the Trainer installed its own handlers (at the start of fit), so that ours run first
-        if self.signals and not self._preemption.install():
-            rank_zero_warn(
-                "StableCheckpoint: the Trainer runs outside the main thread, where Python cannot install signal "
-                f"handlers; {', '.join(s.name for s in self.signals)} will not save and stop this run."
-            )
-        self._handlers_installed = True
-        if self._loader_resume.pending is not None:
-            # Lightning warns next (its epoch loop's reset) that a plain loader cannot resume mid-epoch: this one does
-            self._hidden.append(_compat.hide_lightning_warning(_compat.LOADER_NOT_RESUMABLE))
-        self._loader_resume.start(trainer)  # last: the data position and RNG states of a resumed checkpoint
+        self._preemption.on_train_start(trainer, pl_module)  # the signal handlers
+        self._exact_resume.on_train_start(trainer, pl_module)  # last: the data position and RNG states
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        if self._hidden:
-            self._show_lightning_warnings()
+        self._exact_resume.on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
     def _show_lightning_warnings(self) -> None:
-        """Lightning's warnings hidden while they could not hold (see where they are hidden) show again."""
+        """Lightning's warning hidden while it could not hold (see :meth:`_find_last_checkpoints`) shows again."""
         for entry in self._hidden:
             _compat.show_lightning_warning(entry)
         self._hidden = []
@@ -247,7 +240,7 @@ class StableCheckpoint(ModelCheckpoint):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_epoch_start(trainer, pl_module)
-        self._loader_resume.epoch_start(trainer)
+        self._exact_resume.on_train_epoch_start(trainer, pl_module)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.global_step
@@ -263,8 +256,7 @@ class StableCheckpoint(ModelCheckpoint):
             self._save_last_checkpoint(trainer, candidates)
         super().on_train_end(trainer, pl_module)
         self._wait_for_save(trainer)
-        self._preemption.finish()
-        self._preemption.restore()
+        self._preemption.on_train_end(trainer, pl_module)
         if self._deferred_from is not None:
             newest = self._newest_name()
             rank_zero_warn(
@@ -280,25 +272,25 @@ class StableCheckpoint(ModelCheckpoint):
         if self._saving is not None:  # one of ours (not another writer's save through the Trainer)
             name, kind = self._saving
             checkpoint[recover.RUN_KEY] = recover.record(self._run_id, name, trainer.global_step, kind)
-        checkpoint[loader_state.KEY] = self._loader_resume.capture(trainer)  # every rank: one all-gather
+        self._exact_resume.on_save_checkpoint(trainer, pl_module, checkpoint)  # every rank: one all-gather
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         super().on_load_checkpoint(trainer, pl_module, checkpoint)
-        self._loader_resume.load(checkpoint)
+        self._exact_resume.on_load_checkpoint(trainer, pl_module, checkpoint)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._preemption.restore()
+        self._exact_resume.on_exception(trainer, pl_module, exception)
+        self._preemption.on_exception(trainer, pl_module, exception)
         if self._async is not None:
             self._async.abandon()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._preemption.restore()
-        if stage == "fit":
-            self._preemption.close()
-            if self._async is not None:
-                self._async.close()
+        self._exact_resume.teardown(trainer, pl_module, stage)
+        self._preemption.teardown(trainer, pl_module, stage)
+        if stage == "fit" and self._async is not None:
+            self._async.close()
 
     # ------------------------------------------------------------------ each optimizer step
     def on_train_batch_end(
@@ -313,13 +305,9 @@ class StableCheckpoint(ModelCheckpoint):
         self._boundary = step
         if self._async is not None:
             self._saved(trainer, self._async.poll())  # an asynchronous save every rank finished: listed now
-        if not self._stop:
-            agreed = self._preemption.poll()  # host only: a flag, or the previous boundary's exchange
-            if agreed:
-                self._stop, self._stop_step = agreed, step
-        if self._stop:
-            self._save_and_stop(trainer)
-        elif self._deferred_from is not None and _compat.model_checkpoint_saved_at(self) != step:
+        if self._preemption.at_boundary(trainer):
+            return  # a signal every rank agrees on: saved (or trying again) and stopping
+        if self._deferred_from is not None and _compat.model_checkpoint_saved_at(self) != step:
             self._save_deferred(trainer)
 
     def _save_deferred(self, trainer: pl.Trainer) -> None:
@@ -333,8 +321,10 @@ class StableCheckpoint(ModelCheckpoint):
         if self.verbose:
             rank_zero_info(f"StableCheckpoint: saved at step {trainer.global_step}, deferred from step {deferred}.")
 
-    def _save_and_stop(self, trainer: pl.Trainer) -> None:
-        """Every rank, at the agreed boundary: save (if healthy, else try again up to SIGNAL_DEFER_STEPS), stop."""
+    def _save_on_signal(self, trainer: pl.Trainer, signalled_step: int) -> str | None:
+        """Every rank, at the boundary every rank learned of a signal (``signalled_step``) and after: save if
+        healthy (else ``None``: try again at the next boundary, up to SIGNAL_DEFER_STEPS), wait until the save is
+        published; returns what it did."""
         step = trainer.global_step
         saved = _compat.model_checkpoint_saved_at(self) == step  # a due save of this step was written
         if not saved and not trainer.fast_dev_run:  # type: ignore[attr-defined]
@@ -343,23 +333,14 @@ class StableCheckpoint(ModelCheckpoint):
                 self._save_ring(trainer, candidates, force=True)
                 self._save_last_checkpoint(trainer, candidates)
                 saved = True
-            elif step - self._stop_step < SIGNAL_DEFER_STEPS:
-                return  # the next boundary tries again
+            elif step - signalled_step < SIGNAL_DEFER_STEPS:
+                return None  # the next boundary tries again
         self._wait_for_save(trainer)  # published before the Trainer stops
-        self._preemption.finish()
-        self._preemption.run_requeue(self._stop)  # Lightning's SLURM auto-requeue, after our save
-        trainer.should_stop = True
-        names = ", ".join(f"{sig.name} (on {n} rank{'s' if n > 1 else ''})" for sig, n in self._stop.items())
         if saved:
-            where = f"saved {self._newest_name()} at step {step}"
-        else:
-            where = (
-                f"not saved: the state stayed unhealthy ({', '.join(self._reasons(trainer))}) for "
-                f"{SIGNAL_DEFER_STEPS} steps; the newest healthy checkpoint is {self._newest_name() or 'none'}"
-            )
-        rank_zero_info(
-            f"StableCheckpoint: {names} received; {where}. Stopping the Trainer. Resume with "
-            "trainer.fit(model, ckpt_path='last')."
+            return f"saved {self._newest_name()} at step {step}"
+        return (
+            f"not saved: the state stayed unhealthy ({', '.join(self._reasons(trainer))}) for "
+            f"{SIGNAL_DEFER_STEPS} steps; the newest healthy checkpoint is {self._newest_name() or 'none'}"
         )
 
     # ------------------------------------------------------------------ health

@@ -210,13 +210,16 @@ def install(loader: DataLoader) -> ReplayableSampler:
     return wrapper
 
 
-def training_sampler(trainer: pl.Trainer, fresh_epoch: bool = False) -> ReplayableSampler | None:
+def training_sampler(
+    trainer: pl.Trainer, fresh_epoch: bool = False, owner: str = "lightning_stability"
+) -> ReplayableSampler | None:
     """The training loader's :class:`ReplayableSampler`, installed now if it is not yet; ``None`` where there is no
     index sampler to wrap (several loaders, an iterable stream, a loader Lightning restores itself).
 
     Installed during ``on_train_start``, the fit loop's iterator is rebuilt through it and every RNG state it drew
     from is put back, so the run draws what it would have drawn; with ``fresh_epoch`` (at
-    ``on_train_epoch_start``, before the epoch's iterator is built) it is only installed.
+    ``on_train_epoch_start``, before the epoch's iterator is built) it is only installed. ``owner``: the callback
+    a warning names.
     """
     loaders = _compat.train_loaders(trainer)
     if len(loaders) != 1 or not _replayable(loaders[0]):
@@ -228,7 +231,7 @@ def training_sampler(trainer: pl.Trainer, fresh_epoch: bool = False) -> Replayab
     here = _local_states(loaders)
     wrapper = install(loader)
     if not fresh_epoch and _compat.restart_train_iterator(trainer):
-        _put_back(loaders, here)
+        _put_back(loaders, here, owner)
     return wrapper
 
 
@@ -245,11 +248,16 @@ def _custom_sampler(loader: DataLoader) -> Any | None:
 class LoaderResume:
     """The data position and RNG states in each checkpoint, and their restore when a fit resumes (see module doc).
 
-    ``StableCheckpoint`` drives it: :meth:`capture` in ``on_save_checkpoint`` (every rank: a collective),
-    :meth:`load` in ``on_load_checkpoint``, :meth:`start` in ``on_train_start``.
+    :class:`~lightning_stability.checkpoint.exact_resume.ExactResume` drives it (alone, or inside
+    ``StableCheckpoint``): :meth:`capture` in ``on_save_checkpoint`` (every rank: a collective), :meth:`load` in
+    ``on_load_checkpoint``, :meth:`start` in ``on_train_start``, :meth:`epoch_start` in ``on_train_epoch_start``.
+
+    Args:
+        owner: the callback its messages name (the one the user attached).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
         self.pending: dict[str, Any] | None = None  # what the resumed checkpoint holds, until training starts
 
     def capture(self, trainer: pl.Trainer) -> dict[str, Any]:
@@ -299,7 +307,7 @@ class LoaderResume:
         if saved is None:
             # a fresh fit: rebuild the iterator through the wrappers, drawing nothing from the run's generators
             if wrappers and _compat.restart_train_iterator(trainer):
-                _put_back(loaders, here)
+                _put_back(loaders, here, self.owner)
             return
         orders = saved.get("orders") or [None] * len(loaders)
         if len(saved["ranks"]) != world or any(order is not None and order.get("dealt") for order in orders):
@@ -319,21 +327,21 @@ class LoaderResume:
                     else "the checkpoint holds no record of the sampler's order (saved while it was not replayable)"
                 )
                 rank_zero_warn(
-                    f"StableCheckpoint: {why}; the epoch restarts at its first batch. Resume with the same data, "
+                    f"{self.owner}: {why}; the epoch restarts at its first batch. Resume with the same data, "
                     "batch size and number of processes to continue exactly."
                 )
             else:
                 for wrapper, start in zip(wrappers, starts, strict=True):
                     wrapper.replay(start, batches)
             _compat.restart_train_iterator(trainer)  # through the wrapper, which records this epoch's order
-            _put_back(loaders, mine)
+            _put_back(loaders, mine, self.owner)
             return
         if not mid_epoch and wrappers:
             # the epoch had ended: the next one's iterator draws its order from the restored states
-            _put_back(loaders, mine)
+            _put_back(loaders, mine, self.owner)
             _compat.restart_train_iterator(trainer)
             return
-        _put_back(loaders, mine)
+        _put_back(loaders, mine, self.owner)
 
     def _deal_rest(
         self, trainer: pl.Trainer, saved: dict[str, Any], loaders: list[Any], wrappers: list[ReplayableSampler]
@@ -347,7 +355,7 @@ class LoaderResume:
         total = trainer.num_training_batches
         if not (0 < batches < total and epoch == trainer.current_epoch) or not wrappers:
             # at an epoch's end (or nothing to fast-forward): the next epoch is this world's own order
-            _put_back(loaders, mine)
+            _put_back(loaders, mine, self.owner)
             if wrappers:
                 _compat.restart_train_iterator(trainer)
             return
@@ -368,7 +376,7 @@ class LoaderResume:
                 )
         if why is not None:
             rank_zero_warn(
-                f"StableCheckpoint: the checkpoint was saved mid-epoch by {saved_world} processes and this run has "
+                f"{self.owner}: the checkpoint was saved mid-epoch by {saved_world} processes and this run has "
                 f"{world}: {why}. The epoch restarts at its first batch (its samples before the checkpoint are "
                 "trained on again); the RNG states continue (rank 0's re-seeded for a rank the checkpoint has none "
                 f"of). {_WORLD_FIX}"
@@ -376,12 +384,12 @@ class LoaderResume:
         else:
             wrapper.deal(shares[rank], {**recipe, "dealt": True}, batches)
         _compat.restart_train_iterator(trainer)
-        _put_back(loaders, mine)
+        _put_back(loaders, mine, self.owner)
 
     def epoch_start(self, trainer: pl.Trainer) -> None:
         """At ``on_train_epoch_start``: wrap the samplers of loaders Lightning built anew for this epoch
         (``reload_dataloaders_every_n_epochs``); the epoch's iterator is built after this hook."""
-        training_sampler(trainer, fresh_epoch=True)
+        training_sampler(trainer, fresh_epoch=True, owner=self.owner)
 
     # ------------------------------------------------------------------ fit-start checks
     def _check(self, loaders: list[Any]) -> list[DataLoader]:
@@ -391,7 +399,7 @@ class LoaderResume:
         plain = [loader for loader in loaders if not is_stateful(loader)]
         if len(loaders) > 1:
             rank_zero_warn(
-                f"StableCheckpoint: {len(loaders)} training loaders: a resume from a mid-epoch checkpoint restarts "
+                f"{self.owner}: {len(loaders)} training loaders: a resume from a mid-epoch checkpoint restarts "
                 f"the epoch of those without state_dict. Fix: combine them into one loader, or use {_STATEFUL_FIX}."
             )
             return []
@@ -399,14 +407,14 @@ class LoaderResume:
         if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
             what = type(loader.dataset).__name__ if isinstance(loader, DataLoader) else type(loader).__name__
             rank_zero_warn(
-                f"StableCheckpoint: the training data ({what}) is an iterable stream without state_dict, which "
+                f"{self.owner}: the training data ({what}) is an iterable stream without state_dict, which "
                 "cannot be fast-forwarded: a resume from a mid-epoch checkpoint restarts the epoch at its first "
                 f"batch (the RNG states are restored). Fix: {_STATEFUL_FIX}."
             )
             return []
         if loader.num_workers > 0:
             rank_zero_warn(
-                f"StableCheckpoint: the training loader has num_workers={loader.num_workers}; a resume from a "
+                f"{self.owner}: the training loader has num_workers={loader.num_workers}; a resume from a "
                 "mid-epoch checkpoint trains on the same batches, but random draws made inside its worker "
                 "processes (augmentation in Dataset.__getitem__ or collate_fn) are not replayed: each worker's "
                 "generators live in its process. Fix: draw them from a torch.Generator seeded with the sample's "
@@ -415,7 +423,7 @@ class LoaderResume:
         custom = _custom_sampler(loader)
         if custom is not None:
             rank_zero_info(
-                f"StableCheckpoint: the training loader's {type(custom).__name__} resumes mid-epoch by replaying its "
+                f"{self.owner}: the training loader's {type(custom).__name__} resumes mid-epoch by replaying its "
                 "order and skipping the consumed batches: exact when it draws its order when its iteration starts "
                 "(from torch's, NumPy's or Python's global RNG, or its `generator`) or from its epoch (set_epoch); "
                 "not when it draws from a global RNG while the epoch runs. If it cannot, give it or the loader "
@@ -502,11 +510,11 @@ def _local_states(loaders: list[Any]) -> dict[str, Any]:
     }
 
 
-def _put_back(loaders: list[Any], states: dict[str, Any]) -> None:
+def _put_back(loaders: list[Any], states: dict[str, Any], owner: str) -> None:
     """Restore this rank's RNG states and each loader's ``generator`` (warned once when one cannot be)."""
     problems = rng.restore(states["rng"])
     for loader, state in zip(loaders, states["generators"], strict=False):
         if state is not None and isinstance(loader, DataLoader) and loader.generator is not None:
             loader.generator.set_state(state)
     if problems:
-        rank_zero_warn(f"StableCheckpoint: could not restore the RNG state of {', '.join(problems)}.")
+        rank_zero_warn(f"{owner}: could not restore the RNG state of {', '.join(problems)}.")

@@ -38,8 +38,10 @@ def default_signals() -> tuple[signal.Signals, ...]:
     return tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
 
 
-def check_signals(signals: Iterable[Any]) -> tuple[signal.Signals, ...]:
+def check_signals(signals: Any) -> tuple[signal.Signals, ...]:
     """The signals as ``signal.Signals``, or a config error naming the one that cannot be caught here."""
+    if isinstance(signals, (str, bytes)) or not isinstance(signals, Sequence):
+        raise config_error("signals", signals, "must be a sequence of signals", "pass e.g. [signal.SIGTERM]")
     valid = signal.valid_signals() - _UNCATCHABLE
     out: list[signal.Signals] = []
     for value in signals:

@@ -16,7 +16,10 @@ Usage: ``resume_run.py OUT_DIR STRATEGY LOADER RUN...`` (one process, or under t
 ``RESUME_STOP_AT=<step>`` moves the interruption; ``RESUME_RELOAD=1`` makes Lightning build the loader anew each
 epoch; ``RESUME_ACCUMULATE=<n>`` accumulates ``n`` batches per step; ``RESUME_BATCH``
 sets the global batch size; ``RESUME_CALLBACK=lightning`` saves with
-Lightning's ``ModelCheckpoint(save_last=True)`` instead (the control).
+Lightning's ``ModelCheckpoint(save_last=True)`` instead (the control), ``RESUME_CALLBACK=exact`` with it and
+``ExactResume`` (``RESUME_CKPT=<file name>`` resumes from that file of the run's directory, not "last"),
+``RESUME_CALLBACK=preempt`` with ``ModelCheckpoint(every_n_train_steps=5, save_last=True)``, ``ExactResume`` and
+``PreemptionCheckpoint`` (which alone saves at a signal).
 
 The model has dropout and draws from torch's, NumPy's and Python's generators in each step, so a resume that does
 not restore them trains differently. Every run writes ``OUT_DIR/<STRATEGY>-<LOADER>.<RUN>.<rank>.pt``: the data of
@@ -41,7 +44,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.nn import functional as F
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler
 
-from lightning_stability import StableCheckpoint, StableTrainer
+from lightning_stability import ExactResume, PreemptionCheckpoint, StableCheckpoint, StableTrainer
 from lightning_stability.strategies import StableFSDPStrategy
 from tests.distributed.fsdp_common import VOCAB, TinyLM, token_data
 from tests.helpers import exit_worker
@@ -131,6 +134,14 @@ class Interrupt(pl.Callback):
     def __init__(self, how: str) -> None:
         self.how = how
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Other random draws on each rank (Lightning seeded them alike), so that a rank given another's RNG states
+        at a resume trains differently; before the resume's restore, which runs later in this hook."""
+        if trainer.world_size > 1:
+            torch.manual_seed(1000 + trainer.global_rank)
+            random.seed(1000 + trainer.global_rank)
+            np.random.seed(1000 + trainer.global_rank)
+
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         step = trainer.global_step
         if self.how == "kill" and step == STOP_AT + 1:
@@ -155,9 +166,16 @@ def run(out: Path, strategy: str, loader: str, kind: str) -> None:
     module = DropoutLM(loader)
     directory = out / f"{strategy}-{loader}-{kind.removeprefix('resume-')}"
     saver: pl.Callback = StableCheckpoint(dirpath=directory, every_n_train_steps=1, keep=2)
-    if os.environ.get("RESUME_CALLBACK") == "lightning":  # the control: Lightning's own
+    chosen = os.environ.get("RESUME_CALLBACK")
+    if chosen in ("lightning", "exact"):  # Lightning's own (the control), and with ExactResume
         saver = ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_last=True)
-    callbacks = [Interrupt(kind), saver]
+    callbacks = [Interrupt(kind), saver, *([ExactResume()] if chosen == "exact" else [])]
+    if chosen == "preempt":  # the signal's save is PreemptionCheckpoint's alone: ModelCheckpoint saves every 5 steps
+        saver = ModelCheckpoint(dirpath=directory, every_n_train_steps=5, save_last=True)
+        callbacks = [Interrupt(kind), saver, ExactResume(), PreemptionCheckpoint()]
+    ckpt_path: str | None = "last" if kind.startswith("resume") else None
+    if ckpt_path and os.environ.get("RESUME_CKPT"):
+        ckpt_path = str(directory / os.environ["RESUME_CKPT"])
     kwargs: dict[str, Any] = {"devices": world}
     if strategy == "preset":  # StableTrainer.from_preset attaches its own StableCheckpoint in <root>/checkpoints
         trainer: pl.Trainer = StableTrainer.from_preset(
@@ -188,7 +206,7 @@ def run(out: Path, strategy: str, loader: str, kind: str) -> None:
         )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(module, ckpt_path="last" if kind.startswith("resume") else None)
+        trainer.fit(module, ckpt_path=ckpt_path)
     optimizer = trainer.optimizers[0]
     rank = trainer.global_rank
     torch.save(
@@ -201,7 +219,12 @@ def run(out: Path, strategy: str, loader: str, kind: str) -> None:
                 for k, v in optimizer.state.get(p, {}).items()
             },
             "global_step": trainer.global_step,
-            "warnings": [str(w.message) for w in caught if "StableCheckpoint" in str(w.message)],
+            "warnings": [
+                str(w.message)
+                for w in caught
+                if any(n in str(w.message) for n in ("StableCheckpoint", "ExactResume", "PreemptionCheckpoint"))
+            ],
+            "lightning_warnings": [str(w.message) for w in caught],
         },
         out / f"{strategy}-{loader}.{kind}.{rank}.pt",
     )
