@@ -5,18 +5,20 @@ The same save with and without its checksums, alternating in one run, median of 
 the previous one at the same path:
 
 * **one process, synchronous**: ``AtomicCheckpointIO``'s write (``atomic.save_file``: ``torch.save`` into the
-  hidden sibling, ``fsync``, rename) with ``seal=False`` against ``seal=True`` (SHA-256 of each buffer in a second
-  thread while it is written, the digest appended as the zip comment);
+  hidden sibling, ``fsync``, rename) with ``seal=False`` against ``seal=True`` (``checksums.seal``: the file's
+  CRC-32 from the CRC-32s torch computed of its records as it wrote them and the bytes between them, appended as
+  the zip comment);
 * **one process, asynchronous**: ``StableCheckpoint(async_save=True)``'s two parts, as ``AsyncSaves.start`` runs
   them: the blocking part (the copy into host buffers, ``AsyncSaves.stage``, and handing the write to the thread)
-  and the background part (``torch_save_durably`` by path, with ``seal=False`` or ``True``: the file read back and
-  hashed, then ``fsync``; the publish);
+  and the background part (``torch_save_durably`` by path, with ``seal=False`` or ``True``, then ``fsync``; the
+  publish);
 * **two processes (gloo), sharded DCP**, each rank writing half of the tensors: synchronous, what
-  ``StableFSDPStrategy.save_checkpoint`` runs (``fsdp_checkpoint.save``: every rank's shards, then each rank hashes
-  the shards it wrote, one all-gather, rank 0 writes ``meta.pt`` with the table, sealed; the publish) against the
-  same without the hashing, the gather and the seal; asynchronous, ``dcp.async_save`` with the host-copy stager
-  (the blocking part) and the background write as ``StableFSDPStrategy.save_checkpoint_async`` runs it, with and
-  without the checksums. Times are the slower rank's.
+  ``StableFSDPStrategy.save_checkpoint`` runs (``fsdp_checkpoint.save``: every rank's shards, then each rank the
+  CRC-32s of the shards it wrote (from their tensors' records, as for one file), one all-gather, rank 0 writes
+  ``meta.pt`` with the table, sealed; the publish) against the same without the checksums, the gather and the
+  seal; asynchronous, ``dcp.async_save`` with the host-copy stager (the blocking part) and the background write as
+  ``StableFSDPStrategy.save_checkpoint_async`` runs it, with and without the checksums. Times are the slower
+  rank's.
 
 Run: ``python -m benchmarks.checksum_cost [--mb 64,256] [--repeats 7]`` (about a minute on 2 cores).
 """

@@ -568,6 +568,17 @@ def dcp_file_extents(metadata: Any) -> dict[str, int]:
     return extents
 
 
+def dcp_item_ranges(metadata: Any) -> dict[str, list[tuple[int, int]]]:
+    """Where the items of a ``torch.distributed.checkpoint`` directory lie: ``{file: [(offset, length), ...]}``,
+    from the same private ``_StorageInfo`` records as :func:`dcp_file_extents` (each tensor item is one
+    ``torch.save`` archive; a bytes item is raw bytes)."""
+    dcp_file_extents(metadata)  # the records' fields checked
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for info in (metadata.storage_data or {}).values():
+        ranges.setdefault(info.relative_path, []).append((int(info.offset), int(info.length)))
+    return {name: sorted(found) for name, found in ranges.items()}
+
+
 def strategy_checkpoint_io(strategy: Any) -> Any:
     """The CheckpointIO a user gave ``strategy`` (``None`` if none: the ``checkpoint_io`` property would make one)."""
     return getattr(strategy, "_checkpoint_io", None)

@@ -9,7 +9,7 @@
   newest ``keep``, resolves ``ckpt_path="last"`` to the newest that verifies, and saves and stops on a signal.
 * ``async_save.py``: ``StableCheckpoint(async_save=True)``: the state copied to host memory in the step, the write,
   ``fsync`` and publish in a background thread, one save in flight, listed once every rank agrees it succeeded.
-* ``checksums.py``: a SHA-256 of every file of a checkpoint, recorded as it is written and checked on load.
+* ``checksums.py``: a CRC-32 of every file of a checkpoint, taken as it is written and checked on load.
 * ``survey.py``: every checkpoint of a directory, verified (``lightning-stability verify DIR``).
 * ``ring.py``: ``stable_checkpoints.json``, the list of a directory's healthy checkpoints.
 * ``recover.py``: each fit's identity; the checkpoints a crash kept off the list, taken back at restart.

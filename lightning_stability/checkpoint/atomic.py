@@ -28,7 +28,7 @@ import sys
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, cast
+from typing import BinaryIO
 
 from lightning_stability import _compat
 from lightning_stability.checkpoint import checksums
@@ -88,17 +88,10 @@ def write_durably(path: Path, write: Callable[[BinaryIO], object], *, seal: bool
     """Create ``path`` (which must not exist), fill it with ``write(file)``, and ``fsync`` it; with ``seal``
     (``write`` does a ``torch.save``), record its checksum in it first (:func:`checksums.seal`)."""
     with open(path, "xb") as f:
+        write(f)
+        f.flush()
         if seal:
-            hashing = checksums.HashingFile(f)
-            try:
-                write(cast(BinaryIO, hashing))
-            finally:
-                digest = hashing.hexdigest()  # also ends its thread
-            f.flush()
-            checksums.seal(path, digest)
-        else:
-            write(f)
-            f.flush()
+            checksums.seal(path)
         os.fsync(f.fileno())
 
 
@@ -106,8 +99,8 @@ def torch_save_durably(path: Path, obj: object, *, seal: bool = True) -> None:
     """``torch.save(obj)`` into ``path`` (which must not exist and must have a suffix, e.g. ``.pt``: torch names
     the archive after the file's stem), then ``fsync``. Given a path, torch's own C++ writer writes the file
     without calling back into Python for every chunk, so a background save leaves the interpreter to the training
-    thread. Its checksum is recorded in it (:func:`checksums.seal`, read back) before the ``fsync``; ``seal=False``
-    (for comparisons) leaves it out."""
+    thread. Its checksum is recorded in it (:func:`checksums.seal`) before the ``fsync``; ``seal=False`` (for
+    comparisons) leaves it out."""
     import torch
 
     if os.path.lexists(path):
@@ -364,8 +357,8 @@ def verify_checkpoint(path: str | os.PathLike[str], *, meta_file: str | None = "
     its bytes are those written.
 
     Checkpoints written by ``AtomicCheckpointIO``, ``StableCheckpoint`` and ``StableFSDPStrategy`` record a
-    SHA-256 of every file (see ``checkpoint/checksums.py``); each is recomputed. Checkpoints written without
-    (older ones, other writers) are checked for completeness only.
+    CRC-32 of every file (before, a SHA-256; see ``checkpoint/checksums.py``); each is recomputed. Checkpoints
+    written without (older ones, other writers) are checked for completeness only.
 
     Args:
         path: a checkpoint file, or a directory written by ``torch.distributed.checkpoint``.

@@ -18,6 +18,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stability.checkpoint.atomic import CheckpointError, verify_checkpoint
+from lightning_stability.checkpoint.recover import check_listed
+from lightning_stability.checkpoint.ring import RING, Entry
 from lightning_stability.errors import (
     StabilityConfigError,
     check_bool,
@@ -522,8 +524,11 @@ class TrainingHealthMonitor(LedgerCallback):
         self, trainer: pl.Trainer, rings: list[CheckpointRing], step: int
     ) -> tuple[tuple[Path, int] | None, str]:
         """The newest healthy checkpoint saved before the damage and not rolled back to already, as ``(path,
-        global step)``, chosen by rank 0 (the first that passes ``verify_checkpoint``) and broadcast; else
-        ``None`` and why not, for the error."""
+        global step)``, chosen by rank 0 and broadcast; else ``None`` and why not, for the error.
+
+        Rank 0 takes the first that verifies as ``ckpt_path="last"`` does: complete, every file's checksum as
+        written (``verify_checkpoint``), and holding the name and step its list entry gives (not replaced whole by
+        another checkpoint). One that fails is skipped with a warning naming it and what differs."""
         r = self.rollback
         if not rings:
             return None, (
@@ -542,10 +547,15 @@ class TrainingHealthMonitor(LedgerCallback):
             )
             for path, saved_at in candidates:
                 try:
-                    found = (str(verify_checkpoint(path)), saved_at)
+                    verified = verify_checkpoint(path)
+                    check_listed(verified, Entry(path.name, saved_at, RING))  # only its name and step are read
+                    found = (str(verified), saved_at)
                     break
                 except (CheckpointError, FileNotFoundError) as err:
-                    rank_zero_warn(f"TrainingHealthMonitor: skipping a damaged checkpoint for the rollback: {err}")
+                    rank_zero_warn(
+                        f"TrainingHealthMonitor: skipping a damaged checkpoint for the rollback: {err} (the next "
+                        "older one is tried)"
+                    )
         found = trainer.strategy.broadcast(found)  # every rank loads the same one
         if found is None:
             return None, (
