@@ -158,6 +158,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
 
 
+def final_state(module: Any, trainer: pl.Trainer) -> dict[str, Any]:
+    """What the tests compare at the end of a run: the samples seen, this rank's weights and optimizer state, the
+    step."""
+    optimizer = trainer.optimizers[0]
+    return {
+        "seen": module.seen,
+        "params": {n: _local(p) for n, p in module.named_parameters()},
+        "optimizer": {
+            f"{n}.{k}": _local(v) if isinstance(v, torch.Tensor) else torch.tensor(v)
+            for n, p in module.named_parameters()
+            for k, v in optimizer.state.get(p, {}).items()
+        },
+        "global_step": trainer.global_step,
+    }
+
+
 def run(out: Path, strategy: str, loader: str, kind: str) -> None:
     pl.seed_everything(0, verbose=False)
     random.seed(0)
@@ -207,18 +223,10 @@ def run(out: Path, strategy: str, loader: str, kind: str) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, ckpt_path=ckpt_path)
-    optimizer = trainer.optimizers[0]
     rank = trainer.global_rank
     torch.save(
         {
-            "seen": module.seen,
-            "params": {n: _local(p) for n, p in module.named_parameters()},
-            "optimizer": {
-                f"{n}.{k}": _local(v) if isinstance(v, torch.Tensor) else torch.tensor(v)
-                for n, p in module.named_parameters()
-                for k, v in optimizer.state.get(p, {}).items()
-            },
-            "global_step": trainer.global_step,
+            **final_state(module, trainer),
             "warnings": [
                 str(w.message)
                 for w in caught

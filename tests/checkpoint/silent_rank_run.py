@@ -35,7 +35,7 @@ import torch
 
 from lightning_stability import AtomicCheckpointIO, StableCheckpoint
 from lightning_stability.strategies import StableFSDPStrategy
-from tests.checkpoint.resume_run import STEPS, DropoutLM, _local
+from tests.checkpoint.resume_run import STEPS, DropoutLM, final_state
 from tests.helpers import exit_worker
 
 KILL_AT = 11  # the global step of the save during which rank 1 is killed (mid-epoch: 8 steps an epoch)
@@ -109,20 +109,7 @@ def run(out: Path, strategy: str, kind: str) -> None:
         **kwargs,
     )
     trainer.fit(module, ckpt_path="last" if kind == "resume" else None)
-    optimizer = trainer.optimizers[0]
-    torch.save(
-        {
-            "seen": module.seen,
-            "params": {n: _local(p) for n, p in module.named_parameters()},
-            "optimizer": {
-                f"{n}.{k}": _local(v) if isinstance(v, torch.Tensor) else torch.tensor(v)
-                for n, p in module.named_parameters()
-                for k, v in optimizer.state.get(p, {}).items()
-            },
-            "global_step": trainer.global_step,
-        },
-        out / f"{strategy}.{kind}.{trainer.global_rank}.pt",
-    )
+    torch.save(final_state(module, trainer), out / f"{strategy}.{kind}.{trainer.global_rank}.pt")
 
 
 def main() -> None:
