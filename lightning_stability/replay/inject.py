@@ -40,6 +40,10 @@ class BitFlip:
             sets it (for bit 30 of a float32: the value grows by 2**128, whatever it was).
         runs: which runs of the step are corrupted: 0 the step itself, 1 its first replay, 2 a second one. Each run
             is counted at the layer's first forward call of that run (the first micro-batch's).
+
+    With ``torch.compile``, add it before the module is compiled: the hook runs outside the compiled graph, but a
+    graph compiled earlier in the process does not see a hook added later (``torch.compiler.reset()`` clears
+    them). :attr:`flipped` lists the flips made, as ``(step, run)``.
     """
 
     def __init__(
@@ -69,7 +73,8 @@ class BitFlip:
         self.flipped: list[tuple[int, int]] = []  # (step, run) of each flip made
         self._calls: dict[int, int] = {}  # step -> forward calls of the layer at that step
         self._per_run = 1
-        self._handle = modules[layer].register_forward_hook(self._hook)
+        # outside any torch.compile graph: traced, the hook would be specialised to the steps it saw when compiled
+        self._handle = modules[layer].register_forward_hook(torch.compiler.disable(self._hook))
 
     def _hook(self, _module: nn.Module, _inputs: Any, output: Any) -> Any:
         try:

@@ -209,6 +209,30 @@ def test_numpy_and_python_draws_are_replayed_with_rng_states_all(tmp_path: Path,
             assert torch.equal(a, b)
 
 
+def test_a_bit_flip_in_a_compiled_module_is_a_transient_fault_and_the_run_ends_bit_exact() -> None:
+    """torch.compile'd after BitFlip is added: the flip happens (its hook runs outside the graph), the step is a
+    transient fault, applied as replayed, and the run ends bit-exact with the same compiled run without a flip."""
+
+    def run(flip: bool) -> tuple[Model, pl.Trainer, BitFlip | None]:
+        torch.compiler.reset()  # a graph compiled earlier in the process does not see hooks added since
+        torch.manual_seed(0)
+        model = Model(IndexedData())
+        fault = BitFlip(model, "net.5", step=15) if flip else None
+        model.net = torch.compile(model.net, backend="aot_eager")
+        monitor = TrainingHealthMonitor(response="skip", warmup_steps=5, report=False)
+        trainer = quiet_trainer(callbacks=[monitor, StepReplay(quarantine_file=None)], max_steps=20)
+        trainer.fit(model)
+        return model, trainer, fault
+
+    clean, _, _ = run(False)
+    faulty, trainer, fault = run(True)
+    assert fault is not None and fault.flipped == [(15, 0)]
+    (event,) = [e for e in StepLedger.of(trainer).events if e.get("kind") == "replay"]
+    assert event["cause"] == "transient" and event["step"] == 15
+    for a, b in zip(_weights(clean), _weights(faulty), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_three_faults_on_one_rank_stop_the_run_naming_it_and_it_resumes_elsewhere(tmp_path: Path) -> None:
     """The third fault within the window: the state after that (replayed, healthy) step is saved, the run stops
     naming the rank and its host; a new run resumes from it with ckpt_path="last" and ends bit-exact with a run
