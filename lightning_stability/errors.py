@@ -108,6 +108,13 @@ def check_instance(argument: str, value: object, types: type | tuple[type, ...],
     return value
 
 
+def check_alone(callback: object, kind: type, callbacks: list[Any], problem: str, fix: str) -> None:
+    """A config error naming the Trainer's callbacks when another ``kind`` than ``callback`` is among them:
+    ``problem`` says what two would do, ``fix`` what to keep."""
+    if any(isinstance(cb, kind) and cb is not callback for cb in callbacks):
+        raise config_error("callbacks", [type(cb).__name__ for cb in callbacks], problem, fix)
+
+
 def check_path(argument: str, value: object, example: str = "'checkpoints/'") -> str | os.PathLike[str]:
     """``value`` if it is a path (a ``str`` or an ``os.PathLike``), else a config error naming it."""
     return cast("str | os.PathLike[str]", check_instance(argument, value, (str, os.PathLike), "a path", example))

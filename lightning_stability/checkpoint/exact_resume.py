@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_stability import _compat
 from lightning_stability.checkpoint.loader_state import KEY, LoaderResume
-from lightning_stability.errors import config_error
+from lightning_stability.errors import check_alone
 
 
 class ExactResume(Callback):
@@ -76,14 +76,13 @@ class ExactResume(Callback):
         from lightning_stability.checkpoint.callback import StableCheckpoint  # it imports this module
 
         callbacks = trainer.callbacks  # type: ignore[attr-defined]
-        twins = [cb for cb in callbacks if isinstance(cb, ExactResume) and cb is not self]
-        if twins:
-            raise config_error(
-                "callbacks",
-                [type(cb).__name__ for cb in callbacks],
-                "holds two ExactResume callbacks: each would save and restore the data position and RNG states",
-                "keep one ExactResume",
-            )
+        check_alone(
+            self,
+            ExactResume,
+            callbacks,
+            "holds two ExactResume callbacks: each would save and restore the data position and RNG states",
+            "keep one ExactResume",
+        )
         self._active = not any(isinstance(cb, StableCheckpoint) for cb in callbacks)
         if not self._active:
             rank_zero_info(

@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_stability import _compat
 from lightning_stability.checkpoint.preemption import PreemptionSignals, check_signals, default_signals
-from lightning_stability.errors import config_error
+from lightning_stability.errors import check_alone, config_error
 
 #: what an owner's save on a signal returns: what it did, for the message (``None``: try again at the next boundary)
 SaveOnSignal = Callable[[pl.Trainer, int], "str | None"]
@@ -175,14 +175,13 @@ class PreemptionCheckpoint(Callback):
                 "healthy states only)",
                 "remove PreemptionCheckpoint and pass its signals to StableCheckpoint(signals=...)",
             )
-        twins = [cb for cb in callbacks if isinstance(cb, PreemptionCheckpoint) and cb is not self]
-        if twins:
-            raise config_error(
-                "callbacks",
-                [type(cb).__name__ for cb in callbacks],
-                "has two PreemptionCheckpoint callbacks: each would save and stop",
-                "keep one, with every signal in its signals=",
-            )
+        check_alone(
+            self,
+            PreemptionCheckpoint,
+            callbacks,
+            "has two PreemptionCheckpoint callbacks: each would save and stop",
+            "keep one, with every signal in its signals=",
+        )
         checkpoint = _model_checkpoint(trainer)
         if checkpoint is None:
             raise config_error(

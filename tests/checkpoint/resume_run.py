@@ -158,15 +158,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
 
 
-def final_state(module: Any, trainer: pl.Trainer) -> dict[str, Any]:
-    """What the tests compare at the end of a run: the samples seen, this rank's weights and optimizer state, the
-    step."""
+def final_state(module: Any, trainer: pl.Trainer, tensor: Any = _local) -> dict[str, Any]:
+    """What the tests compare at the end of a run: the samples seen, the weights and optimizer state (each tensor
+    through ``tensor``: this rank's shard by default), the step."""
     optimizer = trainer.optimizers[0]
     return {
         "seen": module.seen,
-        "params": {n: _local(p) for n, p in module.named_parameters()},
+        "params": {n: tensor(p) for n, p in module.named_parameters()},
         "optimizer": {
-            f"{n}.{k}": _local(v) if isinstance(v, torch.Tensor) else torch.tensor(v)
+            f"{n}.{k}": tensor(v) if isinstance(v, torch.Tensor) else torch.tensor(v)
             for n, p in module.named_parameters()
             for k, v in optimizer.state.get(p, {}).items()
         },

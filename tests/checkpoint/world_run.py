@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader
 from lightning_stability import GradientNormMonitor, StableCheckpoint
 from lightning_stability.ledger import StepLedger
 from lightning_stability.strategies import StableFSDPStrategy
-from tests.checkpoint.resume_run import Indexed
+from tests.checkpoint.resume_run import Indexed, final_state
 from tests.distributed.fsdp_common import VOCAB, TinyLM
 from tests.helpers import exit_worker
 
@@ -107,14 +107,8 @@ def run(out: Path, kind: str) -> None:
     optimizer = trainer.optimizers[0]
     torch.save(
         {
-            "seen": module.seen,
+            **final_state(module, trainer, _full),
             "draws": module.draws,
-            "params": {n: _full(p) for n, p in module.named_parameters()},
-            "optimizer": {
-                f"{n}.{k}": _full(v) if isinstance(v, torch.Tensor) else torch.tensor(v)
-                for n, p in module.named_parameters()
-                for k, v in optimizer.state.get(p, {}).items()
-            },
             "lr": optimizer.param_groups[0]["lr"],
             "applied": int(StepLedger.of(trainer).record_of(optimizer).applied_steps),
             "global_step": trainer.global_step,
