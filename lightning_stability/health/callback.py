@@ -196,8 +196,8 @@ class TrainingHealthMonitor(LedgerCallback):
         self._measured = False  # this logging step's update is measured (the step's UpdateSize, read in after_step)
         self._sent_memory: OnHost | None = None  # a logging step's peak memory, read back in on_host
         self._sent: dict[int, HealthSent] = {}  # per optimizer: what a logging step sent, read in on_host
-        self._scored_of: tuple[Any, int, Scored, Tensor] | None = None  # (step, generation, scores, values)
-        self._read_of: tuple[Any, int, list[bool]] | None = None  # (step, generation, flags): see flags_on_host
+        # (step, generation, scores, values, the flags read on the host or None: see flags_on_host)
+        self._scored_of: tuple[Any, int, Scored, Tensor, list[bool] | None] | None = None
 
     @property
     def history(self) -> HealthHistory:
@@ -295,7 +295,7 @@ class TrainingHealthMonitor(LedgerCallback):
     def _scored(self, ledger: StepLedger, grads: StepGradients, const: _Constants) -> tuple[Scored, Tensor]:
         """The step's loss (0 when not known) and gradient norm, averaged over ranks (one all-reduce), and their
         scores against the statistics as they stand: once per step's gradients, shared with ``StepReplay``'s look
-        at the step (:meth:`flags`)."""
+        at the step (:meth:`flags_on_host`)."""
         step = ledger.step
         memo = self._scored_of
         if memo is not None and memo[0] is step and memo[1] == step.generation:
@@ -304,7 +304,7 @@ class TrainingHealthMonitor(LedgerCallback):
         first = const.zero if loss is None else loss.detach().float().to(const.zero.device)
         values = mean_over_ranks(torch.stack([first, grads.total]))
         scored = self.stats.score(values, self.spike_z, const.grad_only if loss is None else None)
-        self._scored_of = (step, step.generation, scored, values)
+        self._scored_of = (step, step.generation, scored, values, None)
         return scored, values
 
     def record_event(self, ledger: StepLedger, event: dict[str, Any]) -> None:
@@ -327,17 +327,17 @@ class TrainingHealthMonitor(LedgerCallback):
         read = self._read_flags(ledger)
         if read is None:
             grads = ledger.gradients()
-            scored, _ = self._scored(ledger, grads, self._constants(grads.total.device))
+            scored, values = self._scored(ledger, grads, self._constants(grads.total.device))
             flags = torch.cat([scored.nonfinite.reshape(1), scored.spikes])
             read = [bool(v) for v in ledger.step.read_on_host(flags)]
-            self._read_of = (ledger.step, ledger.step.generation, read)
+            self._scored_of = (ledger.step, ledger.step.generation, scored, values, read)
             ledger.step.known_finite = not read[0]
         return read
 
     def _read_flags(self, ledger: StepLedger) -> list[bool] | None:
-        memo = self._read_of
+        memo = self._scored_of
         step = ledger.step
-        return memo[2] if memo is not None and memo[0] is step and memo[1] == step.generation else None
+        return memo[4] if memo is not None and memo[0] is step and memo[1] == step.generation else None
 
     def loss_flags(self, losses: Tensor) -> Tensor:
         """Which of ``losses`` (a vector of single micro-batch losses, this rank's) are non-finite or spikes of the
@@ -665,7 +665,6 @@ class TrainingHealthMonitor(LedgerCallback):
             "_sent_memory": None,
             "_sent": {},
             "_scored_of": None,
-            "_read_of": None,
         }
 
 
