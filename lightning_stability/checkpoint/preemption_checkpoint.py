@@ -161,6 +161,9 @@ class PreemptionCheckpoint(Callback):
         # writes its last.ckpt there again, not beside it as last-v1.ckpt
         checkpoint.last_model_path = path
         trainer.save_checkpoint(path)  # every rank: a collective; the strategy writes it
+        # recorded as the ModelCheckpoint's own save: one that has not saved in this fit writes last.ckpt again
+        # when the fit ends, after the epoch loop has moved on, and its restart would train the wrong samples
+        _compat.record_model_checkpoint_save(checkpoint, trainer, path)
         return f"saved {path} at step {step}"
 
     def _check_trainer(self, trainer: pl.Trainer) -> None:

@@ -62,11 +62,16 @@ def test_a_signal_saves_stops_and_resumes_exactly(tmp_path: Path, how: str) -> N
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("stop_at", [11, 2], ids=["after-first-save", "before-first-save"])
 def test_ddp_one_rank_signalled_every_rank_saves_the_same_step_and_stops(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop_at: int
 ) -> None:
-    """Only rank 1 gets SIGTERM; both ranks agree at one boundary, save, stop; the resume is exact."""
+    """Only rank 1 gets SIGTERM; both ranks agree at one boundary, save, stop; the resume is exact. Signalled at
+    step 2, before the ModelCheckpoint's first save of the fit: its save of ``last`` at the end of fit (which it
+    makes when it has saved nothing in this fit, after the epoch loop advanced) must not replace the save at the
+    signal, or the restart trains the next epoch's sample order."""
     monkeypatch.setenv("RESUME_CALLBACK", "preempt")
+    monkeypatch.setenv("RESUME_STOP_AT", str(stop_at))
     torchrun(SCRIPT, 2, tmp_path, "ddp", "shuffle", "reference", "sigterm", "resume-sigterm")
     saved_at_the_stop(tmp_path, "ddp-shuffle", "sigterm", ranks=2)
     assert differences(tmp_path, "ddp-shuffle", "sigterm", ranks=2) == []
@@ -74,7 +79,8 @@ def test_ddp_one_rank_signalled_every_rank_saves_the_same_step_and_stops(
 
 def test_a_signal_before_the_model_checkpoints_first_save(tmp_path: Path) -> None:
     """Signalled at step 2 of 10, ModelCheckpoint(every_n_train_steps=5) has saved nothing: last.ckpt holds step 3
-    (also after Lightning's own save of last at the end of fit) and the resume starts there. A handler the user
+    (the ModelCheckpoint takes it for its own save and does not write last again at the end of fit) and the resume
+    starts there. A handler the user
     installed before fit still runs, and is put back after."""
     calls: list[int] = []
 
