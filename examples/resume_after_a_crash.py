@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_stability import AtomicCheckpointIO, GradientNormMonitor, StableCheckpoint
+from lightning_stability import GradientNormMonitor, StableCheckpoint
 
 STEPS = int(os.environ.get("EXAMPLE_STEPS", 200))
 CRASH_AT = STEPS // 2 + 8  # the newest checkpoint before it is mid-epoch (10 batches an epoch, a save every 5)
@@ -49,10 +49,11 @@ def fit(ckpt_dir: str, crash: bool = False) -> L.Trainer:
         max_steps=STEPS,
         logger=False,
         enable_progress_bar=False,
-        plugins=[AtomicCheckpointIO()],  # a kill mid-save leaves the old checkpoint or the new one, whole
         callbacks=[
             GradientNormMonitor(max_norm=1.0),
-            StableCheckpoint(dirpath=ckpt_dir, every_n_train_steps=5, keep=3),  # healthy steps only
+            StableCheckpoint(
+                dirpath=ckpt_dir, every_n_train_steps=5, keep=3
+            ),  # healthy steps only; atomic, checksummed files
             *([Crash()] if crash else []),
         ],
     )

@@ -18,15 +18,13 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
-from lightning.pytorch.plugins import CheckpointIO, MixedPrecision
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Strategy, StrategyRegistry
+from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_stability import _compat
 from lightning_stability.accumulation.callback import GradientAccumulation
 from lightning_stability.amp.callback import LossScaleTuner
 from lightning_stability.checkpoint.callback import StableCheckpoint
-from lightning_stability.checkpoint.io import AtomicCheckpointIO, local_path
+from lightning_stability.checkpoint.io import local_path
 from lightning_stability.cluster.watchdog import WatchdogSettings, watchdog_settings
 from lightning_stability.errors import StabilityConfigError, check_instance, config_error
 from lightning_stability.grad_norm import GradientNormMonitor
@@ -106,8 +104,8 @@ class StableTrainer(pl.Trainer):
                 ``lr_schedule=False`` (no ``WarmupConstantCosineLR``), ``max_norm=None`` (no clipping; the norm is
                 still measured), ``health=None`` (no ``TrainingHealthMonitor``), ``lr_backoff=None`` (no
                 ``PrecursorMonitor``: no LR back-off, no precursor metrics), ``accumulation=1`` (no
-                ``GradientAccumulation``), ``checkpoint=False`` (no ``StableCheckpoint`` nor
-                ``AtomicCheckpointIO``: Lightning's checkpointing applies), ``watchdog=False`` (the NCCL watchdog
+                ``GradientAccumulation``), ``checkpoint=False`` (no ``StableCheckpoint``: Lightning's
+                checkpointing applies), ``watchdog=False`` (the NCCL watchdog
                 variables and the process-group timeout left as they are). ``callbacks=[...]`` come after the
                 preset's.
 
@@ -233,8 +231,6 @@ def _hardware(preset: Preset, args: dict[str, Any], notes: list[str], chosen: bo
             tensor_parallel=plan.tensor_parallel,
             timeout=watchdog.timeout if watchdog is not None else default_pg_timeout,
         )
-    if preset.checkpoint and _wants_atomic_io(args, fsdp):
-        out["plugins"] = [*_plugins(args), AtomicCheckpointIO()]  # saves a crash cannot half-write
     if own_plugin or fsdp:
         return preset, out
     if preset.precision == "16-mixed" and not gpu:
@@ -266,25 +262,6 @@ def _plugins(args: dict[str, Any]) -> list[Any]:
     """The user's ``plugins=`` as a list (Lightning also takes one plugin on its own)."""
     plugins = args.get("plugins") or []
     return list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
-
-
-def _wants_atomic_io(args: dict[str, Any], fsdp: bool) -> bool:
-    """Whether to attach ``AtomicCheckpointIO``: a single-device or DDP strategy, and no CheckpointIO of the user's.
-
-    ``StableFSDPStrategy`` saves atomically itself; other strategies (Lightning's FSDP, DeepSpeed) write
-    their own layouts and are left as they are.
-    """
-    if fsdp or any(isinstance(p, CheckpointIO) for p in _plugins(args)):
-        return False
-    strategy = args.get("strategy", "auto")
-    if isinstance(strategy, Strategy):
-        plain = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy))
-        return plain and _compat.strategy_checkpoint_io(strategy) is None
-    if strategy == "auto":
-        return True
-    entry = StrategyRegistry[strategy] if isinstance(strategy, str) and strategy in StrategyRegistry else None
-    cls = entry["strategy"] if entry else None
-    return isinstance(cls, type) and issubclass(cls, (SingleDeviceStrategy, DDPStrategy))
 
 
 def _fp16(preset: Preset, args: dict[str, Any]) -> bool:

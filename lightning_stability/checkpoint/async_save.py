@@ -47,12 +47,11 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from lightning_stability import _compat
 from lightning_stability.checkpoint import atomic
 from lightning_stability.checkpoint.atomic import CheckpointError
-from lightning_stability.checkpoint.io import AtomicCheckpointIO
+from lightning_stability.checkpoint.io import AtomicCheckpointIO, install_on
 from lightning_stability.errors import config_error
 
 if TYPE_CHECKING:
@@ -108,17 +107,14 @@ class AsyncSaves:
     def setup(self, trainer: pl.Trainer) -> None:
         """Check the strategy can save asynchronously and atomically; create the gloo groups (every rank).
 
-        A single-device or DDP strategy without a ``CheckpointIO`` of the user's gets ``AtomicCheckpointIO``, the
-        writer the background save publishes through (in place of Lightning's default ``TorchCheckpointIO``, which
-        the strategy would otherwise create on first use); any other writer is an error."""
+        The background save publishes through ``AtomicCheckpointIO`` (single device, DDP: installed where the user
+        gave no ``CheckpointIO``) or a :class:`ShardedAsyncSaver`; any other writer is an error."""
         strategy = trainer.strategy
-        plain = isinstance(strategy, SingleDeviceStrategy | DDPStrategy)
-        if plain and _compat.strategy_checkpoint_io(strategy) is None:
-            strategy.checkpoint_io = AtomicCheckpointIO()
+        atomic_io = install_on(strategy)
         if isinstance(strategy, ShardedAsyncSaver):
             if dist.is_available() and dist.is_initialized() and self.dcp_group is None:
                 self.dcp_group = dist.new_group(backend="gloo")
-        elif not plain or not isinstance(strategy.checkpoint_io, AtomicCheckpointIO):
+        elif not atomic_io:
             raise config_error(
                 "async_save",
                 True,

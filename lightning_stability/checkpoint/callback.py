@@ -20,10 +20,10 @@ from torch import Tensor
 from lightning_stability import _compat
 from lightning_stability.checkpoint import atomic, recover
 from lightning_stability.checkpoint.arguments import check_model_checkpoint_arguments
-from lightning_stability.checkpoint.async_save import AsyncSaves, PendingSave
+from lightning_stability.checkpoint.async_save import AsyncSaves, PendingSave, ShardedAsyncSaver
 from lightning_stability.checkpoint.atomic import CheckpointError
 from lightning_stability.checkpoint.exact_resume import ExactResume
-from lightning_stability.checkpoint.io import local_path
+from lightning_stability.checkpoint.io import install_on, local_path
 from lightning_stability.checkpoint.preemption import check_signals, default_signals
 from lightning_stability.checkpoint.preemption_checkpoint import PreemptionCheckpoint
 from lightning_stability.checkpoint.ring import BEST, LAST, RING, Entry, HealthyCheckpoints
@@ -57,9 +57,11 @@ class StableCheckpoint(ModelCheckpoint):
       :class:`~lightning_stability.checkpoint.preemption_checkpoint.PreemptionCheckpoint` with its own save.)
     * **Asynchronous saves** (``async_save=True``): the step waits only for a copy of the state in host memory.
 
-    Checkpoints are written by the Trainer's strategy: atomically with ``AtomicCheckpointIO`` (single device, DDP)
-    or ``StableFSDPStrategy``. ``StableTrainer.from_preset`` sets both up and attaches this callback in
-    ``<default_root_dir>/checkpoints``. Details: the checkpoints concept page of the documentation.
+    Checkpoints are written by the Trainer's strategy, atomically and with checksums by ``AtomicCheckpointIO``
+    (single device, DDP: installed at setup when the Trainer has no ``CheckpointIO`` plugin) or
+    ``StableFSDPStrategy``; with any other writer a warning says what is lost. ``StableTrainer.from_preset``
+    attaches this callback in ``<default_root_dir>/checkpoints``. Details: the checkpoints concept page of the
+    documentation.
 
     Args:
         dirpath: the directory (local or mounted). Pass a fixed one to resume with ``ckpt_path="last"``:
@@ -97,7 +99,6 @@ class StableCheckpoint(ModelCheckpoint):
     Example::
 
         trainer = L.Trainer(
-            plugins=[AtomicCheckpointIO()],
             callbacks=[StableCheckpoint(dirpath="ckpts", every_n_train_steps=500, keep=3)],
         )
         trainer.fit(model, ckpt_path="last")  # the newest healthy checkpoint, if any
@@ -196,12 +197,27 @@ class StableCheckpoint(ModelCheckpoint):
             self._healthy_list.add(entry.name, entry.step, entry.kind, write=False)
         self._taken_back = []
         self._show_lightning_warnings()  # resolving "last" is over
+        self._check_writer(trainer.strategy)
         self._exact_resume.setup(trainer, pl_module, stage)
         if stage == "fit":
             self._reset_run_state()
             self._preemption.setup(trainer, pl_module, stage)
             if self._async is not None:
                 self._async.setup(trainer)
+
+    @staticmethod
+    def _check_writer(strategy: Any) -> None:
+        """Atomic, checksummed files: ``AtomicCheckpointIO`` installed on a single-device or DDP strategy without
+        a ``CheckpointIO`` of the user's (before anything is loaded or saved); any other writer said once."""
+        if install_on(strategy) or isinstance(strategy, ShardedAsyncSaver):
+            return
+        rank_zero_warn(
+            f"StableCheckpoint: this Trainer writes checkpoints with {type(strategy).__name__} and "
+            f"{type(strategy.checkpoint_io).__name__}, which write no checksums and may leave a half-written file "
+            "when killed mid-save: a damaged checkpoint is neither reported by `lightning-stability verify` nor "
+            "skipped by ckpt_path='last'. Leave out the CheckpointIO plugin (single device, DDP: AtomicCheckpointIO "
+            "is then installed), or pass plugins=[AtomicCheckpointIO()], or use strategy=StableFSDPStrategy()."
+        )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)

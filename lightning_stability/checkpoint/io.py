@@ -12,7 +12,9 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
+from lightning_stability import _compat
 from lightning_stability.checkpoint import atomic
 from lightning_stability.errors import config_error
 
@@ -95,3 +97,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if key not in self._cleaned:
             atomic.clean_directory(key)
             self._cleaned.add(key)
+
+
+def install_on(strategy: Any) -> bool:
+    """Give a single-device or DDP ``strategy`` without a ``CheckpointIO`` of the user's an ``AtomicCheckpointIO``
+    (in place of Lightning's default ``TorchCheckpointIO``, which the strategy would create on first use). Returns
+    whether ``strategy`` now saves through one; a user's own ``CheckpointIO`` and other strategies are left alone."""
+    if isinstance(strategy, SingleDeviceStrategy | DDPStrategy):
+        if _compat.strategy_checkpoint_io(strategy) is None:
+            strategy.checkpoint_io = AtomicCheckpointIO()
+        return isinstance(strategy.checkpoint_io, AtomicCheckpointIO)
+    return False

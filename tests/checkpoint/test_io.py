@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins import TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy
 
-from lightning_stability import AtomicCheckpointIO, CheckpointError, StableTrainer
+from lightning_stability import AtomicCheckpointIO, CheckpointError, StableCheckpoint, StableTrainer
 from lightning_stability.checkpoint import atomic
 from lightning_stability.errors import StabilityConfigError
 from lightning_stability.strategies import StableFSDPStrategy
@@ -81,9 +81,13 @@ def test_storage_options_are_refused_with_the_fix(tmp_path: Path) -> None:
         AtomicCheckpointIO().save_checkpoint({}, tmp_path / "x.ckpt", storage_options={"a": 1})
 
 
-# ---------------------------------------------------------------------- the presets attach it
+# ---------------------------------------------------------------------- StableCheckpoint installs it
 def _io(**kwargs: Any) -> Any:
+    """The writer of a preset's Trainer (it attaches StableCheckpoint) after StableCheckpoint's setup."""
     trainer = StableTrainer.from_preset("gpt", accelerator="cpu", logger=False, enable_progress_bar=False, **kwargs)
+    checkpoint = trainer.checkpoint_callback
+    assert isinstance(checkpoint, StableCheckpoint)
+    checkpoint.setup(trainer, TinyModule(), "validate")  # "fit" would open the signal exchange's process group
     return trainer.strategy.checkpoint_io
 
 
@@ -92,14 +96,16 @@ def _io(**kwargs: Any) -> Any:
     [{"devices": 1}, {"devices": 2}, {"devices": 2, "strategy": "ddp"}, {"devices": 2, "strategy": DDPStrategy()}],
     ids=["single", "auto-ddp", "ddp", "ddp-instance"],
 )
-def test_presets_attach_atomic_checkpoint_io_to_plain_strategies(kwargs: dict[str, Any]) -> None:
+def test_stable_checkpoint_installs_atomic_checkpoint_io_on_plain_strategies(kwargs: dict[str, Any]) -> None:
     assert isinstance(_io(**kwargs), AtomicCheckpointIO)
 
 
-def test_presets_keep_the_users_checkpoint_io_and_leave_fsdp_alone() -> None:
+def test_it_keeps_the_users_checkpoint_io_and_leaves_fsdp_alone() -> None:
     mine = TorchCheckpointIO()
-    assert _io(devices=1, plugins=[mine]) is mine
-    assert _io(devices=2, strategy=DDPStrategy(checkpoint_io=mine)) is mine
+    with pytest.warns(UserWarning, match="TorchCheckpointIO, which write no checksums"):
+        assert _io(devices=1, plugins=[mine]) is mine
+    with pytest.warns(UserWarning, match="TorchCheckpointIO, which write no checksums"):
+        assert _io(devices=2, strategy=DDPStrategy(checkpoint_io=mine)) is mine
     strategy = StableTrainer.from_preset("175b", accelerator="cpu", devices=2, logger=False).strategy
     assert isinstance(strategy, StableFSDPStrategy)
     assert not isinstance(strategy.checkpoint_io, AtomicCheckpointIO)  # it saves atomically itself

@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import signal
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,43 @@ def test_non_finite_weights_are_never_saved_without_any_monitor(
     assert all(torch.isfinite(v).all() for v in last["state_dict"].values())
     said = [r.getMessage() for r in caplog.records if "not healthy" in r.getMessage()]
     assert len(said) == 1 and "not finite" in said[0], said
+
+
+# ---------------------------------------------------------------------- the writer
+def test_alone_on_a_trainer_it_writes_atomic_checksummed_files_and_last_skips_a_damaged_one(tmp_path: Path) -> None:
+    """No ``plugins=``: as Lightning users add a callback. The files carry checksums (``AtomicCheckpointIO`` was
+    installed), a flipped byte fails ``verify_checkpoint`` and ``ckpt_path="last"`` resumes from the older one."""
+    directory = tmp_path / "ckpts"
+    ckpt = StableCheckpoint(dirpath=directory, every_n_train_steps=2, keep=3)
+    trainer = quiet_trainer(max_steps=4, enable_checkpointing=True, default_root_dir=tmp_path, callbacks=[ckpt])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # nothing to warn about: the writer is the right one
+        warnings.filterwarnings("ignore", message=".*(does not have many workers|Checkpoint directory)")
+        trainer.fit(Faulty())
+    assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+    newest, older = directory / "epoch=3-step=4.ckpt", directory / "epoch=1-step=2.ckpt"
+    assert atomic.verify(newest) == (newest, True) and atomic.verify(older) == (older, True)  # checksummed
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    newest.write_bytes(bytes(data))
+    with pytest.raises(atomic.CheckpointError, match="is damaged"):
+        atomic.verify_checkpoint(newest)
+    start = StartStep()
+    resumed = StableCheckpoint(dirpath=directory, every_n_train_steps=2, keep=3)
+    again = quiet_trainer(max_steps=5, enable_checkpointing=True, default_root_dir=tmp_path, callbacks=[resumed, start])
+    with pytest.warns(UserWarning, match=f"failed verification: The checkpoint .*{newest.name} is damaged"):
+        again.fit(Faulty(), ckpt_path="last")
+    assert start.step == 2
+
+
+def test_a_writer_without_checksums_is_said_at_setup(tmp_path: Path) -> None:
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+    ckpt = StableCheckpoint(dirpath=tmp_path / "ckpts", every_n_train_steps=2)
+    trainer = quiet_trainer(max_steps=1, enable_checkpointing=True, plugins=[TorchCheckpointIO()], callbacks=[ckpt])
+    with pytest.warns(UserWarning, match=r"SingleDeviceStrategy and TorchCheckpointIO, which write no checksums.*"
+                      r"Leave out the CheckpointIO plugin"):  # fmt: skip
+        trainer.fit(Faulty())
 
 
 # ---------------------------------------------------------------------- the ring and resume
