@@ -528,7 +528,13 @@ class StableCheckpoint(ModelCheckpoint):
             atomic.clean_directory(directory)
         listed = HealthyCheckpoints(directory).load()
         # published, then killed before the list was rewritten: back on the list (every rank finds the same)
-        self._taken_back = recover.unlisted_newer(listed)
+        self._taken_back, damaged = recover.unlisted_newer(listed)
+        if damaged:
+            rank_zero_warn(
+                f"StableCheckpoint: {len(damaged)} checkpoint(s) in {directory} written after the healthy list was "
+                "last written (published, then the run ended before listing them) fail verification and are not "
+                "taken back: " + " | ".join(damaged)
+            )
         for entry in self._taken_back:
             listed.add(entry.name, entry.step, entry.kind, write=trainer.is_global_zero)
         if self._taken_back:

@@ -264,8 +264,15 @@ def check_file(path: Path, name: str | None = None) -> bool:
                 name, f"checksum {_short(algorithm, recorded)} recorded when written, {_short(algorithm, found)} now"
             )
         return True
-    if end[-_EOCD_SIZE:].startswith(_EOCD) and end[-2:] == b"\x00\x00":
-        return False  # torch's own end record, no comment: written without checksums
+    if end[-_EOCD_SIZE:].startswith(_EOCD):
+        if end[-2:] == b"\x00\x00":
+            return False  # torch's own end record, no comment: written without checksums
+        announced = int.from_bytes(end[-2:], "little")
+        raise DigestMismatch(
+            name,
+            f"it ends where its zip end record announces a {announced}-byte comment (the checksum record): the "
+            "file was cut short after it was written",
+        )
     if _PREFIX[:12] in end:
         raise DigestMismatch(name, "its checksum record (the zip comment at the end of the file) is damaged")
     return False

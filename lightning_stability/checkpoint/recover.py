@@ -69,19 +69,20 @@ def check_listed(path: Path, entry: Entry) -> None:
     )
 
 
-def unlisted_newer(listed: HealthyCheckpoints) -> list[Entry]:
+def unlisted_newer(listed: HealthyCheckpoints) -> tuple[list[Entry], list[str]]:
     """The checkpoints the fit that last claimed ``listed`` published after its newest entry and a crash kept off
-    it: whole (verified), carrying that fit's identity and their own name. Oldest first.
+    it: whole (verified), carrying that fit's identity and their own name. Oldest first. Second: why each
+    checkpoint written since the list that fails verification was not taken back (unless it records another fit).
 
     Only checkpoints changed since the list was last written are read (a publish always follows the list's
     previous write). Nothing when the list names no fit (written before identities, or never).
     """
     directory = listed.directory
     if listed.run is None or not listed.path.is_file():
-        return []
+        return [], []
     since = listed.path.stat().st_mtime_ns
     newest = max((e.step for e in listed.entries), default=-1)
-    found = []
+    found, refused = [], []
     for path in directory.iterdir():
         if atomic.is_sibling(path.name) or path.name == FILE_NAME or path.suffix != ".ckpt":
             continue
@@ -89,7 +90,12 @@ def unlisted_newer(listed: HealthyCheckpoints) -> list[Entry]:
             if path.stat().st_mtime_ns < since:
                 continue
             atomic.verify_checkpoint(path)
-        except (CheckpointError, OSError):
+        except OSError:
+            continue
+        except CheckpointError as err:
+            info = _read_record(path)
+            if info is None or info.get("run") == listed.run:
+                refused.append(str(err))
             continue
         info = _read_record(path)
         if (
@@ -100,4 +106,4 @@ def unlisted_newer(listed: HealthyCheckpoints) -> list[Entry]:
             and info["step"] > newest
         ):
             found.append(Entry(path.name, int(info["step"]), str(info.get("kind", "ring"))))
-    return sorted(found, key=lambda e: e.step)
+    return sorted(found, key=lambda e: e.step), sorted(refused)

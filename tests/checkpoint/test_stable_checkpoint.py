@@ -162,6 +162,28 @@ def test_alone_on_a_trainer_it_writes_atomic_checksummed_files_and_last_skips_a_
     assert start.step == 2
 
 
+def test_a_damaged_checkpoint_published_but_not_listed_is_named_and_not_taken_back(tmp_path: Path) -> None:
+    """Killed right after publishing step 4 (before the list named it), and the file damaged while the job was down:
+    the resume starts from step 3 and says why step 4 was not taken back."""
+    directory = tmp_path / "ckpts"
+    pl.seed_everything(0)
+    fit(tmp_path, Faulty(), [StableCheckpoint(dirpath=directory, every_n_train_steps=1, keep=5)], max_steps=4)
+    listing = json.loads((directory / FILE_NAME).read_text())
+    listing["checkpoints"] = [e for e in listing["checkpoints"] if e["step"] < 4]  # as the list was before the kill
+    (directory / FILE_NAME).write_text(json.dumps(listing))
+    newest = directory / "epoch=3-step=4.ckpt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    newest.write_bytes(bytes(data))  # written after the list: a candidate to take back
+    start = StartStep()
+    with pytest.warns(
+        UserWarning, match=rf"written after the healthy list .* not taken back: .*{newest.name} is damaged"
+    ):
+        fit(tmp_path, Faulty(), [StableCheckpoint(dirpath=directory, every_n_train_steps=1, keep=5), start],
+            max_steps=5, ckpt_path="last")  # fmt: skip
+    assert start.step == 3
+
+
 def test_a_writer_without_checksums_is_said_at_setup(tmp_path: Path) -> None:
     from lightning.pytorch.plugins.io import TorchCheckpointIO
 

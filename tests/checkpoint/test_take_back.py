@@ -89,10 +89,11 @@ def test_only_whole_newer_checkpoints_of_the_listing_run_under_their_own_name_qu
     sharded = tmp_path / "step=6.ckpt"  # a DCP directory: its record is in meta.pt
     dcp.save({"state_dict": {"w": torch.ones(10)}}, checkpoint_id=sharded)
     torch.save({recover.RUN_KEY: recover.record("fitA", "step=6.ckpt", 6, "last")}, sharded / "meta.pt")
-    found = recover.unlisted_newer(listed)
+    found, refused = recover.unlisted_newer(listed)
     assert [(e.name, e.step, e.kind) for e in found] == [("step=3.ckpt", 3, "ring"), ("step=6.ckpt", 6, "last")]
+    assert len(refused) == 1 and "cut.ckpt is incomplete" in refused[0]  # truncated: its record cannot be read
     listed.run = None  # a list no fit claimed: nothing is taken back
-    assert recover.unlisted_newer(listed) == []
+    assert recover.unlisted_newer(listed) == ([], [])
 
 
 def test_a_newer_checkpoint_whose_bytes_changed_is_never_taken_back(tmp_path: Path) -> None:
@@ -108,4 +109,6 @@ def test_a_newer_checkpoint_whose_bytes_changed_is_never_taken_back(tmp_path: Pa
     data[len(data) // 2] ^= 0x10  # inside the weights
     path.write_bytes(bytes(data))
     assert recover._read_record(path) is not None  # readable: only its checksum tells
-    assert [(e.name, e.step) for e in recover.unlisted_newer(listed)] == [("step=3.ckpt", 3)]
+    found, refused = recover.unlisted_newer(listed)
+    assert [(e.name, e.step) for e in found] == [("step=3.ckpt", 3)]
+    assert len(refused) == 1 and f"The checkpoint {path} is damaged" in refused[0]  # named, not skipped in silence
