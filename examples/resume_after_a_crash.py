@@ -51,9 +51,8 @@ def fit(ckpt_dir: str, crash: bool = False) -> L.Trainer:
         enable_progress_bar=False,
         callbacks=[
             GradientNormMonitor(max_norm=1.0),
-            StableCheckpoint(
-                dirpath=ckpt_dir, every_n_train_steps=5, keep=3
-            ),  # healthy steps only; atomic, checksummed files
+            # healthy steps only; atomic, checksummed files
+            StableCheckpoint(dirpath=ckpt_dir, every_n_train_steps=5, keep=3),
             *([Crash()] if crash else []),
         ],
     )

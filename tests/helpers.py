@@ -243,8 +243,11 @@ def kill_process_tree(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-def torchrun(script: Path, nproc: int, out_dir: Path, *args: str, timeout: int = 300) -> list[dict[str, Any]]:
-    """Run ``script`` under ``torchrun --standalone`` (one node, a free port) with ``nproc`` CPU processes.
+def torchrun(
+    script: Path, nproc: int, out_dir: Path, *args: str, timeout: int = 300, flags: Sequence[str] = ()
+) -> list[dict[str, Any]]:
+    """Run ``script`` under ``torchrun --standalone`` (one node, a free port, more torchrun ``flags``) with
+    ``nproc`` CPU processes.
 
     The script must write ``{out_dir}/rank{RANK}.json``; the parsed files are returned in rank order. After
     ``timeout`` seconds every process it started, the workers included, is killed and ``TimeoutExpired`` raised.
@@ -256,6 +259,7 @@ def torchrun(script: Path, nproc: int, out_dir: Path, *args: str, timeout: int =
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={nproc}",
+        *flags,
         str(script),
         str(out_dir),
         *args,

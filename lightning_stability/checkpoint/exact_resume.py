@@ -3,14 +3,16 @@ writes it (Lightning's ``ModelCheckpoint``, ``trainer.save_checkpoint``, ``Stabl
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_stability import _compat
 from lightning_stability.checkpoint.loader_state import KEY, LoaderResume
+from lightning_stability.cluster import restarts
 from lightning_stability.errors import check_alone
 
 
@@ -71,6 +73,9 @@ class ExactResume(Callback):
         if stage != "fit":
             return
         self._loader_resume.pending = None  # set by on_load_checkpoint, which comes after setup
+        problem = restarts.shared_store_problem(os.environ)
+        if problem:
+            rank_zero_warn(f"{self._owner}: {problem}")
         if self._part:
             return
         from lightning_stability.checkpoint.callback import StableCheckpoint  # it imports this module

@@ -11,7 +11,10 @@ Usage: ``resume_run.py OUT_DIR STRATEGY LOADER RUN...`` (one process, or under t
 * ``kill``: the same, SIGKILLed by itself when step ``STOP_AT + 1`` starts (its step-``STOP_AT`` checkpoint saved);
 * ``sigterm`` / ``sigusr1``: the same, rank 1 (or the only rank) sends itself the signal when step ``STOP_AT``
   starts: ``StableCheckpoint`` saves at an agreed boundary and stops;
-* ``resume-<how>``: resume the run interrupted by ``<how>`` with ``ckpt_path="last"`` and train to 20 steps.
+* ``resume-<how>``: resume the run interrupted by ``<how>`` with ``ckpt_path="last"`` and train to 20 steps;
+* ``resume-restart``: under ``torchrun --max-restarts=1``, one script for the first attempt and the restart: always
+  ``ckpt_path="last"`` (nothing there at first: a fresh start); rank 1 SIGKILLs itself when step ``STOP_AT + 1``
+  starts in the first attempt (``TORCHELASTIC_RESTART_COUNT=0``), torchrun restarts the group, which resumes.
 
 ``RESUME_STOP_AT=<step>`` moves the interruption; ``RESUME_RELOAD=1`` makes Lightning build the loader anew each
 epoch; ``RESUME_ACCUMULATE=<n>`` accumulates ``n`` batches per step; ``RESUME_BATCH``
@@ -146,6 +149,9 @@ class Interrupt(pl.Callback):
         step = trainer.global_step
         if self.how == "kill" and step == STOP_AT + 1:
             os.kill(os.getpid(), signal.SIGKILL)
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
+        if self.how == "resume-restart" and first_attempt and step == STOP_AT + 1 and trainer.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
         if self.how in ("sigterm", "sigusr1") and step == STOP_AT and trainer.global_rank == trainer.world_size - 1:
             os.kill(os.getpid(), signal.SIGTERM if self.how == "sigterm" else signal.SIGUSR1)
 
@@ -233,6 +239,7 @@ def run(out: Path, strategy: str, loader: str, kind: str) -> None:
                 if any(n in str(w.message) for n in ("StableCheckpoint", "ExactResume", "PreemptionCheckpoint"))
             ],
             "lightning_warnings": [str(w.message) for w in caught],
+            "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1")),
         },
         out / f"{strategy}-{loader}.{kind}.{rank}.pt",
     )

@@ -55,12 +55,13 @@ def differences(out: Path, name: str, how: str, ranks: int = 1) -> list[str]:
         ref = load(out, name, "reference", rank)
         resumed = load(out, name, f"resume-{how}", rank)
         seen = dict(resumed["seen"])
-        if how != "kill":  # a SIGKILLed run writes nothing; its steps are the reference's by construction
+        if how not in ("kill", "restart"):  # a SIGKILLed run writes nothing; its steps are the reference's
             seen = {**load(out, name, how, rank)["seen"], **seen}
         assert resumed["global_step"] == STEPS
         first = min(resumed["seen"])
         assert 0 < first < STEPS, f"rank {rank} resumed at step {first}: not a resume"
-        wrong = [step for step in range(first if how == "kill" else 0, STEPS) if seen.get(step) != ref["seen"][step]]
+        since = first if how in ("kill", "restart") else 0
+        wrong = [step for step in range(since, STEPS) if seen.get(step) != ref["seen"][step]]
         if wrong:
             found.append(f"rank {rank} trained on other samples at steps {wrong}")
         for group in ("params", "optimizer"):
