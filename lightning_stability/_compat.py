@@ -227,6 +227,24 @@ def restart_train_iterator(trainer: pl.Trainer) -> bool:
     return True
 
 
+def start_next_epoch_as_new(trainer: pl.Trainer) -> bool:
+    """On a resume from a checkpoint saved at an epoch's last batch (``on_train_batch_end``), let the fit loop begin
+    the next epoch as it begins any epoch: counted ready and started, with ``on_train_epoch_start`` called.
+
+    Lightning (2.6) closes the saved epoch when the fit starts (``FitLoop.reset``: processed, completed), but
+    keeps its restart stage "restarted mid-epoch" until the next epoch's first iteration is done, so
+    ``FitLoop.on_advance_start`` neither counts that epoch ready and started nor calls ``on_train_epoch_start``.
+    The checkpoint saved at that epoch's last batch then holds an epoch progress whose resume sets the sampler's
+    epoch one behind ``current_epoch`` (``DistributedSampler`` repeats the previous epoch's order). Call it from
+    ``on_train_start`` (after ``reset``, before ``on_advance_start``). Returns whether it applied."""
+    loop = trainer.fit_loop
+    current: Any = loop.epoch_progress.current  # a _ProcessedTracker (typed as its base)
+    if not getattr(loop, "restarted_mid_epoch", False) or current.processed != current.ready:
+        return False  # not resumed at an epoch's last batch (a mid-epoch restart has processed == ready - 1)
+    loop.reset_restart_stage()
+    return True
+
+
 @contextlib.contextmanager
 def training_step_again(trainer: pl.Trainer, batch: Any) -> Iterator[None]:
     """Run the module's ``training_step`` once more inside the current step (a replay) as Lightning runs it, with

@@ -297,6 +297,9 @@ class LoaderResume:
         """At ``on_train_start`` (the fit loop built its iterator, no batch was fetched): wrap the samplers, say
         what cannot resume exactly, and on a resume fast-forward the epoch and put back every RNG state."""
         saved, self.pending = self.pending, None
+        # resumed at an epoch's last batch: the next epoch starts as in the uninterrupted run (its sampler epoch, its
+        # on_train_epoch_start, and the epoch progress that the checkpoints saved in it hold)
+        _compat.start_next_epoch_as_new(trainer)
         loaders = _compat.train_loaders(trainer)
         if not loaders:
             return

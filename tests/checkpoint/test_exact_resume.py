@@ -10,9 +10,10 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_stability import ExactResume, StabilityConfigError, StableCheckpoint
 from lightning_stability.checkpoint.loader_state import KEY, LoaderResume
@@ -118,3 +119,43 @@ def test_two_of_them_are_refused_at_setup() -> None:
     trainer = quiet_trainer(callbacks=[ExactResume(), ExactResume()], max_steps=1)
     with pytest.raises(StabilityConfigError, match=r"callbacks=.*two ExactResume.*Fix: keep one ExactResume"):
         trainer.fit(Shuffled())
+
+
+class EpochOrdered(TinyModule):
+    """A ``DistributedSampler`` on one process: each epoch's order is drawn from its epoch (as under DDP)."""
+
+    def train_dataloader(self) -> DataLoader:
+        data = make_data(self.n, self.dim)
+        sampler: DistributedSampler[Any] = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True)
+        return DataLoader(data, batch_size=self.batch_size, sampler=sampler)
+
+
+class Seen(pl.Callback):
+    def __init__(self) -> None:
+        self.epochs_started: list[int] = []
+        self.batches: dict[int, list[float]] = {}  # global step -> the batch's first input column
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.epochs_started.append(trainer.current_epoch)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.batches[trainer.global_step] = batch[0][:, 0].tolist()
+
+
+def test_resumed_twice_at_an_epoch_end_each_epoch_starts_and_draws_its_own_order(tmp_path: Path) -> None:
+    """Saved at each epoch's last step (8 batches an epoch), resumed at step 8 then at 16 from a checkpoint the first
+    resumed fit wrote: epoch 2 is trained in epoch 2's order, and every epoch calls on_train_epoch_start."""
+
+    def fit(directory: Path, steps: int, ckpt_path: str | None) -> Seen:
+        seen = Seen()
+        checkpoint = StableCheckpoint(dirpath=directory, every_n_train_steps=8)
+        trainer = quiet_trainer(callbacks=[seen, checkpoint], max_steps=steps, enable_checkpointing=True)
+        trainer.fit(EpochOrdered(), ckpt_path=ckpt_path)
+        assert trainer.current_epoch == steps // 8
+        return seen
+
+    reference = fit(tmp_path / "reference", 24, None)
+    fit(tmp_path / "resumed", 8, None)
+    second, third = fit(tmp_path / "resumed", 16, "last"), fit(tmp_path / "resumed", 24, "last")
+    assert (second.epochs_started, third.epochs_started) == ([1], [2])
+    assert {**second.batches, **third.batches} == {s: b for s, b in reference.batches.items() if s >= 8}
