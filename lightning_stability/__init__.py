@@ -64,6 +64,10 @@ _EXPORTS = {
     "WatchdogSettings": "lightning_stability.cluster.watchdog",
     "watchdog_environment": "lightning_stability.cluster.watchdog",
     "watchdog_settings": "lightning_stability.cluster.watchdog",
+    # the incident log
+    "Incident": "lightning_stability.incidents.log",
+    "read_incidents": "lightning_stability.incidents.log",
+    "format_incidents": "lightning_stability.incidents.log",
     # the strategy
     "StableFSDPStrategy": "lightning_stability.strategies.fsdp",
     "consolidate_checkpoint": "lightning_stability.strategies.fsdp_checkpoint",
@@ -122,6 +126,7 @@ if TYPE_CHECKING:
     from lightning_stability.grad_norm import GradientNormMonitor
     from lightning_stability.health.callback import TrainingHealthMonitor
     from lightning_stability.health.rollback import TrainingDivergedError
+    from lightning_stability.incidents.log import Incident, format_incidents, read_incidents
     from lightning_stability.ledger.callback import LedgerCallback
     from lightning_stability.ledger.step_ledger import StepLedger
     from lightning_stability.ledger.track import Outcome

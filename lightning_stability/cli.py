@@ -1,4 +1,4 @@
-"""Command line: ``lightning-stability demo | plan | presets [NAME] | verify DIR``."""
+"""Command line: ``lightning-stability demo | plan | presets [NAME] | quarantine FILE | verify DIR | incidents DIR``."""
 
 from __future__ import annotations
 
@@ -269,6 +269,25 @@ def _verify(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _incidents(args: argparse.Namespace) -> int:
+    from lightning_stability.incidents import format_incidents, read_incidents
+    from lightning_stability.incidents.log import log_dir
+
+    directory = Path(args.dir)
+    if not directory.is_dir():
+        raise _Refused(
+            f"{args.dir} is not a directory. Fix: pass the directory the checkpoints are saved in (StableCheckpoint's "
+            "dirpath, or the ModelCheckpoint's), or the Trainer's default_root_dir when no checkpoint is saved."
+        )
+    if not log_dir(directory).is_dir():
+        raise _Refused(
+            f"{args.dir} holds no incident log ({log_dir(directory)} does not exist). Fix: pass the directory the "
+            "checkpoints are saved in; the log is written there once a fault is handled."
+        )
+    print(format_incidents(read_incidents(directory)))
+    return 0
+
+
 class _Refused(Exception):
     """A command's argument is unusable: exit status 2 with this message."""
 
@@ -407,6 +426,14 @@ def _run(argv: Sequence[str] | None) -> int:
     )
     verify.add_argument("dir", metavar="DIR", help="the directory of the checkpoints (StableCheckpoint's dirpath)")
     verify.set_defaults(func=_verify)
+    incidents = sub.add_parser(
+        "incidents",
+        help="print a run's incident log: every fault handled (skips, replays, rollbacks, preemptions, restarts)",
+        description="Print the incident log in DIR/incidents/ (every rank's, across restarts): a count per kind, "
+        "then each incident with its step, rank, host, what was done and what it cost.",
+    )
+    incidents.add_argument("dir", metavar="DIR", help="the directory of the checkpoints (where the log is kept)")
+    incidents.set_defaults(func=_incidents)
     args = parser.parse_args(argv)
     if args.command == "demo" and args.nan_at_step is not None and not -1 <= args.nan_at_step < args.steps:
         demo.error(

@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from lightning_stability import _compat
+from lightning_stability import _compat, incidents
 from lightning_stability.checkpoint import atomic, recover
 from lightning_stability.checkpoint.arguments import check_model_checkpoint_arguments
 from lightning_stability.checkpoint.async_save import AsyncSaves, PendingSave, ShardedAsyncSaver
@@ -273,6 +273,7 @@ class StableCheckpoint(ModelCheckpoint):
         super().on_train_end(trainer, pl_module)
         self._wait_for_save(trainer)
         self._preemption.on_train_end(trainer, pl_module)
+        self._exact_resume.on_train_end(trainer, pl_module)
         if self._deferred_from is not None:
             newest = self._newest_name()
             rank_zero_warn(
@@ -529,6 +530,10 @@ class StableCheckpoint(ModelCheckpoint):
         listed = HealthyCheckpoints(directory).load()
         # published, then killed before the list was rewritten: back on the list (every rank finds the same)
         self._taken_back, damaged = recover.unlisted_newer(listed)
+        for message in damaged:
+            incidents.record(
+                trainer, "damaged_checkpoint", "not taken back onto the healthy list", detail=message, step=-1
+            )
         if damaged:
             rank_zero_warn(
                 f"StableCheckpoint: {len(damaged)} checkpoint(s) in {directory} written after the healthy list was "
@@ -551,6 +556,14 @@ class StableCheckpoint(ModelCheckpoint):
                 recover.check_listed(found, entry)
             except CheckpointError as err:
                 refused.append(str(err))
+                incidents.record(
+                    trainer,
+                    "damaged_checkpoint",
+                    "passed over by ckpt_path='last'",
+                    lost=f"the steps after the next older checkpoint that verifies, up to step {entry.step}",
+                    detail=str(err),
+                    step=entry.step,
+                )
                 continue
             except FileNotFoundError:
                 continue

@@ -10,10 +10,10 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_stability import _compat
+from lightning_stability import _compat, incidents
 from lightning_stability.checkpoint.loader_state import KEY, LoaderResume
-from lightning_stability.cluster import restarts
 from lightning_stability.errors import check_alone
+from lightning_stability.incidents import restarts
 
 
 class ExactResume(Callback):
@@ -114,6 +114,11 @@ class ExactResume(Callback):
             # Lightning warns next (its epoch loop's reset) that a plain loader cannot resume mid-epoch: this one does
             self._hidden = _compat.hide_lightning_warning(_compat.LOADER_NOT_RESUMABLE)
         self._loader_resume.start(trainer)  # the data position and RNG states of a resumed checkpoint
+        incidents.fit_started(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._active:
+            incidents.fit_ended(trainer)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._active:

@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_stability import _compat
+from lightning_stability import _compat, incidents
 from lightning_stability.checkpoint.preemption import PreemptionSignals, check_signals, default_signals
 from lightning_stability.errors import check_alone, config_error
 
@@ -145,6 +145,12 @@ class PreemptionCheckpoint(Callback):
         self._signals.run_requeue(self._stop)  # Lightning's SLURM auto-requeue, after our save
         trainer.should_stop = True
         names = ", ".join(f"{sig.name} (on {n} rank{'s' if n > 1 else ''})" for sig, n in self._stop.items())
+        incidents.record(
+            trainer,
+            "preemption",
+            f"{names} received; {done}; stopped",
+            lost="the steps since the newest healthy checkpoint" if done.startswith("not saved") else "",
+        )
         rank_zero_info(
             f"{self._owner}: {names} received; {done}. Stopping the Trainer. Resume with "
             "trainer.fit(model, ckpt_path='last')."

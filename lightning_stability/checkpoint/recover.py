@@ -82,9 +82,10 @@ def unlisted_newer(listed: HealthyCheckpoints) -> tuple[list[Entry], list[str]]:
         return [], []
     since = listed.path.stat().st_mtime_ns
     newest = max((e.step for e in listed.entries), default=-1)
+    names = {e.name for e in listed.entries}  # listed: checked where ckpt_path="last" is resolved
     found, refused = [], []
     for path in directory.iterdir():
-        if atomic.is_sibling(path.name) or path.name == FILE_NAME or path.suffix != ".ckpt":
+        if atomic.is_sibling(path.name) or path.name in names or path.name == FILE_NAME or path.suffix != ".ckpt":
             continue
         try:
             if path.stat().st_mtime_ns < since:

@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_stability import incidents
 from lightning_stability.cluster.stragglers import StepTimer, straggler_figures, straggler_message
 from lightning_stability.cluster.weight_hash import (
     ReplicaLayout,
@@ -214,8 +215,14 @@ class ClusterHealthMonitor(LedgerCallback):
                 )
                 factor = self.straggler_factor
                 if len(times) > 1 and factor is not None and figures.straggles(factor, self.straggler_min_gap_s):
-                    rank_zero_warn(
-                        straggler_message(figures, factor, record.steps, len(times)), category=RuntimeWarning
+                    message = straggler_message(figures, factor, record.steps, len(times))
+                    rank_zero_warn(message, category=RuntimeWarning)
+                    incidents.record(
+                        trainer,
+                        "straggler",
+                        f"warned: rank {figures.slowest} was the slowest",
+                        lost="step time (every rank waits for the slowest at each gradient sync)",
+                        detail=message,
                     )
         checks = self._sent_hashes.pop(record.index, [])
         for step, sent in checks:
@@ -226,6 +233,14 @@ class ClusterHealthMonitor(LedgerCallback):
             extra["stability/replicas_differing"] = float(len(differing))
             if differing:
                 self._warn_differing(step, differing)
+                incidents.record(
+                    trainer,
+                    "replicas_differ",
+                    "warned: weights differ across data-parallel replicas",
+                    lost="the steps since the last clean check may be corrupted",
+                    detail=f"ranks {sorted(differing)} hold weights their replicas do not",
+                    step=step,
+                )
             else:
                 self._last_clean = step
         return extra

@@ -7,7 +7,7 @@ spike: warn, adaptive clip (ZClip), skip (OLMo-core), or rollback (PaLM).
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_stability import incidents
 from lightning_stability.checkpoint.atomic import CheckpointError, verify_checkpoint
 from lightning_stability.checkpoint.recover import check_listed
 from lightning_stability.checkpoint.ring import RING, Entry
@@ -29,6 +30,7 @@ from lightning_stability.errors import (
     config_error,
 )
 from lightning_stability.health.history import HealthHistory, HealthReporter, HealthSent
+from lightning_stability.health.report import outcome_name
 from lightning_stability.health.report_loggers import send_report
 from lightning_stability.health.responses import RESPONSES, Response
 from lightning_stability.health.rollback import HostFlag, Rollback, newest_clean_step, restore_checkpoint
@@ -233,6 +235,7 @@ class TrainingHealthMonitor(LedgerCallback):
         self._log.capacity = capacity(device)
         self._const = None
         self._trainer = trainer
+        self._log.on_events = self._record_incidents
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.response == "rollback":
@@ -306,6 +309,10 @@ class TrainingHealthMonitor(LedgerCallback):
         scored = self.stats.score(values, self.spike_z, const.grad_only if loss is None else None)
         self._scored_of = (step, step.generation, scored, values, None)
         return scored, values
+
+    def _record_incidents(self, events: list[dict[str, Any]]) -> None:
+        if self._trainer is not None:
+            record_incidents(self._trainer, events)
 
     def record_event(self, ledger: StepLedger, event: dict[str, Any]) -> None:
         """Record an event of the run (``{"step", "kind", "detail", ...}``: a rollback, a replay) in the report's
@@ -552,6 +559,13 @@ class TrainingHealthMonitor(LedgerCallback):
                     found = (str(verified), saved_at)
                     break
                 except (CheckpointError, FileNotFoundError) as err:
+                    incidents.record(
+                        trainer,
+                        "damaged_checkpoint",
+                        "passed over by a rollback to disk",
+                        detail=str(err),
+                        step=saved_at,
+                    )
                     rank_zero_warn(
                         f"TrainingHealthMonitor: skipping a damaged checkpoint for the rollback: {err} (the next "
                         "older one is tried)"
@@ -626,7 +640,9 @@ class TrainingHealthMonitor(LedgerCallback):
             "ended": ended,
         }
         counts = {"rollbacks": self.rollback.rollbacks, "disk_rollbacks": self.rollback.disk_rollbacks}
-        json_path, png_path = self._log.write_report(directory or ".", {**meta, **counts})
+        logged = incidents.log_directory(trainer) if trainer is not None else None
+        found = [asdict(i) for i in incidents.read_incidents(logged)] if logged is not None else []
+        json_path, png_path = self._log.write_report(directory or ".", {**meta, **counts}, found)
         if trainer is not None:
             send_report(trainer.loggers, json_path, png_path, trainer.global_step)
         return json_path, png_path
@@ -730,3 +746,29 @@ def _total_steps(trainer: pl.Trainer) -> int | None:
     if not math.isfinite(total) and trainer.max_steps > 0:
         total = float(trainer.max_steps)
     return int(total) if math.isfinite(total) and total > 0 else None
+
+
+def record_incidents(trainer: pl.Trainer, events: list[dict[str, Any]]) -> None:
+    """The monitor's new events in the incident log (host only: the events come from rows read on logging steps,
+    rollbacks and replays as they happen). Left out: the fp16 scaler's own overflow skips (its normal dynamics),
+    new levels and the data skipped after a rollback (the rollback's incident says it)."""
+    for event in events:
+        kind, step, detail = event.get("kind"), int(event.get("step", -1)), str(event.get("detail", ""))
+        if (kind == "skip" and event.get("outcome") == outcome_name(1)) or kind in ("new_level", "data_skip"):
+            continue
+        if kind in ("spike", "clip"):
+            incidents.record(trainer, "spike", str(event.get("outcome") or kind), detail=detail, step=step)
+        elif kind == "skip":
+            incidents.record(trainer, "skip", "update skipped", lost="this step's update", detail=detail, step=step)
+        elif kind == "rollback":
+            to_step = int(event.get("to_step", step))
+            incidents.record(
+                trainer,
+                "rollback",
+                f"rolled back to the state after step {to_step}",
+                lost=f"the updates of steps {to_step + 1}-{step} and the batches skipped after it",
+                detail=detail,
+                step=step,
+            )
+        else:  # a replay, as StepReplay words it
+            incidents.record(trainer, str(kind), str(event.get("action", kind)), detail=detail, step=step)

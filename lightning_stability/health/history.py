@@ -14,6 +14,7 @@ whole-run counts, the newest :data:`MAX_EVENTS` events.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -420,6 +421,8 @@ class HealthReporter:
         self.names: list[str] = []  # module names, for the per-module update ratios
         self.capacity: float | None = None
         self._memory_warned = False
+        #: called with each batch of new events (not those a checkpoint loads back): the incident log's sink
+        self.on_events: Callable[[list[dict[str, Any]]], None] | None = None
 
     # ------------------------------------------------------------------ logging steps (device side: send)
     def update_ratios(self, size: UpdateSize, module_index: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor] | None]:
@@ -573,9 +576,11 @@ class HealthReporter:
                     rank_zero_warn(f"TrainingHealthMonitor: at step {step}, {detail}.", category=UserWarning)
                 calm = 0
 
-    def add_events(self, events: list[dict[str, Any]]) -> None:
+    def add_events(self, events: list[dict[str, Any]], new: bool = True) -> None:
         """Record events in step order, keeping :data:`MAX_EVENTS`: beyond it the oldest of the most numerous
-        kind go, counted in :attr:`events_dropped`."""
+        kind go, counted in :attr:`events_dropped`. ``new`` events also go to :attr:`on_events`."""
+        if new and events and self.on_events is not None:
+            self.on_events(events)
         self.events.extend(events)
         self.events.sort(key=lambda e: e.get("step", 0))  # stable: events of one step keep their order
         excess = len(self.events) - MAX_EVENTS
@@ -593,7 +598,7 @@ class HealthReporter:
 
     def load_events(self, events: list[dict[str, Any]], dropped: int = 0) -> None:
         self.events, self.events_dropped = [], int(dropped)
-        self.add_events(list(events))
+        self.add_events(list(events), new=False)
 
     def summary(self) -> dict[str, Any]:
         """The report's whole-run figures that downsampling would blur, exact from the history's totals."""
@@ -621,14 +626,16 @@ class HealthReporter:
             rank_zero_warn(message, category=UserWarning)
 
     # ------------------------------------------------------------------ end of fit
-    def write_report(self, directory: str | Path, meta: dict[str, Any]) -> tuple[Path, Path | None]:
+    def write_report(
+        self, directory: str | Path, meta: dict[str, Any], incidents: list[dict[str, Any]] | None = None
+    ) -> tuple[Path, Path | None]:
         """Write ``stability_report.json`` (and ``.png`` with matplotlib) into ``directory``."""
         from lightning_stability.health.report import write_report
 
         meta = {**meta, "module_names": self.names, "events_dropped": self.events_dropped}
         meta["history_bucket_width"] = self.history.bucket_width
         json_path, png_path = write_report(
-            self.history.report_series(), self.events, directory, meta, summary=self.summary()
+            self.history.report_series(), self.events, directory, meta, summary=self.summary(), incidents=incidents
         )
         rank_zero_info(f"stability report: {json_path}" + (f", {png_path}" if png_path else ""))
         return json_path, png_path

@@ -150,6 +150,7 @@ def write_report(
     meta: dict[str, Any] | None = None,
     name: str = "stability_report",
     summary: dict[str, Any] | None = None,
+    incidents: list[dict[str, Any]] | None = None,
 ) -> tuple[Path, Path | None]:
     """Write ``<out_dir>/<name>.json`` and, when matplotlib is installed, ``<out_dir>/<name>.png``.
 
@@ -162,6 +163,7 @@ def write_report(
         name: the file stem.
         summary: figures that replace those :func:`summarize` computes from ``history`` (exact whole-run counts
             when ``history`` is downsampled).
+        incidents: the run's incident log (every fault handled, across restarts), kept under ``"incidents"``.
 
     Returns:
         ``(json_path, png_path)``; ``png_path`` is ``None`` without matplotlib.
@@ -174,7 +176,13 @@ def write_report(
         history_out["outcome"] = [outcome_name(c) for c in _outcome_codes(history_out["outcome"])]
     if "step" in history_out:  # steps are recorded as floats; write them as the integers they are
         history_out["step"] = [int(s) if s is not None and s == int(s) else s for s in history_out["step"]]
-    report = {"meta": meta or {}, "summary": summary, "history": history_out, "events": events}
+    report = {
+        "meta": meta or {},
+        "summary": summary,
+        "history": history_out,
+        "events": events,
+        "incidents": incidents or [],
+    }
     json_path = out / f"{name}.json"
     json_path.write_text(json.dumps(_json_safe(report), allow_nan=False, indent=1) + "\n")
 

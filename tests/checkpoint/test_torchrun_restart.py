@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lightning_stability import ExactResume
-from lightning_stability.cluster import restarts
+from lightning_stability.incidents import restarts
 from tests.checkpoint.test_loader_resume import SCRIPT, differences, load
 from tests.helpers import TinyModule, quiet_trainer, torchrun
 

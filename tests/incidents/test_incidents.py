@@ -1,0 +1,113 @@
+"""The incident log with real Trainers, files and signals: a night of faults in one directory (a NaN step skipped, a
+crash, a damaged checkpoint passed over, the restart, a preemption), read back as one page by
+``lightning-stability incidents DIR`` and in the stability report; and the log's own file format."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+
+from lightning_stability import GradientNormMonitor, StableCheckpoint, TrainingHealthMonitor
+from lightning_stability.incidents import Incident, format_incidents, read_incidents
+from lightning_stability.incidents.log import append, cut_short, log_dir, mark_fit
+from tests.checkpoint.test_stable_checkpoint import SendSignal
+from tests.helpers import REPO, TinyModule, quiet_trainer
+
+
+class Crash(pl.Callback):
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == 7:
+            raise RuntimeError("the node went away")
+
+
+@pytest.fixture(autouse=True)
+def _keep_signal_handlers() -> Iterator[None]:
+    saved = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, saved)
+
+
+def fit(root: Path, callbacks: list[pl.Callback], ckpt_path: str | None = None, max_steps: int = 12) -> pl.Trainer:
+    pl.seed_everything(0)
+    trainer = quiet_trainer(
+        max_steps=max_steps,
+        enable_checkpointing=True,
+        default_root_dir=root,
+        callbacks=[
+            GradientNormMonitor(),
+            TrainingHealthMonitor(response="skip", warmup_steps=3, report_dir=root),
+            StableCheckpoint(dirpath=root / "ckpts", every_n_train_steps=2, keep=3),
+            *callbacks,
+        ],
+    )
+    trainer.fit(TinyModule(inf_at_step=4), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_a_night_of_faults_reads_as_one_page(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpts"
+    with pytest.raises(RuntimeError, match="the node went away"):
+        fit(tmp_path, [Crash()])  # the NaN of step 4 skipped; saves at 2, 4, 6; crashes as step 7 starts
+    newest = directory / "epoch=0-step=6.ckpt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    newest.write_bytes(bytes(data))  # damaged while the job was down
+    resumed = fit(tmp_path, [SendSignal(signal.SIGTERM, 8)], ckpt_path="last")
+    assert resumed.global_step < 12  # stopped at the signal
+
+    found = read_incidents(directory)
+    kinds = [i.kind for i in found]
+    # the resumed run trains step 4 again, and skips its NaN again (read on the host at the end of the fit)
+    assert kinds == ["skip", "damaged_checkpoint", "restart", "preemption", "skip"], format_incidents(found)
+    skip, damaged, restart, preemption, again = found
+    assert skip.step == again.step == 4 and "non-finite" in skip.detail and skip.lost == "this step's update"
+    assert damaged.step == 6 and newest.name in damaged.detail and "is damaged" in damaged.detail
+    assert restart.step == 4 and restart.action == "resumed from epoch=0-step=4.ckpt (step 4)"
+    assert "ended without finishing" in restart.detail
+    assert "SIGTERM" in preemption.action and "saved" in preemption.action and preemption.lost == ""
+    assert all(i.rank == 0 and i.host for i in found)
+    assert cut_short(directory) is None  # the stop at the signal is a clean end
+
+    command = [sys.executable, "-m", "lightning_stability.cli", "incidents", str(directory)]
+    page = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert page.returncode == 0, page.stderr
+    assert page.stdout.startswith("5 incident(s): 1 restart, 1 preemption, 1 damaged_checkpoint, 2 skip")
+    assert "resumed from epoch=0-step=4.ckpt (step 4); lost: the steps the previous run trained" in page.stdout
+
+    report = json.loads((tmp_path / "stability_report.json").read_text())
+    assert [i["kind"] for i in report["incidents"]] == kinds
+
+
+def test_the_command_refuses_a_directory_without_a_log(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "lightning_stability.cli", "incidents", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 2 and "holds no incident log" in done.stderr and "Fix: pass the directory" in done.stderr
+
+
+def test_each_rank_appends_to_its_own_file_and_a_line_cut_by_a_kill_is_left_out(tmp_path: Path) -> None:
+    append(tmp_path, Incident("replay", 3, "transient: applied as replayed", rank=1, time=2.0))
+    append(tmp_path, Incident("quarantine", 3, "samples 4, 9 quarantined", lost="2 samples", rank=0, time=1.0))
+    with open(log_dir(tmp_path) / "rank-1.jsonl", "a") as f:
+        f.write('{"kind": "skip", "step": 4, "act')  # killed mid-write
+    assert sorted(p.name for p in log_dir(tmp_path).iterdir()) == ["rank-0.jsonl", "rank-1.jsonl"]
+    found = read_incidents(tmp_path)
+    assert [(i.kind, i.rank) for i in found] == [("quarantine", 0), ("replay", 1)]  # in time order
+    page = format_incidents(found)
+    assert "samples 4, 9 quarantined; lost: 2 samples" in page and "applied as replayed; nothing lost" in page
+    assert format_incidents([]) == "No incidents: no fault was handled in this run."
+
+
+def test_a_fit_that_never_ended_is_told_from_one_that_did(tmp_path: Path) -> None:
+    assert cut_short(tmp_path) is None
+    mark_fit(tmp_path, running=True, step=10)
+    assert cut_short(tmp_path) == {"running": True, "step": 10, "time": pytest.approx(cut_short(tmp_path)["time"])}
+    mark_fit(tmp_path, running=False, step=20)
+    assert cut_short(tmp_path) is None
