@@ -203,6 +203,8 @@ ENTRIES: dict[str, Entry] = {
         {"dataset": [3], "indices": [-1, "1"], "value": ["nan", True]},
     ),
     "read_quarantine": (ls.read_quarantine, {"path": [3, "no/such/quarantine.json"]}),
+    "read_incidents": (ls.read_incidents, {"directory": [3, "no/such/directory"]}),
+    "format_incidents": (ls.format_incidents, {"incidents": [3, "a page", [3]]}),
     "ClusterHealthMonitor": (
         ls.ClusterHealthMonitor,
         {"straggler_factor": [1.0, 0], "weight_hash_every": [0], "straggler_min_gap_s": [-1], "log_every_n_steps": [0]},
@@ -364,6 +366,7 @@ NOT_ENTRY_POINTS = {
     "StabilityConfigError": "an exception",
     "TrainingDivergedError": "an exception",
     "FailingDeviceError": "an exception",
+    "Incident": "a record of the incident log, written by the callbacks, read back by read_incidents",
 }
 #: arguments that are the Trainer's to pass (Lightning's accelerator connector sets them), or open keywords
 NOT_THE_USERS = {

@@ -641,7 +641,7 @@ class TrainingHealthMonitor(LedgerCallback):
         }
         counts = {"rollbacks": self.rollback.rollbacks, "disk_rollbacks": self.rollback.disk_rollbacks}
         logged = incidents.log_directory(trainer) if trainer is not None else None
-        found = [asdict(i) for i in incidents.read_incidents(logged)] if logged is not None else []
+        found = [asdict(i) for i in incidents.read_incidents(logged)] if logged is not None and logged.is_dir() else []
         json_path, png_path = self._log.write_report(directory or ".", {**meta, **counts}, found)
         if trainer is not None:
             send_report(trainer.loggers, json_path, png_path, trainer.global_step)

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_stability.errors import check_path, config_error
+
 #: the folder of the log inside a checkpoint directory (or the Trainer's root directory)
 FOLDER = "incidents"
 
@@ -86,7 +88,16 @@ def this_host() -> str:
 
 
 def read_incidents(directory: str | os.PathLike[str]) -> list[Incident]:
-    """Every rank's incidents in ``directory``'s log, oldest first (a line a kill cut short is left out)."""
+    """Every rank's incidents in ``directory``'s log (the checkpoints' directory), oldest first (a line a kill cut
+    short is left out); none when it holds no log. Raises ``StabilityConfigError`` when ``directory`` is not one."""
+    check_path("directory", directory, "'checkpoints'")
+    if not Path(directory).is_dir():
+        raise config_error(
+            "directory",
+            str(directory),
+            "is not a directory",
+            "pass the directory the checkpoints are saved in (StableCheckpoint's dirpath, or the ModelCheckpoint's)",
+        )
     found: list[Incident] = []
     for path in sorted(log_dir(directory).glob("rank-*.jsonl")):
         for line in path.read_text().splitlines():
@@ -98,8 +109,14 @@ def read_incidents(directory: str | os.PathLike[str]) -> list[Incident]:
 
 
 def format_incidents(incidents: Iterable[Incident]) -> str:
-    """One page: a count per kind, then one line per incident in time order."""
+    """One page: a count per kind, then one line per incident in time order (as :func:`read_incidents` gives)."""
+    if isinstance(incidents, str) or not isinstance(incidents, Iterable):
+        raise config_error("incidents", incidents, "is not a list of Incident", "pass read_incidents(directory)")
     incidents = list(incidents)
+    if not all(isinstance(i, Incident) for i in incidents):
+        raise config_error(
+            "incidents", incidents, "holds something else than Incident", "pass read_incidents(directory)"
+        )
     if not incidents:
         return "No incidents: no fault was handled in this run."
     counts = Counter(i.kind for i in incidents)

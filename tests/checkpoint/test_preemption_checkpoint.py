@@ -17,7 +17,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_stability import PreemptionCheckpoint, StabilityConfigError, StableCheckpoint
+from lightning_stability import PreemptionCheckpoint, StabilityConfigError, StableCheckpoint, read_incidents
 from tests.checkpoint.test_loader_resume import SCRIPT, STEPS, differences, load, single
 from tests.helpers import TinyModule, quiet_trainer, torchrun
 
@@ -94,7 +94,11 @@ def test_a_signal_before_the_model_checkpoints_first_save(tmp_path: Path) -> Non
     trainer.fit(TinyModule())
     assert trainer.global_step == 3 and calls == [signal.SIGTERM]
     assert signal.getsignal(signal.SIGTERM) is users_own
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["incidents", "last.ckpt"]
+    (preemption,) = read_incidents(tmp_path)
+    assert (
+        preemption.kind == "preemption" and preemption.step == 3 and "SIGTERM (on 1 rank) received" in preemption.action
+    )
     assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 3
     resumed = quiet_trainer(
         callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True)], max_steps=4, enable_checkpointing=True

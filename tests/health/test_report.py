@@ -100,7 +100,7 @@ def test_json_is_strict_and_round_trips_with_the_summary(tmp_path: Path) -> None
     strict = json.loads(json_path.read_text(), parse_constant=_reject_constant)  # no NaN/Infinity literals
     report = load_report(json_path)
     assert report == strict
-    assert list(report) == ["meta", "summary", "history", "events"]
+    assert list(report) == ["meta", "summary", "history", "events", "incidents"]
     assert report["meta"] == meta
     assert report["summary"] == EXPECTED_SUMMARY
     assert report["events"] == events
