@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_stability import ExactResume
+from lightning_stability import ExactResume, read_incidents
 from lightning_stability.incidents import restarts
 from tests.checkpoint.test_loader_resume import SCRIPT, differences, load
 from tests.helpers import TinyModule, quiet_trainer, torchrun
@@ -31,6 +31,9 @@ def test_torchrun_restarts_the_group_and_fit_last_resumes_exactly(
         assert resumed["restart_count"] == 1  # written by the restarted group, not the first attempt
         assert min(resumed["seen"]) == 12, rank  # the kill came as step 12 started; step 11's checkpoint resumed
     assert differences(tmp_path, "ddp-shuffle", "restart", ranks=2) == []
+    (restart,) = read_incidents(tmp_path / "ddp-shuffle-restart")  # the death, named by the restarted group
+    assert restart.kind == "restart" and restart.step == 11 and restart.attempt == "restart 1 of 1 by torchrun"
+    assert "ended without finishing" in restart.detail
 
 
 def test_the_attempt_and_the_shared_store_are_read_from_the_environment() -> None:
