@@ -27,7 +27,8 @@ Cost: on a healthy step, one host read of the step's flags as it opens (the deci
 the votes on the step and the update's factors then use, so that a non-fused optimizer's step makes no read of its
 own at row 8 (a fused one reads nothing without ``StepReplay``: one read more there); the RNG states of each
 micro-batch (a few kB on the host); the batches stay alive until the update; the buffers a forward changes
-(BatchNorm's statistics) are copied once per step. A flagged step pays one or two more forward and backward passes
+(BatchNorm's statistics, an MoE layer's token counts, persistent or not: ``forward_state.py``) are copied once per
+step. A flagged step pays one or two more forward and backward passes
 and a copy of its gradients; each replay's time is in its event."""
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ class StepReplay(LedgerCallback):
         self._hosts = [str(h) for h in rng.gather(socket.gethostname())]  # every rank's, in rank order
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.inputs.forget_module()
+        self.inputs.forget_module(pl_module)
         self._use_sampler(trainer, training_sampler(trainer))
         if self._sampler is None:
             rank_zero_warn(
@@ -297,7 +298,7 @@ class StepReplay(LedgerCallback):
             event["quarantined"] = count
             dropped = self._apply_without(trainer, ledger, monitor, bad)
             if dropped is None:
-                ledger.mark_skip(Outcome.SKIPPED_NONFINITE if nonfinite else Outcome.SKIPPED_SPIKE, True)
+                self._skip(ledger, nonfinite)
                 done = "skipped"
             else:
                 event["dropped_micro_batches"] = dropped
@@ -308,7 +309,7 @@ class StepReplay(LedgerCallback):
             )
         else:
             self.counts["nondeterministic"] += 1
-            ledger.mark_skip(Outcome.SKIPPED_NONFINITE if nonfinite else Outcome.SKIPPED_SPIKE, True)
+            self._skip(ledger, nonfinite)
             event["detail"] = (
                 f"nondeterminism: no two of {runs} runs agree on rank(s) {list(found.ranks) or 'all (gradients)'}; "
                 "skipped. Fix: torch.use_deterministic_algorithms(True), and draw random numbers in the training "
@@ -318,6 +319,12 @@ class StepReplay(LedgerCallback):
         rank_zero_warn(f"StepReplay: step {label}: {event['detail']}")
         for rank in found.faulty_ranks:
             self._count_fault(rank, step)
+
+    def _skip(self, ledger: StepLedger, nonfinite: bool) -> None:
+        """Skip the step: no update, and the buffers its forwards changed put back (a NaN batch's BatchNorm
+        statistics do not stay)."""
+        ledger.mark_skip(Outcome.SKIPPED_NONFINITE if nonfinite else Outcome.SKIPPED_SPIKE, True)
+        self.inputs.restore_buffers()
 
     def _apply_without(
         self, trainer: pl.Trainer, ledger: StepLedger, monitor: TrainingHealthMonitor, bad: list[list[bool]]
