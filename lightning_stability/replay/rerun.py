@@ -43,14 +43,16 @@ from lightning_stability.norms import local_tensor
 @dataclass
 class MicroBatch:
     """One micro-batch of the open step: the batch, its ``batch_idx``, the RNG states before it, its loss as passed
-    to backward (``None`` until then, or when ``training_step`` returned ``None``) and its sample indices (``None``
-    where the loader's sampler cannot tell)."""
+    to backward (``None`` until then, or when ``training_step`` returned ``None``), its sample indices (``None``
+    where the loader's sampler cannot tell) and whether it stands in for a batch whose samples are all
+    quarantined (the step is then skipped)."""
 
     batch: Any
     batch_idx: int
     rng: dict[str, Any]
     indices: list[int] | None
     loss: Tensor | None = None
+    stand_in: bool = False
 
 
 class StepInputs:
@@ -62,14 +64,16 @@ class StepInputs:
         self.micro: list[MicroBatch] = []
         self._state: ForwardState | None = None  # the module's buffers a forward changes
 
-    def add_micro_batch(self, module: nn.Module, batch: Any, batch_idx: int, indices: list[int] | None) -> None:
+    def add_micro_batch(
+        self, module: nn.Module, batch: Any, batch_idx: int, indices: list[int] | None, stand_in: bool = False
+    ) -> None:
         """At ``on_train_batch_start``: keep the micro-batch and the RNG states before it; before the first of a
         step, copy the buffers its forward changes."""
         if not self.micro:
             self._state = ForwardState.of(module)
             self._state.begin(copy=True)
         states = rng.capture() if self.every_generator else rng.capture_torch()
-        self.micro.append(MicroBatch(batch, batch_idx, states, indices))
+        self.micro.append(MicroBatch(batch, batch_idx, states, indices, stand_in=stand_in))
 
     def add_loss(self, loss: Tensor) -> None:
         """At ``on_before_backward``: the current micro-batch's loss as passed to backward."""
