@@ -402,6 +402,12 @@ def sparse_values(tensor: Tensor) -> Tensor:
     return tensor._values()
 
 
+def tensor_version(tensor: Tensor) -> int:
+    """torch's count of the in-place writes to ``tensor`` (its version counter: a host integer, read without a
+    sync)."""
+    return int(tensor._version)
+
+
 def is_batchnorm(module: nn.Module) -> TypeGuard[nn.modules.batchnorm._BatchNorm]:
     """Whether ``module`` is a batch norm of any kind (``BatchNorm1d/2d/3d``, ``SyncBatchNorm``, lazy ones)."""
     return isinstance(module, _private("torch.nn.modules.batchnorm", "_BatchNorm"))
@@ -695,6 +701,11 @@ def foreach_sqrt(tensors: list[Tensor]) -> tuple[Tensor, ...]:
 def foreach_div(tensors: list[Tensor], others: list[Tensor]) -> tuple[Tensor, ...]:
     """``tensors[i] / others[i]`` for all i (``torch._foreach_div``); ``others`` may be 0-dim tensors."""
     return torch._foreach_div(tensors, others)
+
+
+def foreach_copy_(tensors: list[Tensor], sources: list[Tensor]) -> None:
+    """``tensors[i].copy_(sources[i])`` for all i, in one fused call (``torch._foreach_copy_``)."""
+    torch._foreach_copy_(tensors, sources)
 
 
 def foreach_add_(tensors: list[Tensor], others: list[Tensor]) -> None:

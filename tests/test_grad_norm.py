@@ -184,7 +184,7 @@ def test_skipping_the_very_first_step_of_fused_sgd_with_momentum() -> None:
         trainer = quiet_trainer(max_steps=4, callbacks=[GradientNormMonitor(max_norm=1.0)])
         with pytest.warns(RuntimeWarning, match="Non-finite gradient norm"):
             trainer.fit(TinyModule(optimizer=optimizer, inf_at_step=0))
-        assert StepLedger.of(trainer).record_of().counts.tolist() == [3, 0, 1, 0, 0]
+        assert StepLedger.of(trainer).record_of().counts.tolist() == [3, 0, 1, 0, 0, 0]
         finals[optimizer] = [p.detach().clone() for p in trainer.lightning_module.parameters()]
     for a, b in zip(finals["sgd"], finals["sgd_fused"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -393,19 +393,19 @@ def test_resume_restores_the_ledger(tmp_path: Path) -> None:
         first.fit(TinyModule(inf_at_step=1, optimizer="adamw_fused", n=32))  # 4 batches: one epoch
     first.save_checkpoint(tmp_path / "stop.ckpt")
     saved = torch.load(tmp_path / "stop.ckpt", weights_only=False)
-    assert saved["lightning_stability"]["ledger"]["tracks"]["0"]["counts"] == [3, 0, 1, 0, 0]
+    assert saved["lightning_stability"]["ledger"]["tracks"]["0"]["counts"] == [3, 0, 1, 0, 0, 0]
 
     second = quiet_trainer(max_epochs=2, callbacks=[GradientNormMonitor(max_norm=1.0)])
     second.fit(TinyModule(optimizer="adamw_fused", n=32), ckpt_path=tmp_path / "stop.ckpt")
     ledger = StepLedger.of(second)
     assert ledger.record_of().steps == 8
-    assert ledger.record_of().counts.tolist() == [7, 0, 1, 0, 0]
+    assert ledger.record_of().counts.tolist() == [7, 0, 1, 0, 0, 0]
 
     pl.seed_everything(0)
     straight = quiet_trainer(max_epochs=2, callbacks=[GradientNormMonitor(max_norm=1.0)])
     with pytest.warns(RuntimeWarning):
         straight.fit(TinyModule(inf_at_step=1, optimizer="adamw_fused", n=32))
-    assert StepLedger.of(straight).record_of().counts.tolist() == [7, 0, 1, 0, 0]
+    assert StepLedger.of(straight).record_of().counts.tolist() == [7, 0, 1, 0, 0, 0]
     for p, q in zip(second.lightning_module.parameters(), straight.lightning_module.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
 
@@ -496,4 +496,4 @@ def test_ledger_hooks_a_new_optimizer_even_when_python_reuses_an_id() -> None:
     ledger._hooked[id(new)] = ledger._hooked.pop(id(old))  # what a reused id looks like to the ledger
     ledger.open_step(new)
     new.step()
-    assert not ledger.is_open and ledger.record_of().counts.tolist() == [2, 0, 0, 0, 0]
+    assert not ledger.is_open and ledger.record_of().counts.tolist() == [2, 0, 0, 0, 0, 0]

@@ -57,6 +57,7 @@ from lightning_stability.checkpoint import epoch_order, rng
 KEY = "lightning_stability_resume"
 #: how many of the newest yielded items a sampler remembers (the loader prefetches a few batches ahead)
 _KEEP_POSITIONS = 64
+_END = object()  # the end of an iteration
 _TORCH_SAMPLERS = (
     SequentialSampler,
     RandomSampler,
@@ -113,10 +114,12 @@ class ReplayableSampler:
         self.inner = inner
         self.start: dict[str, Any] | None = None  # the record of the current (or last) iteration
         self._replay: tuple[dict[str, Any], int] | None = None
-        #: sample indices never to yield again (``StepReplay``'s quarantine); a batch left empty by it is
-        #: replaced by the last batch yielded, so that every rank still yields as many batches
+        #: sample indices never to yield again (``StepReplay``'s quarantine). A batch left with no sample keeps its
+        #: position, so that every rank yields as many batches and a resume counts them alike: a stand-in is
+        #: yielded there (:meth:`stand_in_at`), the step that trains on it to be skipped
         self.exclude: set[int] = set()
         self._yielded: deque[tuple[int, Any]] = deque(maxlen=_KEEP_POSITIONS)  # (position in the epoch, item)
+        self._stand_ins: set[int] = set()  # the positions of this iteration that yielded a stand-in
         #: the recipe of the saved epoch's order (:mod:`.epoch_order`) while this iteration deals the rest of it on
         #: another world size; ``None`` while it runs its own order
         self.dealt: dict[str, Any] | None = None
@@ -129,6 +132,11 @@ class ReplayableSampler:
             if where == position:
                 return item
         return None
+
+    def stand_in_at(self, position: int) -> bool:
+        """Whether the current iteration yielded a stand-in at ``position``: every sample of its batch is
+        excluded, and another batch's samples were yielded in its place (to be loaded, never trained on)."""
+        return position in self._stand_ins
 
     def __getattr__(self, name: str) -> Any:
         if name == "inner" or name.startswith("__"):
@@ -151,6 +159,7 @@ class ReplayableSampler:
         replay, self._replay = self._replay, None
         dealt, self._deal = self._deal, None
         self._yielded.clear()
+        self._stand_ins = set()
         self.dealt = None
         if dealt is not None:
             batches, self.dealt, position = dealt
@@ -169,26 +178,56 @@ class ReplayableSampler:
             for gen, state in zip(_generators(self.inner), start["generators"], strict=False):
                 gen.set_state(state)
             items = iter(self.inner)
+            last = None
             for _ in range(skip):
-                next(items)  # the index lists of the consumed batches only: no sample is loaded
+                left = self._left(next(items))  # the index lists of the consumed batches only: no sample is loaded
+                last = last if left is None else left
         finally:
             rng.restore(outside)
-        yield from self._kept(items, skip)
+        yield from self._kept(items, skip, last)
 
-    def _kept(self, items: Iterator[Any], position: int) -> Iterator[Any]:
-        """``items`` without the excluded indices, each recorded with its position in the epoch."""
-        last = None
-        for item in items:
-            if self.exclude:
-                if isinstance(item, int):
-                    item = last if item in self.exclude and last is not None else item
-                else:
-                    kept = [i for i in item if i not in self.exclude]
-                    item = kept if kept or last is None else last
+    def _left(self, item: Any) -> Any | None:
+        """``item`` (a batch's index list, or one index) without the excluded indices; ``None`` when none is left."""
+        if not self.exclude:
+            return item
+        if isinstance(item, int):
+            return None if item in self.exclude else item
+        kept = [i for i in item if i not in self.exclude]
+        return kept or None
+
+    def _kept(self, items: Iterator[Any], position: int, last: Any | None = None) -> Iterator[Any]:
+        """``items`` without the excluded indices, each recorded with its position in the epoch. An item with no
+        index left keeps its position: a stand-in takes it (:meth:`stand_in_at`), the last item with indices left
+        (``last``: also one of those skipped at a resume, so that a resumed run yields what the run did), else the
+        next one, else, when no sample of the epoch is left, the item itself."""
+        ahead: deque[Any] = deque()  # items read past, to find a stand-in at the iteration's start
+        while True:
+            item = ahead.popleft() if ahead else next(items, _END)
+            if item is _END:
+                return
+            left = self._left(item)
+            if left is None:
+                stand_in = last if last is not None else self._next_left(items, ahead)
+                self._stand_ins.add(position)
+                item = item if stand_in is None else stand_in
+            else:
+                item = last = left
             self._yielded.append((position, item))
-            last = item
             position += 1
             yield item
+
+    def _next_left(self, items: Iterator[Any], ahead: deque[Any]) -> Any | None:
+        """The next item with indices left, read past into ``ahead`` (they are yielded in turn later)."""
+        for item in ahead:
+            left = self._left(item)
+            if left is not None:
+                return left
+        for item in items:
+            ahead.append(item)
+            left = self._left(item)
+            if left is not None:
+                return left
+        return None
 
 
 def _index_sampler_name(loader: DataLoader) -> str:

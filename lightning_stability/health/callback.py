@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_stability import incidents
+from lightning_stability import _compat, incidents
 from lightning_stability.checkpoint.atomic import CheckpointError, verify_checkpoint
 from lightning_stability.checkpoint.recover import check_listed
 from lightning_stability.checkpoint.ring import RING, Entry
@@ -29,6 +29,7 @@ from lightning_stability.errors import (
     check_path,
     config_error,
 )
+from lightning_stability.forward_state import ForwardState
 from lightning_stability.health.history import HealthHistory, HealthReporter, HealthSent
 from lightning_stability.health.report import outcome_name
 from lightning_stability.health.report_loggers import send_report
@@ -249,6 +250,16 @@ class TrainingHealthMonitor(LedgerCallback):
             # the state before the next step: labelled with the last step taken (-1 at the very start); from the
             # global step, not Lightning's label, which after a mid-epoch resume is one behind until the first batch
             self.rollback.start(pl_module, trainer.optimizers, trainer.global_step - 1)
+            ForwardState.of(pl_module).forget()
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self.response == "rollback":
+            # the buffers a forward changes, as the step starts: for a snapshot taken in this step, or to undo the
+            # forward of a batch of the window skipped after a rollback
+            ForwardState.of(pl_module).begin(copy=self.rollback.wants_copy(_compat.batches_that_stepped(trainer)))
 
     # ------------------------------------------------------------------ the step
     def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer) -> None:
@@ -439,6 +450,8 @@ class TrainingHealthMonitor(LedgerCallback):
             self._on_logging_step(ledger)
 
     def after_step(self, trainer: pl.Trainer, ledger: StepLedger) -> None:
+        if self.response == "rollback":
+            ForwardState.of(trainer.lightning_module).end()
         if self._row is not None:
             self.history.set_outcome(self._row, ledger.outcome)
             measured = ledger.step.update  # by this monitor on logging steps, or by another callback (a device copy)
@@ -487,9 +500,12 @@ class TrainingHealthMonitor(LedgerCallback):
         if self._damaged.read():  # HOST READ of a copy started a step ago: no wait for the device
             self._roll_back(ledger, step, end=False)
             return True
+        state = ForwardState.of(module)
         if self.rollback.take_skip():
+            with torch.no_grad():
+                state.restore()  # the skipped batch's forward leaves nothing in the buffers either
             return True
-        self.rollback.advance(module, optimizers, step)
+        self.rollback.advance(module, optimizers, step, state.as_started())
         return False
 
     def _roll_back(self, ledger: StepLedger, step: int, end: bool) -> None:
@@ -501,15 +517,25 @@ class TrainingHealthMonitor(LedgerCallback):
         found, why_not = None, ""
         if not r.from_memory(step):
             found, why_not = self._checkpoint_before_damage(trainer, rings, step)
+        state = ForwardState.of(module)
         if found is not None:
             path, saved_at = found
-            restore_checkpoint(trainer, path)
+            with state.rewriting():
+                restore_checkpoint(trainer, path)
             event = r.rolled_back_to_disk(module, optimizers, step, path, saved_at, skip=not end)
             said = f"rollback from disk {r.disk_rollbacks}/{r.max_disk_rollbacks}"
+            kept = state.tracked(persistent=False)
+            if kept:  # no checkpoint holds them
+                rank_zero_warn(
+                    f"TrainingHealthMonitor: the buffer(s) {', '.join(kept)} that the forward changes are registered "
+                    f"with persistent=False, so {path} does not hold them: the rollback leaves them as they were. "
+                    "Fix: register them with persistent=True to have checkpoints (and this rollback) keep them."
+                )
         elif r.memory_rollbacks < r.max_rollbacks and r.snapshot is not None:
             # the good snapshot; or, when it is the resumed state (not known older than the damage) and no
             # checkpoint is, the best there is
-            event = r.roll_back(module, optimizers, step, skip=not end)
+            with state.rewriting():
+                event = r.roll_back(module, optimizers, step, skip=not end)
             said = f"rollback {r.memory_rollbacks}/{r.max_rollbacks}"
         else:
             raise r.diverged(step, why_not)

@@ -33,6 +33,7 @@ SKIP_REASONS: dict[int, tuple[str, str, str, str]] = {
     2: ("nonfinite_grad", "skipped: non-finite gradient", "X", "black"),
     3: ("spike", "skipped: spike", "s", "tab:purple"),
     4: ("data_skip", "skipped: data after rollback", "D", "tab:gray"),
+    5: ("quarantined", "skipped: every sample of a batch quarantined", "P", "tab:brown"),
 }
 #: a step's ``outcome`` in the JSON's history, by code: the name of its ``Outcome`` member, lower-case
 OUTCOMES: dict[int, str] = {
@@ -41,6 +42,7 @@ OUTCOMES: dict[int, str] = {
     2: "skipped_nonfinite",  # a non-finite loss or gradient norm
     3: "skipped_spike",  # a loss or gradient-norm spike (TrainingHealthMonitor)
     4: "skipped_rollback",  # a rollback step, or a batch of the data window skipped after it
+    5: "skipped_quarantined",  # a batch whose samples are all quarantined (StepReplay)
 }
 _CODES = {name: code for code, name in OUTCOMES.items()}
 _DATA_SKIP = 4

@@ -148,13 +148,22 @@ class Rollback:
         self.skip_left -= 1
         return True
 
-    def advance(self, module: nn.Module, optimizers: Sequence[Optimizer], step: int) -> None:
+    def wants_copy(self, step: int) -> bool:
+        """Whether step ``step`` needs the buffers its forward changes copied as it starts: it may take a snapshot
+        (:meth:`advance`), or its batch is skipped (:meth:`take_skip`), the forward undone."""
+        return self.skip_left > 0 or (step > 0 and step % self.snapshot_every == 0)
+
+    def advance(
+        self, module: nn.Module, optimizers: Sequence[Optimizer], step: int, as_started: dict[int, Tensor] | None = None
+    ) -> None:
         """At step ``step``, known clean up to ``step - 2``: make a waiting candidate good once it is confirmed,
-        and take a new candidate (the state after ``step - 1``) when ``step`` is a multiple of ``snapshot_every``."""
+        and take a new candidate (the state after ``step - 1``) when ``step`` is a multiple of ``snapshot_every``.
+        ``as_started``: the buffers this step's forward changed, as the step started (by ``id`` of the buffer;
+        ``ForwardState.as_started``), taken for the snapshot in place of their current values."""
         if self.candidate is not None and step >= self.candidate.step + 1 + CONFIRM_STEPS:
             self._spare, self.snapshot, self.candidate = self.snapshot, self.candidate, None
         if self.candidate is None and step > 0 and step % self.snapshot_every == 0:
-            self.candidate = Snapshot(module, optimizers, step - 1, reuse=self._spare)
+            self.candidate = Snapshot(module, optimizers, step - 1, reuse=self._spare, as_started=as_started)
             self._spare = None
 
     @property
@@ -324,18 +333,24 @@ class Snapshot:
         optimizers: the optimizers whose state is copied.
         step: a label for the copy (the last step whose state it holds).
         reuse: a snapshot no longer needed whose host buffers are written into where they fit.
+        as_started: buffers (by ``id``) to copy as they were when the step began, before its forward changed them.
     """
 
     _tensors: list[Tensor]
     _optim: list[dict[int, dict[str, Any]]]
 
     def __init__(
-        self, module: nn.Module, optimizers: Iterable[Optimizer], step: int, reuse: Snapshot | None = None
+        self,
+        module: nn.Module,
+        optimizers: Iterable[Optimizer],
+        step: int,
+        reuse: Snapshot | None = None,
+        as_started: dict[int, Tensor] | None = None,
     ) -> None:
         self.step = step
         old_tensors = reuse._tensors if reuse is not None else []
         old_optim = reuse._optim if reuse is not None else []
-        weights = _weights(module)
+        weights = [as_started.get(id(t), t) for t in _weights(module)] if as_started else _weights(module)
         self._tensors: list[Tensor] = [
             _copy(t, old_tensors[i] if i < len(old_tensors) else None) for i, t in enumerate(weights)
         ]

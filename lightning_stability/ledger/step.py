@@ -13,7 +13,7 @@
     unscaled now; the scaler's decision kept    (the first ``LedgerCallback.on_before_optimizer_step``)
 3b  **a flagged step replayed** (with           ``StepReplay``, from ``StepLedger.open_step``: its look
     ``StepReplay``): the flags read on the      (``TrainingHealthMonitor.flags_on_host``) is the values row 6
-    host, once; the step's forward and          scores, computed once, read with the factors known at open
+    host, once; the step's forward and          scores, computed once, read with the factors and votes cast at open
     backward run again, before anything         (:meth:`OptimizerStep.read_on_host`); the micro-batches run again
     measures it; the fault attributed           (``replay/rerun.py``), then :meth:`OptimizerStep.regrad`
  4  **gradients measured**, once for all        :meth:`OptimizerStep.gradients` -> ``gradients.StepGradients``
@@ -169,16 +169,31 @@ class OptimizerStep:
 
     def read_on_host(self, values: Tensor) -> list[float]:
         """``values`` (a device tensor) as host numbers, read now in one transfer (a HOST SYNC on a GPU): a step's
-        early read (row 3b, ``StepReplay``). The product of the factors on the update added so far comes with it, so
-        that a step whose votes are then host bools needs no read at row 8."""
+        early read (row 3b, ``StepReplay``). The product of the factors on the update added so far, and the device
+        votes cast so far (they become host bools: :meth:`voted`), come with it, so that a step whose votes are then
+        host bools needs no read at row 8."""
         parts = [values.detach().float().reshape(-1)]
         factor = self.scale.total if self.scale.needs_host(self.optimizer) else None
         if isinstance(factor, Tensor):
             parts.append(factor.detach().float().reshape(1).to(parts[0].device, non_blocking=True))
+        votes = [(reason, flag) for reason, flag in self._pending.items() if isinstance(flag, Tensor)]
+        for _, flag in votes:
+            parts.append(flag.detach().float().reshape(1).to(parts[0].device, non_blocking=True))
         host = torch.cat(parts).to("cpu", copy=True).tolist()
+        for reason, _ in reversed(votes):
+            self._pending[reason] = host.pop() > 0
         if isinstance(factor, Tensor):
             self.scale.read_as(host.pop())
         return host
+
+    def voted(self, reason: Outcome) -> Flag:
+        """The votes cast so far to skip the step for ``reason`` (``False`` when none): a host bool, or a device
+        flag not read yet."""
+        flags = [d[reason] for d in (self._known, self._pending, self._folded) if reason in d]
+        found: Flag = False
+        for flag in flags:
+            found = either(found, flag)
+        return found
 
     # 4. ---------------------------------------------------------------- measure
     def gradients(self, norm_type: float = 2.0) -> StepGradients:

@@ -20,6 +20,7 @@ class Outcome(IntEnum):
     SKIPPED_NONFINITE = 2  # a non-finite gradient norm (GradientNormMonitor)
     SKIPPED_SPIKE = 3  # a loss or gradient spike (health monitoring)
     SKIPPED_ROLLBACK = 4  # a batch of the data window skipped after a rollback (health monitoring)
+    SKIPPED_QUARANTINED = 5  # a micro-batch of the step has no sample left that is not quarantined (StepReplay)
 
 
 def device_of(optimizer: Optimizer) -> torch.device:

@@ -23,11 +23,20 @@ failing device      a rank counted ``max_faults`` times within          a checkp
                                                                         naming the rank and its host
 ==================  ==================================================  ==========================================
 
+A batch whose samples are all quarantined (met again in a later epoch, in a sequential order) keeps its position in
+the epoch, so that every rank yields as many batches and a resume counts them alike: the sampler yields a stand-in
+there (another batch's samples, loaded again) and the step that holds it is skipped on every rank
+(``Outcome.SKIPPED_QUARANTINED``: no update, the buffers its forward changed put back), so no sample is trained on
+twice in an epoch. With accumulation the step's other micro-batches are skipped with it. Under data parallelism,
+once a sample is quarantined, whether any rank holds a stand-in is reduced over ranks at each step (one 0-dim
+all-reduce, read with the step's flags as it opens).
+
 Cost: on a healthy step, one host read of the step's flags as it opens (the decision to replay is the host's), which
 the votes on the step and the update's factors then use, so that a non-fused optimizer's step makes no read of its
 own at row 8 (a fused one reads nothing without ``StepReplay``: one read more there); the RNG states of each
 micro-batch (a few kB on the host); the batches stay alive until the update; the buffers a forward changes
-(BatchNorm's statistics) are copied once per step. A flagged step pays one or two more forward and backward passes
+(BatchNorm's statistics, an MoE layer's token counts, persistent or not: ``forward_state.py``) are copied once per
+step. A flagged step pays one or two more forward and backward passes
 and a copy of its gradients; each replay's time is in its event."""
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_stability.checkpoint import rng
@@ -126,12 +135,16 @@ class StepReplay(LedgerCallback):
         self.rng_states = rng_states
         self.quarantine = Quarantine()
         self.inputs = StepInputs(every_generator=rng_states == "all")
-        self.counts = {"replays": 0, "faults": 0, "data": 0, "nondeterministic": 0}
+        #: ``quarantined_batches``: steps skipped because a batch of theirs had no sample left
+        self.counts = {"replays": 0, "faults": 0, "data": 0, "nondeterministic": 0, "quarantined_batches": 0}
         self._faults: dict[int, deque[int]] = {}  # rank -> steps of its faults within the window
         self._failing: tuple[int, str, list[int]] | None = None
         self._monitor: TrainingHealthMonitor | None = None
         self._sampler: ReplayableSampler | None = None
         self._hosts: list[str] = []
+        self._world = 1
+        self._stand_in: bool | None = False  # the open step holds a stand-in on some rank (None: not read yet)
+        self._flags: tuple[Tensor, Tensor] | None = None  # False and True on the device, made once
 
     # ------------------------------------------------------------------ setup
     def on_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -153,7 +166,9 @@ class StepReplay(LedgerCallback):
                 "remove StepReplay."
             )
         self._monitor = monitors[0]
-        StepLedger.of(trainer)._replay_with(self._look)
+        ledger = StepLedger.of(trainer)
+        ledger._at_open("StepReplay", self._vote_stand_ins)
+        ledger._replay_with(self._look)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if len(trainer.optimizers) != 1:
@@ -162,9 +177,10 @@ class StepReplay(LedgerCallback):
                 "StepReplay, or train with one optimizer."
             )
         self._hosts = [str(h) for h in rng.gather(socket.gethostname())]  # every rank's, in rank order
+        self._world = trainer.world_size
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.inputs.forget_module()
+        self.inputs.forget_module(pl_module)
         self._use_sampler(trainer, training_sampler(trainer))
         if self._sampler is None:
             rank_zero_warn(
@@ -190,7 +206,8 @@ class StepReplay(LedgerCallback):
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         item = self._sampler.item_at(batch_idx) if self._sampler is not None else None
         indices = None if item is None else [int(item)] if isinstance(item, int) else [int(i) for i in item]
-        self.inputs.add_micro_batch(pl_module, batch, batch_idx, indices)
+        stand_in = self._sampler is not None and self._sampler.stand_in_at(batch_idx)
+        self.inputs.add_micro_batch(pl_module, batch, batch_idx, indices, stand_in)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         super().on_before_backward(trainer, pl_module, loss)
@@ -211,15 +228,51 @@ class StepReplay(LedgerCallback):
         if self._failing is not None:
             self._stop(trainer)
 
+    # ------------------------------------------------------------------ a batch with no sample left
+    def _vote_stand_ins(self, ledger: StepLedger) -> None:
+        """As the step opens, before the replay's look: skip the step on every rank when a micro-batch of it, on any
+        rank, stands in for a batch whose samples are all quarantined."""
+        self._stand_in = False
+        mine = any(m.stand_in for m in self.inputs.micro)
+        if self._world < 2:
+            if mine:
+                ledger.mark_skip(Outcome.SKIPPED_QUARANTINED, True)
+                self._skip_stand_in(ledger)
+            return
+        if self._sampler is None or not self.quarantine.indices:
+            return  # no rank yields a stand-in (the quarantine is the same on every rank)
+        device = ledger.step.device
+        if self._flags is None or self._flags[0].device != device:
+            self._flags = (
+                torch.zeros((), dtype=torch.bool, device=device),
+                torch.ones((), dtype=torch.bool, device=device),
+            )
+        # ONE 0-dim ALL-REDUCE, no sync: the vote is read with the step's flags as it opens (OptimizerStep.read_on_host)
+        ledger.mark_skip(Outcome.SKIPPED_QUARANTINED, ledger.any_rank(self._flags[int(mine)]))
+        self._stand_in = None
+
+    def _skip_stand_in(self, ledger: StepLedger) -> None:
+        """The step holds a stand-in on some rank and is skipped: the buffers its forward changed go back."""
+        self._stand_in = True
+        self.counts["quarantined_batches"] += 1
+        self.inputs.restore_buffers()
+        rank_zero_info(
+            f"StepReplay: step {ledger.step_label}: every sample of one of its batches is quarantined (another "
+            "batch was loaded in its place): the step is skipped, on every rank, with no update"
+        )
+
     # ------------------------------------------------------------------ the replay (row 3b)
     def _look(self, ledger: StepLedger) -> None:
-        """As the step opens: replay it if the monitor would flag it."""
+        """As the step opens: replay it if the monitor would flag it (not a step skipped for a stand-in)."""
         trainer, monitor = ledger.trainer, self._monitor
-        if trainer is None or monitor is None or not self.inputs.micro or not monitor.scores_step():
+        if trainer is None or monitor is None or not self.inputs.micro or not monitor.scores_step() or self._stand_in:
             return
         # the step's early read (a HOST SYNC on a GPU), alike on every rank; the votes on the step use it (no read at
         # row 8): with a non-fused optimizer it is the step's one read, as without StepReplay
         nonfinite, loss_spike, _ = monitor.flags_on_host(ledger)
+        if self._stand_in is None and ledger.step.voted(Outcome.SKIPPED_QUARANTINED) is True:
+            self._skip_stand_in(ledger)
+            return
         if nonfinite or loss_spike:
             self._replay(trainer, ledger, monitor, nonfinite)
 
@@ -297,7 +350,7 @@ class StepReplay(LedgerCallback):
             event["quarantined"] = count
             dropped = self._apply_without(trainer, ledger, monitor, bad)
             if dropped is None:
-                ledger.mark_skip(Outcome.SKIPPED_NONFINITE if nonfinite else Outcome.SKIPPED_SPIKE, True)
+                self._skip(ledger, nonfinite)
                 done = "skipped"
             else:
                 event["dropped_micro_batches"] = dropped
@@ -308,7 +361,7 @@ class StepReplay(LedgerCallback):
             )
         else:
             self.counts["nondeterministic"] += 1
-            ledger.mark_skip(Outcome.SKIPPED_NONFINITE if nonfinite else Outcome.SKIPPED_SPIKE, True)
+            self._skip(ledger, nonfinite)
             event["detail"] = (
                 f"nondeterminism: no two of {runs} runs agree on rank(s) {list(found.ranks) or 'all (gradients)'}; "
                 "skipped. Fix: torch.use_deterministic_algorithms(True), and draw random numbers in the training "
@@ -318,6 +371,12 @@ class StepReplay(LedgerCallback):
         rank_zero_warn(f"StepReplay: step {label}: {event['detail']}")
         for rank in found.faulty_ranks:
             self._count_fault(rank, step)
+
+    def _skip(self, ledger: StepLedger, nonfinite: bool) -> None:
+        """Skip the step: no update, and the buffers its forwards changed put back (a NaN batch's BatchNorm
+        statistics do not stay)."""
+        ledger.mark_skip(Outcome.SKIPPED_NONFINITE if nonfinite else Outcome.SKIPPED_SPIKE, True)
+        self.inputs.restore_buffers()
 
     def _apply_without(
         self, trainer: pl.Trainer, ledger: StepLedger, monitor: TrainingHealthMonitor, bad: list[list[bool]]
@@ -421,7 +480,7 @@ class StepReplay(LedgerCallback):
         self._faults = {int(r): deque(int(s) for s in steps) for r, steps in state_dict.get("faults", {}).items()}
 
     def transient_state(self) -> dict[str, Any]:
-        return {"inputs": StepInputs(self.rng_states == "all"), "_monitor": None, "_sampler": None}
+        return {"inputs": StepInputs(self.rng_states == "all"), "_monitor": None, "_sampler": None, "_flags": None}
 
 
 def _update_loss(losses: list[Tensor | None], normalize: int) -> Tensor | None:

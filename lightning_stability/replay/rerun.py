@@ -9,9 +9,10 @@ the optimizer state, which the step has not touched yet when the replay runs (be
   ~50 us a step): a training step that draws from them makes its replay disagree, so the step is judged
   nondeterministic and skipped, never applied wrong;
 * its loss as passed to backward (a reference);
-* the buffers of the module's ``state_dict`` (BatchNorm's running statistics: what a forward may change), copied
-  before the first micro-batch; buffers kept out of the ``state_dict`` (``persistent=False``: attention masks,
-  rotary caches) are taken to be constants. Most transformers have none to copy.
+* the buffers a forward changes, persistent or not (BatchNorm's running statistics, an MoE layer's token counts),
+  copied before the first micro-batch (:class:`~lightning_stability.forward_state.ForwardState`: found by their
+  version counters at the fit's first step, only those copied; constants such as attention masks and rotary
+  caches are not). Most transformers have none or a few small ones.
 
 :func:`rerun` then puts the buffers back and runs each micro-batch again as Lightning's loop runs it: the RNG states
 put back, ``training_step`` through the strategy (DDP's or FSDP's forward, the precision's autocast), the loss
@@ -35,20 +36,23 @@ from torch.optim import Optimizer
 
 from lightning_stability import _compat
 from lightning_stability.checkpoint import rng
+from lightning_stability.forward_state import ForwardState
 from lightning_stability.norms import local_tensor
 
 
 @dataclass
 class MicroBatch:
     """One micro-batch of the open step: the batch, its ``batch_idx``, the RNG states before it, its loss as passed
-    to backward (``None`` until then, or when ``training_step`` returned ``None``) and its sample indices (``None``
-    where the loader's sampler cannot tell)."""
+    to backward (``None`` until then, or when ``training_step`` returned ``None``), its sample indices (``None``
+    where the loader's sampler cannot tell) and whether it stands in for a batch whose samples are all
+    quarantined (the step is then skipped)."""
 
     batch: Any
     batch_idx: int
     rng: dict[str, Any]
     indices: list[int] | None
     loss: Tensor | None = None
+    stand_in: bool = False
 
 
 class StepInputs:
@@ -58,16 +62,18 @@ class StepInputs:
         #: also NumPy's and Python's generators, not torch's alone (~50 us a micro-batch)
         self.every_generator = every_generator
         self.micro: list[MicroBatch] = []
-        self._buffers: list[tuple[Tensor, Tensor]] = []  # (buffer, its copy before the step)
-        self._kept: list[tuple[str, Tensor]] | None = None  # the module's state_dict buffers (found at the first step)
+        self._state: ForwardState | None = None  # the module's buffers a forward changes
 
-    def add_micro_batch(self, module: nn.Module, batch: Any, batch_idx: int, indices: list[int] | None) -> None:
+    def add_micro_batch(
+        self, module: nn.Module, batch: Any, batch_idx: int, indices: list[int] | None, stand_in: bool = False
+    ) -> None:
         """At ``on_train_batch_start``: keep the micro-batch and the RNG states before it; before the first of a
-        step, copy the buffers its forward may change."""
+        step, copy the buffers its forward changes."""
         if not self.micro:
-            self._copy_buffers(module)
+            self._state = ForwardState.of(module)
+            self._state.begin(copy=True)
         states = rng.capture() if self.every_generator else rng.capture_torch()
-        self.micro.append(MicroBatch(batch, batch_idx, states, indices))
+        self.micro.append(MicroBatch(batch, batch_idx, states, indices, stand_in=stand_in))
 
     def add_loss(self, loss: Tensor) -> None:
         """At ``on_before_backward``: the current micro-batch's loss as passed to backward."""
@@ -77,27 +83,24 @@ class StepInputs:
     def clear(self) -> None:
         """Once the step is over: let the batches go."""
         self.micro = []
-
-    def _copy_buffers(self, module: nn.Module) -> None:
-        if self._kept is None:  # found once per fit: the module's state_dict buffers
-            state = module.state_dict(keep_vars=True)
-            self._kept = [(name, b) for name, b in module.named_buffers() if name in state]
-        self._buffers = [(local_tensor(b), local_tensor(b).detach().clone()) for _, b in self._kept]
+        if self._state is not None:
+            self._state.end()
 
     def restore_buffers(self) -> None:
         """Put back the buffers as they were before the step's first micro-batch."""
-        with torch.no_grad():
-            for buffer, saved in self._buffers:
-                buffer.copy_(saved)
+        if self._state is not None:
+            with torch.no_grad():
+                self._state.restore()
 
-    def forget_module(self) -> None:
+    def forget_module(self, module: nn.Module) -> None:
         """At a fit's start: find the module's buffers again at the first step."""
-        self._kept, self._buffers, self.micro = None, [], []
+        ForwardState.of(module).forget()
+        self._state, self.micro = None, []
 
     @property
     def nbytes(self) -> int:
         """Device bytes held by the buffer copies."""
-        return sum(t.numel() * t.element_size() for _, t in self._buffers)
+        return 0 if self._state is None else self._state.nbytes
 
 
 def rerun(

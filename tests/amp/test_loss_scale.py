@@ -112,7 +112,7 @@ def test_scale_trace_under_forced_overflows(hysteresis: int, optimizer: str) -> 
     assert rec.moved == [i not in INF_STEPS for i in range(12)]
     ledger = StepLedger.of(trainer)
     assert int(ledger.record_of().applied_steps) == 12 - len(INF_STEPS)
-    assert ledger.record_of().counts.tolist() == [12 - len(INF_STEPS), len(INF_STEPS), 0, 0, 0]
+    assert ledger.record_of().counts.tolist() == [12 - len(INF_STEPS), len(INF_STEPS), 0, 0, 0, 0]
     assert int(tuner.scaler.overflow_steps) == len(INF_STEPS)  # type: ignore[union-attr]
 
 

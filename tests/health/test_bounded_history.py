@@ -150,6 +150,7 @@ def test_report_of_a_long_run_is_bounded_and_its_summary_exact(tmp_path: Path) -
         "nonfinite_grad": 1,
         "spike": 1,
         "data_skip": 0,
+        "quarantined": 0,
         "total": 3,
     }
     assert summary["max_grad_norm"] == 7.0

@@ -186,7 +186,7 @@ def test_skip_leaves_weights_and_optimizer_state_bit_identical(optimizer: str) -
         trainer.fit(Spiky(optimizer=optimizer))
     assert same(states.before[SPIKE], states.after[SPIKE])
     assert all(not same(states.before[i], states.after[i]) for i in range(16) if i != SPIKE)
-    assert StepLedger.of(trainer).record_of().counts.tolist() == [15, 0, 0, 1, 0]
+    assert StepLedger.of(trainer).record_of().counts.tolist() == [15, 0, 0, 1, 0, 0]
 
 
 class SkipLabels(pl.Callback):
@@ -234,7 +234,7 @@ def test_a_spike_whose_skipped_update_kept_the_damage_out_does_not_roll_back() -
     with pytest.warns(UserWarning, match=r"at step\(s\) \[11\]"):
         trainer.fit(Spiky())
     assert mon.rollback.rollbacks == 0 and not StepLedger.of(trainer).events
-    assert StepLedger.of(trainer).record_of().counts.tolist() == [23, 0, 0, 1, 0]
+    assert StepLedger.of(trainer).record_of().counts.tolist() == [23, 0, 0, 1, 0, 0]
     pl.seed_everything(0)
     reference = quiet_trainer(max_steps=24, callbacks=[SkipLabels({SPIKE})])
     reference.fit(Spiky())
@@ -445,7 +445,7 @@ def test_resume_mid_run_with_spikes_gives_the_straight_runs_outcome(tmp_path: Pa
     assert (
         StepLedger.of(resumed).record_of().counts.tolist()
         == StepLedger.of(trainer).record_of().counts.tolist()
-        == [22, 0, 0, 2, 0]
+        == [22, 0, 0, 2, 0, 0]
     )
 
 
@@ -474,7 +474,7 @@ def test_works_beside_gradient_norm_monitor_in_any_order() -> None:
         trainer = quiet_trainer(max_steps=16, callbacks=[mon, gnm] if order == "first" else [gnm, mon])
         with pytest.warns(UserWarning):
             trainer.fit(Spiky())
-        assert StepLedger.of(trainer).record_of().counts.tolist() == [15, 0, 0, 1, 0]
+        assert StepLedger.of(trainer).record_of().counts.tolist() == [15, 0, 0, 1, 0, 0]
 
 
 @pytest.mark.parametrize(
@@ -795,7 +795,7 @@ def test_skip_on_loss_applies_a_gradient_norm_spike_alone_and_still_skips_a_loss
     assert same(states.before[SPIKE], states.after[SPIKE])
     assert not same(states.before[GRAD_SPIKE], states.after[GRAD_SPIKE])
     assert [int(o) for o in series["outcome"]] == [int(Outcome.SKIPPED_SPIKE) if i == SPIKE else 0 for i in range(18)]
-    assert StepLedger.of(trainer).record_of().counts.tolist() == [17, 0, 0, 1, 0]
+    assert StepLedger.of(trainer).record_of().counts.tolist() == [17, 0, 0, 1, 0, 0]
     # each warned about and in the events as what was done
     assert any(f"at step(s) [{SPIKE}]: those updates were skipped" in m for m in messages)
     assert any(
@@ -816,7 +816,7 @@ def test_skip_on_any_skips_both_spikes() -> None:
     for step in (SPIKE, GRAD_SPIKE):
         assert any(f"at step(s) [{step}]: those updates were skipped" in str(w.message) for w in record)
     assert same(states.before[GRAD_SPIKE], states.after[GRAD_SPIKE])
-    assert StepLedger.of(trainer).record_of().counts.tolist() == [16, 0, 0, 2, 0]
+    assert StepLedger.of(trainer).record_of().counts.tolist() == [16, 0, 0, 2, 0, 0]
 
 
 def test_skip_on_loss_names_the_fixed_clip_the_applied_spike_got() -> None:

@@ -71,7 +71,14 @@ EXPECTED_SUMMARY = {
     "grad_norm_spikes": 2,
     "spikes_applied": 2,  # the loss spike's second step (151) and the gradient-norm spike alone (120)
     "clipped_steps": 1,  # 120 (150's norm is over the clip too, but its update was skipped)
-    "skipped_steps": {"scaler_overflow": 2, "nonfinite_grad": 1, "spike": 1, "data_skip": 3, "total": 7},
+    "skipped_steps": {
+        "scaler_overflow": 2,
+        "nonfinite_grad": 1,
+        "spike": 1,
+        "data_skip": 3,
+        "quarantined": 0,
+        "total": 7,
+    },
     "rollbacks": 2,
     "max_grad_norm": 42.0,
     "peak_memory_gb": 30.5,

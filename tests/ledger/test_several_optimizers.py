@@ -113,7 +113,7 @@ def test_each_optimizer_has_its_own_norm_clock_schedule_and_keys(tmp_path: Path)
     ledger = StepLedger.of(trainer)
     d, g = trainer.optimizers
     assert ledger.record_of(d).steps == ledger.record_of(g).steps == 8
-    assert ledger.record_of(d).counts.tolist() == ledger.record_of(g).counts.tolist() == [8, 0, 0, 0, 0]
+    assert ledger.record_of(d).counts.tolist() == ledger.record_of(g).counts.tolist() == [8, 0, 0, 0, 0, 0]
 
     # each optimizer's run length is its own 8 updates: the LR decays over the whole epoch, never 0 early
     for name, base in (("SGD", 0.1), ("Adam", 0.01)):
@@ -151,8 +151,8 @@ def test_a_skip_belongs_to_the_optimizer_whose_gradient_was_bad() -> None:
         trainer.fit(model)
     ledger = StepLedger.of(trainer)
     d, g = trainer.optimizers
-    assert ledger.record_of(d).counts.tolist() == [7, 0, 1, 0, 0]
-    assert ledger.record_of(g).counts.tolist() == [8, 0, 0, 0, 0]
+    assert ledger.record_of(d).counts.tolist() == [7, 0, 1, 0, 0, 0]
+    assert ledger.record_of(g).counts.tolist() == [8, 0, 0, 0, 0, 0]
     # the discriminator's weights did not move on the bad step, and its clock did not advance
     assert all(torch.equal(a, b) for a, b in zip(model.d_before[3], model.d_after[3], strict=True))
     assert probe.lrs["SGD"][4] == probe.lrs["SGD"][3]

@@ -3,7 +3,8 @@
 Fourth argument, the fault: ``none``; ``flip`` — an exponent bit flipped in the last layer's output on rank 1 at
 step FLIP; ``failing`` — the same on rank 1 at FLIP - 2, FLIP - 1 and FLIP (a failing device); ``after_allreduce``
 — rank 1's gradients made non-finite at step FLIP after DDP averaged them; ``poison`` — sample POISONED of the
-dataset is NaN. Each rank writes what it trained on and decided.
+dataset is NaN; ``poison_in_order`` — the same, the samples in order (no shuffling), so the quarantined batch comes
+back empty in later epochs. Each rank writes what it trained on and decided.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import warnings
 from typing import Any
 
 import lightning.pytorch as pl
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_stability import StableCheckpoint, StableFSDPStrategy, StepLedger, TrainingHealthMonitor
 from lightning_stability.replay import BitFlip, FailingDeviceError, PoisonedSamples, StepReplay
 from tests.helpers import exit_worker, quiet_trainer
-from tests.replay.test_replay import IndexedData, Model
+from tests.replay.test_replay import IndexedData, Model, Trained
 
 out_dir, strategy_name, fault = sys.argv[1], sys.argv[2], sys.argv[3]
 warnings.simplefilter("ignore")
@@ -29,12 +30,14 @@ FLIP, POISONED = 9, 17
 
 class DistributedModel(Model):
     def train_dataloader(self) -> DataLoader:
+        if fault == "poison_in_order":  # Lightning's own DistributedSampler would shuffle the training samples
+            return DataLoader(self.data, batch_size=self.bs, sampler=DistributedSampler(self.data, shuffle=False))
         return DataLoader(self.data, batch_size=self.bs, shuffle=True)  # Lightning adds the DistributedSampler
 
 
 pl.seed_everything(0)
 inner = IndexedData(64)
-data: Any = PoisonedSamples(inner, [POISONED]) if fault == "poison" else inner
+data: Any = PoisonedSamples(inner, [POISONED]) if fault.startswith("poison") else inner
 model = DistributedModel(data)
 flip = BitFlip(model, "net.5", step=FLIP, rank=1) if fault == "flip" else None
 if fault == "failing":  # the same fault three times on rank 1
@@ -42,7 +45,8 @@ if fault == "failing":  # the same fault three times on rank 1
 strategy: Any = StableFSDPStrategy() if strategy_name == "fsdp" else "ddp"
 replay = StepReplay(quarantine_file=None)
 monitor = TrainingHealthMonitor(response="skip", warmup_steps=4, report=False)
-callbacks: list[pl.Callback] = [monitor, replay]
+seen = Trained()
+callbacks: list[pl.Callback] = [monitor, replay, seen]
 
 
 class CorruptRank1AfterAllReduce(pl.Callback):
@@ -58,7 +62,14 @@ if fault == "after_allreduce":
     callbacks.insert(0, CorruptRank1AfterAllReduce())
 if fault == "failing":
     callbacks.append(StableCheckpoint(dirpath=os.path.join(out_dir, "ckpts"), every_n_train_steps=100))
-trainer = quiet_trainer(max_epochs=3, devices=2, strategy=strategy, callbacks=callbacks, enable_checkpointing=True)
+trainer = quiet_trainer(
+    max_epochs=3,
+    devices=2,
+    strategy=strategy,
+    callbacks=callbacks,
+    enable_checkpointing=True,
+    use_distributed_sampler=fault != "poison_in_order",
+)
 stopped: dict[str, Any] = {}
 try:
     trainer.fit(model)
@@ -71,6 +82,7 @@ result = {
     "quarantined": sorted(replay.quarantine.indices),
     "loaded": inner.loaded,
     "counts": StepLedger.of(trainer).record_of().counts.tolist(),
+    "rows": seen.rows,
     "weights": [
         p.detach().full_tensor().flatten().tolist() if hasattr(p, "full_tensor") else p.detach().flatten().tolist()
         for p in model.parameters()

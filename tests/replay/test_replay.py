@@ -142,6 +142,76 @@ def test_a_poisoned_sample_is_quarantined_and_never_trained_on_again(tmp_path: P
     assert json.loads((tmp_path / "quarantine.json").read_text())["indices"] == sorted(replay.quarantine.indices)
 
 
+class Trained(pl.Callback):
+    """Each batch's sample indices, its step's outcome, and whether the weights or buffers moved (put it last)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, int, list[int], int, bool]] = []  # (epoch, batch_idx, indices, outcome, moved)
+        self._before: list[torch.Tensor] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
+        self._before = [t.detach().clone() for t in (*pl_module.parameters(), *pl_module.buffers())]
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        after = [*pl_module.parameters(), *pl_module.buffers()]
+        moved = not all(torch.equal(a, b) for a, b in zip(self._before, after, strict=True))
+        outcome = int(StepLedger.of(trainer).outcome)
+        self.rows.append((trainer.current_epoch, batch_idx, batch[2].tolist(), outcome, moved))
+
+
+def test_a_batch_whose_samples_are_all_quarantined_is_skipped_and_nothing_is_trained_twice(tmp_path: Path) -> None:
+    """In order (shuffle=False), the batch of poisoned sample 17 (samples 16 to 23) is quarantined in the first
+    epoch; in the next two, its position has no sample left. The step there is skipped: no update, its BatchNorm
+    statistics put back, counted as SKIPPED_QUARANTINED. Every other sample is trained on once an epoch; the
+    quarantined ones are never loaded again."""
+    torch.manual_seed(0)
+    inner = IndexedData()
+    model = Model(PoisonedSamples(inner, [17]), shuffle=False, norm=True)
+    replay = StepReplay(quarantine_file=None)
+    seen = Trained()
+    callbacks = [TrainingHealthMonitor(response="skip", warmup_steps=5, report=False), replay, seen]
+    trainer = quiet_trainer(callbacks=callbacks, max_epochs=3)
+    trainer.fit(model)
+    bad = set(range(16, 24))
+    assert replay.quarantine.indices == bad and replay.counts["quarantined_batches"] == 2
+    for epoch in (1, 2):
+        rows = [r for r in seen.rows if r[0] == epoch]
+        assert [r[1] for r in rows] == list(range(12))  # the epoch keeps its 12 positions
+        (skipped,) = [r for r in rows if r[3] != Outcome.APPLIED]
+        assert skipped[1] == 2 and skipped[3] == Outcome.SKIPPED_QUARANTINED and not skipped[4]
+        trained = [i for r in rows if r[3] == Outcome.APPLIED for i in r[2]]
+        assert sorted(trained) == sorted(set(range(96)) - bad)  # each once
+    assert StepLedger.of(trainer).record_of().counts.tolist()[Outcome.SKIPPED_QUARANTINED] == 2
+    assert not bad & set(inner.loaded[96:])  # never loaded after the first epoch
+
+
+def test_a_resume_right_before_a_batch_with_no_sample_left_ends_bit_exact(tmp_path: Path) -> None:
+    """Stopped after the step before that batch's position in the second epoch and resumed with
+    ckpt_path="last": the resumed run starts on the position with no sample left, skips it as the straight run
+    does, and ends bit-exact with it."""
+
+    def run(directory: Path, steps: int, ckpt_path: str | None = None) -> Model:
+        torch.manual_seed(0)
+        model = Model(PoisonedSamples(IndexedData(), [17]), shuffle=False, norm=True)
+        callbacks = [
+            TrainingHealthMonitor(response="skip", warmup_steps=5, report=False),
+            StepReplay(quarantine_file=None),
+            StableCheckpoint(dirpath=directory, every_n_train_steps=7, keep=3),
+        ]
+        trainer = quiet_trainer(callbacks=callbacks, max_steps=steps, enable_checkpointing=True)
+        trainer.fit(model, ckpt_path=ckpt_path)
+        return model
+
+    straight = run(tmp_path / "straight", 36)
+    run(tmp_path / "cut", 14)  # 12 steps of the first epoch, 2 of the second: saved at step 14
+    resumed = run(tmp_path / "cut", 36, ckpt_path="last")
+    ours, theirs = [*straight.parameters(), *straight.buffers()], [*resumed.parameters(), *resumed.buffers()]
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_fault_in_the_replay_itself_leaves_the_data_to_blame(tmp_path: Path) -> None:
     """A poisoned sample spikes the loss; the first replay is hit by a bit flip too: a second replay agrees with the
     original, so the data is blamed and the replay's fault is counted against the rank."""
@@ -425,3 +495,24 @@ def test_a_healthy_step_pays_no_host_read_it_did_not_pay_already(optimizer: str,
     without, with_it = syncs(False), syncs(True)
     assert min(without[1:-1]) >= (0 if optimizer == "adamw_fused" else 1)  # the votes' read, where there is one
     assert [b - a for a, b in zip(without, with_it, strict=True)][1:-1] == [extra] * (len(without) - 2)
+
+
+def test_a_device_vote_cast_as_the_step_opens_rides_the_early_read() -> None:
+    """A device vote cast as the step opens (StepReplay's under DDP, whether any rank holds a batch with no sample
+    left) is read with the step's flags as it opens: not one read more than without it."""
+
+    class OpenVote(pl.Callback):
+        def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+            flag = torch.zeros((), dtype=torch.bool)
+            vote = lambda ledger: ledger.mark_skip(Outcome.SKIPPED_QUARANTINED, flag)  # noqa: E731
+            StepLedger.of(trainer)._at_open("test", vote)
+
+    def syncs(vote: bool) -> list[int]:
+        torch.manual_seed(0)
+        callbacks: list[pl.Callback] = [TrainingHealthMonitor(response="skip", warmup_steps=3, report=False)]
+        callbacks += [StepReplay(quarantine_file=None)] + ([OpenVote()] if vote else [])
+        trainer = quiet_trainer(callbacks=callbacks, max_steps=12, log_every_n_steps=50)
+        return count_syncs_per_step(trainer, TinyModule())
+
+    without, with_vote = syncs(False), syncs(True)
+    assert with_vote[1:-1] == without[1:-1]

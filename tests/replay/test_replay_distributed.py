@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from lightning_stability import Outcome
 from tests.helpers import REPO, torchrun
 
 SCRIPT = Path(__file__).with_name("replay_ddp_script.py")
@@ -96,3 +97,23 @@ def test_a_fault_after_the_all_reduce_on_rank_1_only_is_its_transient_fault(tmp_
     (event,) = rank0["events"]
     assert event["cause"] == "transient" and event["ranks"] == [1] and event["step"] == FLIP
     assert rank0["weights"] == rank1["weights"] == clean[0]["weights"]
+
+
+@pytest.mark.distributed
+def test_a_batch_with_no_sample_left_on_rank_1_is_skipped_on_both_ranks(tmp_path: Path) -> None:
+    """In order (Lightning's DistributedSampler without shuffling), rank 1's second batch holds poisoned sample 17:
+    its 8 samples are quarantined in the first epoch. In the next two, rank 1 has no sample left at that position
+    and rank 0 has 8: both ranks skip that step (every rank decides alike), they stay in step and equal, and no
+    sample is trained on twice in an epoch."""
+    rank0, rank1 = torchrun(SCRIPT, 2, tmp_path, "ddp", "poison_in_order")
+    bad = set(range(17, 32, 2))
+    for result in (rank0, rank1):
+        assert set(result["quarantined"]) == bad
+        assert result["counts"][Outcome.SKIPPED_QUARANTINED] == 2
+    assert rank0["weights"] == rank1["weights"]
+    for epoch in (1, 2):
+        rows = [[row for row in result["rows"] if row[0] == epoch] for result in (rank0, rank1)]
+        assert [row[1] for row in rows[0]] == [row[1] for row in rows[1]] == [0, 1, 2, 3]
+        assert [row[3] for row in rows[0]] == [row[3] for row in rows[1]] == [0, Outcome.SKIPPED_QUARANTINED, 0, 0]
+        trained = [i for part in rows for row in part if row[3] == Outcome.APPLIED for i in row[2]]
+        assert sorted(trained) == sorted(set(range(64)) - bad - set(range(16, 31, 2)))  # each once
