@@ -323,7 +323,8 @@ class TrainingHealthMonitor(LedgerCallback):
 
     def _record_incidents(self, events: list[dict[str, Any]]) -> None:
         if self._trainer is not None:
-            record_incidents(self._trainer, events)
+            replayed = {e.get("step") for e in (*self._log.events, *events) if e.get("kind") == "replay"}
+            record_incidents(self._trainer, events, replayed)
 
     def record_event(self, ledger: StepLedger, event: dict[str, Any]) -> None:
         """Record an event of the run (``{"step", "kind", "detail", ...}``: a rollback, a replay) in the report's
@@ -774,13 +775,16 @@ def _total_steps(trainer: pl.Trainer) -> int | None:
     return int(total) if math.isfinite(total) and total > 0 else None
 
 
-def record_incidents(trainer: pl.Trainer, events: list[dict[str, Any]]) -> None:
+def record_incidents(trainer: pl.Trainer, events: list[dict[str, Any]], replayed: set[Any]) -> None:
     """The monitor's new events in the incident log (host only: the events come from rows read on logging steps,
     rollbacks and replays as they happen). Left out: the fp16 scaler's own overflow skips (its normal dynamics),
-    new levels and the data skipped after a rollback (the rollback's incident says it)."""
+    new levels, the data skipped after a rollback (the rollback's incident says it) and the skip of a step
+    ``StepReplay`` replayed (its incident says it)."""
     for event in events:
         kind, step, detail = event.get("kind"), int(event.get("step", -1)), str(event.get("detail", ""))
-        if (kind == "skip" and event.get("outcome") == outcome_name(1)) or kind in ("new_level", "data_skip"):
+        if kind == "skip" and (event.get("outcome") == outcome_name(1) or event.get("step") in replayed):
+            continue
+        if kind in ("new_level", "data_skip"):
             continue
         if kind in ("spike", "clip"):
             incidents.record(trainer, "spike", str(event.get("outcome") or kind), detail=detail, step=step)
@@ -796,5 +800,23 @@ def record_incidents(trainer: pl.Trainer, events: list[dict[str, Any]]) -> None:
                 detail=detail,
                 step=step,
             )
-        else:  # a replay, as StepReplay words it
-            incidents.record(trainer, str(kind), str(event.get("action", kind)), detail=detail, step=step)
+        elif kind == "replay":  # StepReplay's verdict (every rank alike)
+            cause, quarantined = str(event.get("cause")), int(event.get("quarantined", 0))
+            applied = cause == "transient" or "dropped_micro_batches" in event
+            incidents.record(
+                trainer,
+                "replay",
+                f"replayed ({event.get('runs')} runs): {cause}; " + ("applied" if applied else "skipped"),
+                lost="" if cause == "transient" else "this step's update" if not applied else "bad micro-batches",
+                detail=detail,
+                step=step,
+            )
+            if quarantined:
+                incidents.record(
+                    trainer,
+                    "quarantine",
+                    f"{quarantined} sample(s) quarantined",
+                    lost=f"{quarantined} sample(s), for the rest of the run",
+                    detail="read them with lightning-stability quarantine or read_quarantine",
+                    step=step,
+                )

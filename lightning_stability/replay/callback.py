@@ -53,6 +53,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
+from lightning_stability import incidents
 from lightning_stability.checkpoint import rng
 from lightning_stability.checkpoint.loader_state import ReplayableSampler, training_sampler
 from lightning_stability.errors import StabilityConfigError, check_int, check_path, config_error
@@ -456,6 +457,13 @@ class StepReplay(LedgerCallback):
         rank, host, steps = self._failing
         saved = _save_last_good(trainer)
         where = f"saved {saved}" if saved else "no checkpoint could be saved (no checkpoint callback)"
+        incidents.record(
+            trainer,
+            "failing_device",
+            f"rank {rank} on {host} computed wrong values at steps {steps}: {where}; stopped",
+            lost="" if saved else "the steps since the newest checkpoint",
+            detail=f"move the job off {host} and resume with ckpt_path='last'",
+        )
         raise FailingDeviceError(
             f"StepReplay: rank {rank} on {host} computed wrong values at steps {steps} ({len(steps)} faults within "
             f"{self.fault_window} steps, max_faults={self.max_faults}): a failing device. {where}. Fix: move the "

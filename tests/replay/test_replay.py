@@ -29,6 +29,7 @@ from lightning_stability import (
     StableCheckpoint,
     StableTrainer,
     TrainingHealthMonitor,
+    read_incidents,
 )
 from lightning_stability.errors import StabilityConfigError
 from lightning_stability.ledger import Outcome, StepLedger
@@ -108,6 +109,9 @@ def test_a_bit_flip_is_a_transient_fault_and_the_run_ends_bit_exact(tmp_path: Pa
     assert replay.counts["faults"] == 1 and not replay.quarantine.indices
     for a, b in zip([*clean.parameters(), *clean.buffers()], [*model.parameters(), *model.buffers()], strict=True):
         assert torch.equal(a, b)
+    (incident,) = read_incidents(tmp_path / "flip")  # the incident log (no checkpoints: the root directory)
+    assert incident.kind == "replay" and incident.step == events[0]["step"] and incident.lost == ""
+    assert incident.action.endswith(": transient; applied") and "rank 0" in incident.detail
 
 
 def test_with_accumulation_only_the_bad_micro_batch_is_dropped_and_quarantined(tmp_path: Path) -> None:
@@ -139,6 +143,10 @@ def test_a_poisoned_sample_is_quarantined_and_never_trained_on_again(tmp_path: P
     assert all(inner.loaded.count(i) == 2 for i in set(range(96)) - quarantined)  # every other one, each epoch
     manifest = read_quarantine(tmp_path / "quarantine.json")
     assert manifest[0]["indices"] and 17 in manifest[0]["indices"]
+    replayed, quarantine = read_incidents(tmp_path)
+    assert replayed.kind == "replay" and replayed.action.endswith(": data; skipped")
+    assert replayed.lost == "this step's update"
+    assert quarantine.kind == "quarantine" and quarantine.action == "8 sample(s) quarantined"
     assert json.loads((tmp_path / "quarantine.json").read_text())["indices"] == sorted(replay.quarantine.indices)
 
 
