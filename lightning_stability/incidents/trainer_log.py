@@ -30,14 +30,11 @@ def record(
     lost: str = "",
     detail: str = "",
     step: int | None = None,
-    this_rank_only: bool = False,
 ) -> None:
-    """Append one incident to ``trainer``'s log (see :mod:`~lightning_stability.incidents.log`).
-
-    Call it on every rank for a fault every rank handles alike (rank 0 writes it), or with ``this_rank_only=True``
-    on the rank it concerns (that rank writes it). Host only: no device sync.
-    """
-    if not this_rank_only and not trainer.is_global_zero:
+    """Append one incident to ``trainer``'s log (see :mod:`~lightning_stability.incidents.log`). Call it on every
+    rank, for a fault every rank handles alike (the callbacks decide alike): rank 0 writes it, naming in ``detail``
+    the rank and host it concerns. Host only: no device sync."""
+    if not trainer.is_global_zero:
         return
     directory = log_directory(trainer)
     if directory is None:
