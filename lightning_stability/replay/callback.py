@@ -17,11 +17,20 @@ data                the step reproduces, flag and all                   the samp
                                                                         told apart, else skipped
 nondeterministic    no two runs agree                                   the update is skipped; a warning says which
                                                                         ranks
+device              under DDP, the suspect rank's micro-batches run on  the update is skipped, nothing
+                    a healthy rank: they flag nothing there (data), or  quarantined; a checkpoint, then
+                    two runs there agree (nondeterminism)               :class:`FailingDeviceError` at once
 failing device      a rank counted ``max_faults`` times within          a checkpoint of the state after this
                     ``fault_window`` steps                              (healthy) step, then
                                                                         :class:`FailingDeviceError` on every rank,
                                                                         naming the rank and its host
 ==================  ==================================================  ==========================================
+
+Under DDP (2+ processes, every rank holds the same weights) a step attributed to the data or to nondeterminism is
+checked on another device before it is acted on (``_confirm``): each suspect rank swaps micro-batches with a healthy
+one and every rank runs what it was given, the gradient sync held back. On one process, and under FSDP (a rank
+holds only shards of the weights), there is no such check: a device that fails the same way every time is taken for
+bad data, one that fails differently each time for nondeterminism, and the verdict's detail says so.
 
 A batch whose samples are all quarantined (met again in a later epoch, in a sequential order) keeps its position in
 the epoch, so that every rank yields as many batches and a resume counts them alike: the sampler yields a stand-in
@@ -37,7 +46,9 @@ own at row 8 (a fused one reads nothing without ``StepReplay``: one read more th
 micro-batch (a few kB on the host); the batches stay alive until the update; the buffers a forward changes
 (BatchNorm's statistics, an MoE layer's token counts, persistent or not: ``forward_state.py``) are copied once per
 step. A flagged step pays one or two more forward and backward passes
-and a copy of its gradients; each replay's time is in its event."""
+and a copy of its gradients; one attributed to the data or to nondeterminism under DDP, one more (two for
+nondeterminism), the gather of the suspects' micro-batches and another copy of the gradients. Each replay's time is
+in its event (``elsewhere_seconds``: the run on another rank)."""
 
 from __future__ import annotations
 

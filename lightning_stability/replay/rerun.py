@@ -19,6 +19,10 @@ put back, ``training_step`` through the strategy (DDP's or FSDP's forward, the p
 divided by the accumulation factor, backward through the precision plugin, the gradient sync of data parallelism
 held back on all but the last micro-batch. What the training step logs is dropped. Afterwards the gradients, the
 buffers and the RNG states are those of the replayed step, as a fault-free run leaves them.
+
+:func:`shipped` and :func:`received` move one rank's micro-batches (on the CPU) and RNG states to another, which runs
+them with ``rerun(..., sync=False)``: under DDP every rank holds the same weights, so a healthy rank computes what
+the suspect's device should have.
 """
 
 from __future__ import annotations
