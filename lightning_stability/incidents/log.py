@@ -34,7 +34,7 @@ KINDS = {
     "skip": "an update skipped (non-finite gradients, an fp16 overflow, a callback's vote)",
     "data_skip": "the data of a rolled-back stretch skipped",
     "rollback": "weights and optimizer state put back to an earlier step",
-    "replay": "a flagged step run again and attributed (transient, data, nondeterministic)",
+    "replay": "a flagged step run again and attributed (transient, data, nondeterministic, device)",
     "quarantine": "samples taken out of the data for the rest of the run",
     "failing_device": "a device that computes wrong results: the run saved and stopped",
     "straggler": "a rank slower than the others",

@@ -21,6 +21,23 @@ step reproduces, and a step that reproduces its flag is the data's doing. The gr
 parallelism averaged them: a fault that changed them on every rank of several (it happened before the averaging)
 is placed by the losses, or on an unknown rank (``ranks`` empty); one that changed them on some ranks only (after
 the averaging) is placed there.
+
+A step that reproduces its flag on a rank, run after run, may still be that rank's device failing the same way every
+time; a rank whose runs all differ may be its device failing differently each time. Under data parallelism (every
+rank holds the same weights) the suspect rank's micro-batches are then run on a healthy rank, and
+:func:`confirm_elsewhere` reads what they did there (:class:`Elsewhere`):
+
+==========================================  ===============================================  ==================
+the step's attribution, on the suspect      its micro-batches on a healthy rank              the cause
+==========================================  ===============================================  ==================
+``DATA`` (its micro-batches flag, alike)    flag there too                                   ``DATA``
+``DATA``                                    flag nothing there                               ``DEVICE``
+``NONDETERMINISTIC`` (no two runs agree)    two runs there agree, bit for bit                ``DEVICE``
+``NONDETERMINISTIC``                        two runs there disagree too                      ``NONDETERMINISTIC``
+==========================================  ===============================================  ==================
+
+One process has no other device to run them on: there a device that fails the same way every time is taken for
+bad data, and one that fails differently each time for nondeterminism.
 """
 
 from __future__ import annotations
@@ -44,6 +61,7 @@ class Cause(str, Enum):
     DATA = "data"  # the step reproduces its flag: the batch is bad
     TRANSIENT = "transient"  # a run went wrong once, on ``ranks``: the replay's step is the step
     NONDETERMINISTIC = "nondeterministic"  # the step does not reproduce: neither run can be trusted
+    DEVICE = "device"  # the fault follows a rank's device, not its micro-batches (run on another rank)
 
 
 @dataclass(frozen=True)
@@ -81,7 +99,8 @@ class Attribution:
     Attributes:
         cause: :class:`Cause`.
         ranks: the ranks the cause lies on: the faulty ranks (``TRANSIENT``; empty when the fault showed only in the
-            gradients of every rank), the ranks that did not reproduce (``NONDETERMINISTIC``); empty for ``DATA``.
+            gradients of every rank), the ranks that did not reproduce (``NONDETERMINISTIC``), the failing devices'
+            ranks (``DEVICE``); empty for ``DATA``.
         replay_faults: ranks whose *replay* went wrong (counted against their device like any fault).
         verdicts: every rank's :class:`RankVerdict`, in rank order.
     """
@@ -94,7 +113,7 @@ class Attribution:
     @property
     def faulty_ranks(self) -> tuple[int, ...]:
         """Every rank a run went wrong on: what counts against a device."""
-        own = self.ranks if self.cause is Cause.TRANSIENT else ()
+        own = self.ranks if self.cause in (Cause.TRANSIENT, Cause.DEVICE) else ()
         return tuple(sorted({*own, *self.replay_faults}))
 
 
@@ -137,3 +156,46 @@ def attribute(
         return Attribution(Cause.TRANSIENT, faulty, in_replay, by_rank)
     # the original reproduces (a fault in the replay aside), flag and all: the batch is bad
     return Attribution(Cause.DATA, (), in_replay, by_rank)
+
+
+@dataclass(frozen=True)
+class Elsewhere:
+    """What a suspect rank's micro-batches did when a healthy rank ran them (the same weights, the same RNG states).
+
+    Attributes:
+        flagged: one of them reproduced the flag there (a non-finite or spiking loss).
+        same: two runs there agreed bit for bit (``None``: run once).
+    """
+
+    flagged: bool
+    same: bool | None = None
+
+
+def suspects(found: Attribution, flagged: list[bool]) -> tuple[int, ...]:
+    """The ranks whose micro-batches are to be run elsewhere before ``found`` is acted on: under ``DATA``, the ranks
+    whose own micro-batches reproduce the flag (``flagged``, in rank order), unless every rank's do (no healthy rank
+    is left to run them); under ``NONDETERMINISTIC``, the ranks whose own losses disagree, unless that is every
+    rank or none (the gradients alone). Empty: nothing to confirm."""
+    if found.cause is Cause.DATA:
+        ranks = tuple(r for r, f in enumerate(flagged) if f)
+    elif found.cause is Cause.NONDETERMINISTIC:
+        ranks = found.ranks
+    else:
+        return ()
+    return ranks if len(ranks) < len(flagged) else ()
+
+
+def confirm_elsewhere(found: Attribution, runs: dict[int, Elsewhere]) -> Attribution:
+    """The step's attribution once the suspect ranks' micro-batches ran on a healthy rank (the module's second
+    table). ``runs``: suspect rank -> what its micro-batches did there; empty, or a suspect missing: ``found``
+    stands for it. Any rank found failing makes the step's cause ``DEVICE`` on those ranks (the run stops there;
+    a suspect whose micro-batches flag elsewhere too is left to that stop)."""
+    if found.cause is Cause.DATA:
+        failing = tuple(sorted(r for r, e in runs.items() if not e.flagged))
+    elif found.cause is Cause.NONDETERMINISTIC:
+        failing = tuple(sorted(r for r, e in runs.items() if r in found.ranks and e.same))
+    else:
+        failing = ()
+    if not failing:
+        return found
+    return Attribution(Cause.DEVICE, failing, found.replay_faults, found.verdicts)

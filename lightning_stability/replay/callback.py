@@ -17,11 +17,20 @@ data                the step reproduces, flag and all                   the samp
                                                                         told apart, else skipped
 nondeterministic    no two runs agree                                   the update is skipped; a warning says which
                                                                         ranks
+device              under DDP, the suspect rank's micro-batches run on  the update is skipped, nothing
+                    a healthy rank: they flag nothing there (data), or  quarantined; a checkpoint, then
+                    two runs there agree (nondeterminism)               :class:`FailingDeviceError` at once
 failing device      a rank counted ``max_faults`` times within          a checkpoint of the state after this
                     ``fault_window`` steps                              (healthy) step, then
                                                                         :class:`FailingDeviceError` on every rank,
                                                                         naming the rank and its host
 ==================  ==================================================  ==========================================
+
+Under DDP (2+ processes, every rank holds the same weights) a step attributed to the data or to nondeterminism is
+checked on another device before it is acted on (``_confirm``): each suspect rank swaps micro-batches with a healthy
+one and every rank runs what it was given, the gradient sync held back. On one process, and under FSDP (a rank
+holds only shards of the weights), there is no such check: a device that fails the same way every time is taken for
+bad data, one that fails differently each time for nondeterminism, and the verdict's detail says so.
 
 A batch whose samples are all quarantined (met again in a later epoch, in a sequential order) keeps its position in
 the epoch, so that every rank yields as many batches and a resume counts them alike: the sampler yields a stand-in
@@ -37,7 +46,9 @@ own at row 8 (a fused one reads nothing without ``StepReplay``: one read more th
 micro-batch (a few kB on the host); the batches stay alive until the update; the buffers a forward changes
 (BatchNorm's statistics, an MoE layer's token counts, persistent or not: ``forward_state.py``) are copied once per
 step. A flagged step pays one or two more forward and backward passes
-and a copy of its gradients; each replay's time is in its event."""
+and a copy of its gradients; one attributed to the data or to nondeterminism under DDP, one more (two for
+nondeterminism), the gather of the suspects' micro-batches and another copy of the gradients. Each replay's time is
+in its event (``elsewhere_seconds``: the run on another rank)."""
 
 from __future__ import annotations
 
@@ -50,6 +61,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
@@ -60,9 +72,21 @@ from lightning_stability.errors import StabilityConfigError, check_int, check_pa
 from lightning_stability.health.callback import TrainingHealthMonitor
 from lightning_stability.ledger import LedgerCallback, Outcome, StepLedger, loss_scaler
 from lightning_stability.ledger.step_ledger import StepLoss
-from lightning_stability.replay.attribute import Attribution, Cause, Evidence, attribute, rank_verdict
+from lightning_stability.replay.attribute import (
+    Attribution,
+    Cause,
+    Elsewhere,
+    Evidence,
+    attribute,
+    confirm_elsewhere,
+    rank_verdict,
+    suspects,
+)
 from lightning_stability.replay.quarantine import Quarantine
-from lightning_stability.replay.rerun import StepInputs, copies, gradients, rerun, same_bits
+from lightning_stability.replay.rerun import StepInputs, copies, gradients, received, rerun, same_bits, shipped
+
+#: how a device that looks like the attribution's cause fails, on one process
+_HOW = {Cause.DATA: "the same way every time", Cause.NONDETERMINISTIC: "differently each time"}
 
 
 class FailingDeviceError(RuntimeError):
@@ -137,13 +161,22 @@ class StepReplay(LedgerCallback):
         self.quarantine = Quarantine()
         self.inputs = StepInputs(every_generator=rng_states == "all")
         #: ``quarantined_batches``: steps skipped because a batch of theirs had no sample left
-        self.counts = {"replays": 0, "faults": 0, "data": 0, "nondeterministic": 0, "quarantined_batches": 0}
+        #: ``devices``: steps whose fault followed a rank's device when its micro-batches ran on another rank
+        self.counts = {
+            "replays": 0,
+            "faults": 0,
+            "data": 0,
+            "nondeterministic": 0,
+            "devices": 0,
+            "quarantined_batches": 0,
+        }
         self._faults: dict[int, deque[int]] = {}  # rank -> steps of its faults within the window
-        self._failing: tuple[int, str, list[int]] | None = None
+        self._failing: tuple[int, str, list[int], str] | None = None  # rank, host, steps, why
         self._monitor: TrainingHealthMonitor | None = None
         self._sampler: ReplayableSampler | None = None
         self._hosts: list[str] = []
         self._world = 1
+        self._elsewhere = False  # a suspect rank's micro-batches can be run on another rank (DDP, 2+ processes)
         self._stand_in: bool | None = False  # the open step holds a stand-in on some rank (None: not read yet)
         self._flags: tuple[Tensor, Tensor] | None = None  # False and True on the device, made once
 
@@ -179,6 +212,14 @@ class StepReplay(LedgerCallback):
             )
         self._hosts = [str(h) for h in rng.gather(socket.gethostname())]  # every rank's, in rank order
         self._world = trainer.world_size
+        self._elsewhere = self._world > 1 and isinstance(trainer.strategy, DDPStrategy)
+        if self._world > 1 and not self._elsewhere:
+            rank_zero_info(
+                f"StepReplay: under {type(trainer.strategy).__name__} a rank holds only part of the weights, so a "
+                "suspect rank's micro-batches are not run on another rank: a device that fails the same way every "
+                "time is taken for bad data (quarantined), one that fails differently each time for nondeterminism, "
+                "and a device is named after max_faults transient faults only. Under DDP they are told apart."
+            )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.inputs.forget_module(pl_module)
@@ -308,10 +349,105 @@ class StepReplay(LedgerCallback):
         replay_nonfinite, replay_spike, _ = monitor.flags_on_host(ledger)  # HOST READ, on a replayed step only
         replay_flagged = replay_nonfinite or replay_spike
         found = attribute([rank_verdict(e) for e in losses], [rank_verdict(e) for e in grads], replay_flagged)
+        found, note, elsewhere = self._confirm(trainer, optimizer, monitor, found, final)
+        runs += elsewhere.get("runs", 0)
         seconds = time.perf_counter() - start
         self._act(
-            trainer, ledger, monitor, found, final, replay_nonfinite if replay_flagged else nonfinite, runs, seconds
+            trainer,
+            ledger,
+            monitor,
+            found,
+            final,
+            replay_nonfinite if replay_flagged else nonfinite,
+            runs,
+            seconds,
+            note,
+            elsewhere,
         )
+
+    def _confirm(
+        self,
+        trainer: pl.Trainer,
+        optimizer: Any,
+        monitor: TrainingHealthMonitor,
+        found: Attribution,
+        losses: list[Tensor | None],
+    ) -> tuple[Attribution, str, dict[str, Any]]:
+        """Before a step attributed to the data or to nondeterminism is acted on, under DDP: run each suspect rank's
+        micro-batches on a healthy rank, which holds the same weights (attribute.py's second table). Every rank
+        joins: a suspect and its healthy partner swap micro-batches (the partner's, run on the suspect's device, say
+        more in the detail), the other ranks run their own; the gradient sync is held back, so each rank's
+        gradients are its own. Returns the attribution, a note for the verdict's detail and the event's fields.
+
+        Costs, on such a step only: one ``all_gather_object`` of the suspects' and partners' micro-batches (on the
+        CPU), one more forward and backward (two for nondeterminism), a copy of the gradients, two host reads."""
+        if found.cause not in (Cause.DATA, Cause.NONDETERMINISTIC):
+            return found, "", {}
+        looks_like = "bad data" if found.cause is Cause.DATA else "nondeterminism"
+        if self._world < 2:
+            return found, f" (one process: a device that fails {_HOW[found.cause]} looks like {looks_like})", {}
+        if not self._elsewhere:
+            return found, f" (not run on another rank under {type(trainer.strategy).__name__}: DDP only)", {}
+        if found.cause is Cause.DATA:
+            flagged = [any(f) for f in rng.gather(self._flagged(trainer, monitor, losses))]  # HOST READ
+        else:
+            flagged = [False] * self._world
+        ranks = suspects(found, flagged)
+        if not ranks:
+            return found, " (every rank's micro-batches flag: no healthy rank is left to run them elsewhere)", {}
+        start = time.perf_counter()
+        me = trainer.global_rank
+        healthy = [r for r in range(self._world) if r not in ranks]
+        pairs = list(zip(ranks, healthy, strict=False))  # a suspect past the last healthy rank keeps its verdict
+        source = list(range(self._world))
+        for suspect, partner in pairs:
+            source[suspect], source[partner] = partner, suspect
+        micro: list[Any] = rng.gather(shipped(self.inputs) if source[me] != me else None)
+        inputs = (
+            self.inputs if source[me] == me else received(self.inputs, micro[source[me]], trainer.strategy.root_device)
+        )
+        kept_grads = copies(gradients(optimizer))
+        kept_rng = rng.capture() if self.inputs.every_generator else rng.capture_torch()
+        twice = found.cause is Cause.NONDETERMINISTIC
+        runs = [rerun(trainer, optimizer, inputs, sync=False) for _ in range(2 if twice else 1)]
+        local = (any(self._flagged(trainer, monitor, runs[0])), same_bits(runs[0], runs[1]) if twice else None)
+        seen: list[Any] = rng.gather(local)  # HOST READ above, on a replayed step only
+        # the replay's gradients and RNG states back (the buffers: every outcome from here skips or runs again)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for param, grad in zip(params, kept_grads, strict=True):
+            param.grad = grad
+        rng.restore(kept_rng)
+        confirmed = confirm_elsewhere(found, {s: Elsewhere(*seen[p]) for s, p in pairs})
+        fields = {
+            "runs": len(runs),
+            "elsewhere": [
+                {"rank": s, "on": p, "flagged": seen[p][0], "same": seen[p][1], "partner_flagged": seen[s][0]}
+                for s, p in pairs
+            ],
+            "elsewhere_seconds": round(time.perf_counter() - start, 4),
+        }
+        parts = []
+        for s, p in pairs:
+            there = "flag there too" if seen[p][0] else "flag nothing there"
+            if twice:
+                there = "agree there, run twice" if seen[p][1] else "disagree there too"
+            mirror = f"; rank {p}'s micro-batches flag on rank {s}" if seen[s][0] else ""
+            parts.append(f"rank {s}'s micro-batches, run on rank {p} ({self._host(p)}), {there}{mirror}")
+        return confirmed, " (" + "; ".join(parts) + ")", fields
+
+    def _flagged(self, trainer: pl.Trainer, monitor: TrainingHealthMonitor, losses: list[Tensor | None]) -> list[bool]:
+        """Which of this rank's micro-batch losses (as passed to backward) the monitor flags alone. A HOST READ."""
+        values = (
+            torch.stack(
+                [
+                    (loss.float() * trainer.accumulate_grad_batches) if loss is not None else torch.zeros(())
+                    for loss in losses
+                ]
+            )
+            if losses
+            else torch.zeros(0)
+        )
+        return [bool(b) for b in monitor.loss_flags(values).tolist()] if len(values) else []
 
     def _act(
         self,
@@ -323,6 +459,8 @@ class StepReplay(LedgerCallback):
         nonfinite: bool,
         runs: int,
         seconds: float,
+        note: str = "",
+        elsewhere: dict[str, Any] | None = None,
     ) -> None:
         label = ledger.step_label
         step = trainer.global_step
@@ -337,6 +475,7 @@ class StepReplay(LedgerCallback):
             "runs": runs,
             "seconds": round(seconds, 4),
             "replay_faults": list(found.replay_faults),
+            **{k: v for k, v in (elsewhere or {}).items() if k != "runs"},
         }
         where = ", ".join(f"rank {r} ({h})" for r, h in zip(found.ranks, hosts, strict=True))
         if found.cause is Cause.TRANSIENT:
@@ -358,20 +497,33 @@ class StepReplay(LedgerCallback):
                 done = f"applied without its bad micro-batch(es) {dropped} (rank, position)"
             seen = f"; a run also went wrong once on rank(s) {list(found.replay_faults)}" if found.replay_faults else ""
             event["detail"] = (
-                f"the data: the step reproduces its flag{seen}; {done}, {count} sample(s) quarantined ({seconds:.2f} s)"
+                f"the data: the step reproduces its flag{note}{seen}; {done}, {count} sample(s) quarantined "
+                f"({seconds:.2f} s)"
+            )
+        elif found.cause is Cause.DEVICE:
+            self.counts["devices"] += 1
+            self._skip(ledger, nonfinite)
+            event["detail"] = (
+                f"a failing device: {where}{note}; the step is skipped, nothing quarantined, and the run stops after "
+                f"a checkpoint ({seconds:.2f} s)"
             )
         else:
             self.counts["nondeterministic"] += 1
             self._skip(ledger, nonfinite)
             event["detail"] = (
-                f"nondeterminism: no two of {runs} runs agree on rank(s) {list(found.ranks) or 'all (gradients)'}; "
-                "skipped. Fix: torch.use_deterministic_algorithms(True), and draw random numbers in the training "
-                "step from torch's generators, or StepReplay(rng_states='all') to replay NumPy's and Python's too"
+                f"nondeterminism: no two of {runs} runs agree on rank(s) {list(found.ranks) or 'all (gradients)'}"
+                f"{note}; skipped. Fix: torch.use_deterministic_algorithms(True), and draw random numbers in the "
+                "training step from torch's generators, or StepReplay(rng_states='all') to replay NumPy's and "
+                "Python's too"
             )
         monitor.record_event(ledger, event)  # in the stability report's events too
         rank_zero_warn(f"StepReplay: step {label}: {event['detail']}")
         for rank in found.faulty_ranks:
             self._count_fault(rank, step)
+        if found.cause is Cause.DEVICE and self._failing is None:  # named at once: a repeat would fail alike
+            rank = found.ranks[0]
+            why = f"its micro-batches of step {label} flag on it, not on another rank with the same weights"
+            self._failing = (rank, self._host(rank), list(self._faults[rank]), why)
 
     def _skip(self, ledger: StepLedger, nonfinite: bool) -> None:
         """Skip the step: no update, and the buffers its forwards changed put back (a NaN batch's BatchNorm
@@ -402,17 +554,7 @@ class StepReplay(LedgerCallback):
         step's micro-batches when none does alone: a gradient spike). Returns how many samples were new, and each
         rank's bad micro-batches (in rank order)."""
         micro = self.inputs.micro
-        values = (
-            torch.stack(
-                [
-                    (loss.float() * trainer.accumulate_grad_batches) if loss is not None else torch.zeros(())
-                    for loss in losses
-                ]
-            )
-            if losses
-            else torch.zeros(0)
-        )
-        bad = monitor.loss_flags(values).tolist() if len(values) else []  # HOST READ, on a replayed step only
+        bad = self._flagged(trainer, monitor, losses)  # HOST READ, on a replayed step only
         mine = [
             (m.batch_idx, m.indices or [], bool(b)) for m, b in zip(micro, bad or [False] * len(micro), strict=True)
         ]
@@ -448,13 +590,14 @@ class StepReplay(LedgerCallback):
         while seen and seen[0] <= step - self.fault_window:
             seen.popleft()
         if len(seen) >= self.max_faults and self._failing is None:
-            self._failing = (rank, self._host(rank), list(seen))
+            why = f"{len(seen)} faults within {self.fault_window} steps, max_faults={self.max_faults}"
+            self._failing = (rank, self._host(rank), list(seen), why)
 
     def _stop(self, trainer: pl.Trainer) -> None:
         """Every rank, after the step of the last fault: save the state (healthy: the step was applied as
         replayed), then raise :class:`FailingDeviceError`."""
         assert self._failing is not None
-        rank, host, steps = self._failing
+        rank, host, steps, why = self._failing
         saved = _save_last_good(trainer)
         where = f"saved {saved}" if saved else "no checkpoint could be saved (no checkpoint callback)"
         incidents.record(
@@ -465,8 +608,8 @@ class StepReplay(LedgerCallback):
             detail=f"move the job off {host} and resume with ckpt_path='last'",
         )
         raise FailingDeviceError(
-            f"StepReplay: rank {rank} on {host} computed wrong values at steps {steps} ({len(steps)} faults within "
-            f"{self.fault_window} steps, max_faults={self.max_faults}): a failing device. {where}. Fix: move the "
+            f"StepReplay: rank {rank} on {host} computed wrong values at steps {steps} ({why}): a failing device. "
+            f"{where}. Fix: move the "
             f"job off {host} (or that rank's GPU) and resume with trainer.fit(model, ckpt_path='last').",
             rank,
             host,

@@ -19,6 +19,10 @@ put back, ``training_step`` through the strategy (DDP's or FSDP's forward, the p
 divided by the accumulation factor, backward through the precision plugin, the gradient sync of data parallelism
 held back on all but the last micro-batch. What the training step logs is dropped. Afterwards the gradients, the
 buffers and the RNG states are those of the replayed step, as a fault-free run leaves them.
+
+:func:`shipped` and :func:`received` move one rank's micro-batches (on the CPU) and RNG states to another, which runs
+them with ``rerun(..., sync=False)``: under DDP every rank holds the same weights, so a healthy rank computes what
+the suspect's device should have.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import move_data_to_device
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -104,13 +110,19 @@ class StepInputs:
 
 
 def rerun(
-    trainer: pl.Trainer, optimizer: Optimizer, inputs: StepInputs, keep: Sequence[bool] | None = None
+    trainer: pl.Trainer,
+    optimizer: Optimizer,
+    inputs: StepInputs,
+    keep: Sequence[bool] | None = None,
+    sync: bool = True,
 ) -> list[Tensor | None]:
     """Run the step's micro-batches again (see the module's doc); returns each one's loss as passed to backward.
     Every rank calls it together (data parallelism syncs the gradients in the last backward).
 
     With ``keep`` (a flag per micro-batch, at least one true), only the kept ones run, and each loss is divided by
-    their number: the gradient is their mean (``None`` in the losses for the others)."""
+    their number: the gradient is their mean (``None`` in the losses for the others). With ``sync=False`` the
+    gradient sync is held back on every micro-batch: each rank's gradients are its own (a run of another rank's
+    micro-batches, :func:`shipped`)."""
     module = trainer.lightning_module
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -126,7 +138,7 @@ def rerun(
             losses.append(None)
             continue
         rng.restore(micro.rng)
-        with _sync_held_back(trainer, i < last), _compat.training_step_again(trainer, micro.batch):
+        with _sync_held_back(trainer, i < last or not sync), _compat.training_step_again(trainer, micro.batch):
             args = (micro.batch, micro.batch_idx) if with_idx else (micro.batch,)
             output = trainer.strategy.training_step(*args)
             loss = _closure_loss(output)
@@ -137,6 +149,36 @@ def rerun(
             trainer.precision_plugin.backward(loss, module, optimizer)
         losses.append(loss.detach())
     return losses
+
+
+def shipped(inputs: StepInputs) -> list[tuple[Any, int, dict[str, Any], int | None]]:
+    """The open step's micro-batches as another rank can run them (:func:`received`): each batch on the CPU, its
+    ``batch_idx``, the RNG states before it and the index of this rank's CUDA device (``None`` on a CPU)."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return [
+        (apply_to_collection(m.batch, Tensor, lambda t: t.detach().cpu()), m.batch_idx, m.rng, device)
+        for m in inputs.micro
+    ]
+
+
+def received(inputs: StepInputs, micro: list[tuple[Any, int, dict[str, Any], int | None]], device: Any) -> StepInputs:
+    """Another rank's micro-batches (:func:`shipped`) to run here with :func:`rerun`: the batches moved to
+    ``device``, the other rank's CUDA generator state put on this rank's device; the buffers to put back are
+    ``inputs``' (this rank's, as the step started)."""
+    mine = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    other = StepInputs(inputs.every_generator)
+    other._state = inputs._state
+    for batch, batch_idx, states, theirs in micro:
+        states = dict(states)
+        if "cuda" in states:
+            if mine is None or theirs is None:
+                del states["cuda"]
+            else:
+                cuda = list(torch.cuda.get_rng_state_all())
+                cuda[mine] = states["cuda"][theirs]
+                states["cuda"] = cuda
+        other.micro.append(MicroBatch(move_data_to_device(batch, device), batch_idx, states, None))
+    return other
 
 
 def gradients(optimizer: Optimizer) -> list[Tensor | None]:

@@ -4,7 +4,9 @@ Fourth argument, the fault: ``none``; ``flip`` — an exponent bit flipped in th
 step FLIP; ``failing`` — the same on rank 1 at FLIP - 2, FLIP - 1 and FLIP (a failing device); ``after_allreduce``
 — rank 1's gradients made non-finite at step FLIP after DDP averaged them; ``poison`` — sample POISONED of the
 dataset is NaN; ``poison_in_order`` — the same, the samples in order (no shuffling), so the quarantined batch comes
-back empty in later epochs. Each rank writes what it trained on and decided.
+back empty in later epochs; ``device`` — rank 1's device makes the last layer's output NaN at step FLIP in every
+forward it runs there (the original, the replays, and any other rank's micro-batches); ``device_random`` — the same
+device adds a spike that differs at each forward. Each rank writes what it trained on and decided.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import warnings
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_stability import StableCheckpoint, StableFSDPStrategy, StepLedger, TrainingHealthMonitor
@@ -58,9 +62,25 @@ class CorruptRank1AfterAllReduce(pl.Callback):
                 p.grad.mul_(float("inf"))
 
 
+class BadDevice:
+    """Rank 1's device at step FLIP: every forward of the hooked layer there goes wrong, the same way each time
+    (NaN) or differently (a spike that grows with each forward), whatever micro-batch it runs."""
+
+    def __init__(self, same: bool) -> None:
+        self.same, self.calls = same, 0
+
+    def __call__(self, _module: nn.Module, _inputs: Any, output: Tensor) -> Tensor | None:
+        if model.global_rank != 1 or model.trainer.global_step != FLIP or not torch.is_grad_enabled():
+            return None
+        self.calls += 1
+        return output * float("nan") if self.same else output + 1e3 * self.calls
+
+
+if fault.startswith("device"):
+    model.net[5].register_forward_hook(BadDevice(fault == "device"))
 if fault == "after_allreduce":
     callbacks.insert(0, CorruptRank1AfterAllReduce())
-if fault == "failing":
+if fault == "failing" or fault.startswith("device"):
     callbacks.append(StableCheckpoint(dirpath=os.path.join(out_dir, "ckpts"), every_n_train_steps=100))
 trainer = quiet_trainer(
     max_epochs=3,

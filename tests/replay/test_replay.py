@@ -124,7 +124,8 @@ def test_with_accumulation_only_the_bad_micro_batch_is_dropped_and_quarantined(t
     (entry,) = replay.quarantine.entries
     assert entry["cause"] == "non-finite or spiking loss"
     (dropped,) = event["dropped_micro_batches"]
-    assert dropped[0] == 0 and event["detail"].startswith("the data: the step reproduces its flag; applied without")
+    assert dropped[0] == 0 and event["detail"].startswith("the data: the step reproduces its flag")
+    assert "; applied without its bad micro-batch" in event["detail"]
     counts = ledger.record_of().counts.tolist()
     assert counts[Outcome.APPLIED] == ledger.record_of().steps  # nothing skipped
 
@@ -245,8 +246,21 @@ def test_no_two_runs_agree_is_nondeterminism_and_the_step_is_skipped(tmp_path: P
     assert [f.flipped for f in flips] == [[(15, 0)], [(15, 1)]]
     (event,) = [e for e in StepLedger.of(trainer).events if e.get("kind") == "replay"]
     assert event["cause"] == "nondeterministic" and event["runs"] == 3
+    assert "one process: a device that fails differently each time looks like nondeterminism" in event["detail"]
     counts = StepLedger.of(trainer).record_of().counts.tolist()
     assert counts[Outcome.SKIPPED_SPIKE] + counts[Outcome.SKIPPED_NONFINITE] == 1
+
+
+def test_on_one_process_a_device_that_fails_the_same_way_every_time_is_taken_for_the_data(tmp_path: Path) -> None:
+    """One process has no other device to run the step on: a bit flipped the same way in every run of step 15 is
+    the data's (quarantined, skipped), as before StepReplay could run a step on another rank, and the verdict says
+    what one process cannot tell apart."""
+    _, replay, ledger, flip, _ = _fit(tmp_path, faults={"step": 15, "rank": 0, "runs": (0, 1, 2)})
+    assert flip.flipped == [(15, 0), (15, 1)]  # the original and the replay: they agree, bit for bit
+    (event,) = [e for e in ledger.events if e.get("kind") == "replay"]
+    assert event["cause"] == "data" and event["runs"] == 2 and event["quarantined"] == 8
+    assert "elsewhere" not in event and len(replay.quarantine.indices) == 8 and replay.counts["devices"] == 0
+    assert "one process: a device that fails the same way every time looks like bad data" in event["detail"]
 
 
 class NumpyNoise(Model):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_stability import Outcome
+from lightning_stability import Outcome, read_incidents
 from tests.helpers import REPO, torchrun
 
 SCRIPT = Path(__file__).with_name("replay_ddp_script.py")
@@ -21,7 +21,7 @@ FLIP, POISONED = 9, 17
 
 def decisions(events: list[dict]) -> list[dict]:
     """The events without their wall times (each rank times its own replay)."""
-    return [{k: v for k, v in e.items() if k not in ("seconds", "detail")} for e in events]
+    return [{k: v for k, v in e.items() if not k.endswith("seconds") and k != "detail"} for e in events]
 
 
 @pytest.mark.distributed
@@ -47,6 +47,13 @@ def test_a_poisoned_sample_is_quarantined_on_every_rank_and_never_loaded_again(t
     assert [e["cause"] for e in rank0["events"]] == ["data"]
     assert rank0["quarantined"] == rank1["quarantined"] and POISONED in rank0["quarantined"]
     assert len(rank0["quarantined"]) == 8  # one rank's batch: the other rank's batch reproduces no flag alone
+    (event,) = rank0["events"]
+    if strategy == "ddp":  # the poisoned batch flags on the other rank too: the data, not the device
+        (elsewhere,) = event["elsewhere"]
+        assert elsewhere["flagged"] and not elsewhere["partner_flagged"] and elsewhere["on"] != elsewhere["rank"]
+        assert event["runs"] == 3 and "flag there too" in event["detail"]
+    else:  # a rank holds a shard of the weights: not run elsewhere, and the verdict says so
+        assert "elsewhere" not in event and "DDP only" in event["detail"]
     loaded = rank0["loaded"] + rank1["loaded"]
     assert all(loaded.count(i) == 1 for i in rank0["quarantined"])  # the first epoch only
     assert rank0["counts"] == rank1["counts"] and rank0["weights"] == rank1["weights"]
@@ -117,3 +124,36 @@ def test_a_batch_with_no_sample_left_on_rank_1_is_skipped_on_both_ranks(tmp_path
         assert [row[3] for row in rows[0]] == [row[3] for row in rows[1]] == [0, Outcome.SKIPPED_QUARANTINED, 0, 0]
         trained = [i for part in rows for row in part if row[3] == Outcome.APPLIED for i in row[2]]
         assert sorted(trained) == sorted(set(range(64)) - bad - set(range(16, 31, 2)))  # each once
+
+
+@pytest.mark.distributed
+def test_a_device_that_fails_the_same_way_every_time_is_named_at_once_and_nothing_is_quarantined(
+    tmp_path: Path,
+) -> None:
+    """Rank 1's device makes NaN of every forward at step FLIP: the step reproduces there, as bad data would, but
+    rank 1's micro-batches run on rank 0 flag nothing (and rank 0's flag on rank 1): the device. Both ranks stop
+    with FailingDeviceError naming rank 1 at its first fault, after a checkpoint, and no sample is quarantined."""
+    rank0, rank1 = torchrun(SCRIPT, 2, tmp_path, "ddp", "device")
+    assert rank0["stopped"] == rank1["stopped"] and decisions(rank0["events"]) == decisions(rank1["events"])
+    stopped = rank0["stopped"]
+    assert stopped["rank"] == 1 and stopped["steps"] == [FLIP] and stopped["host"]
+    assert stopped["checkpoint"] and Path(stopped["checkpoint"]).exists()
+    assert rank0["quarantined"] == rank1["quarantined"] == []
+    (event,) = rank0["events"]
+    assert event["cause"] == "device" and event["ranks"] == [1] and event["step"] == FLIP
+    assert event["elsewhere"] == [{"rank": 1, "on": 0, "flagged": False, "same": None, "partner_flagged": True}]
+    kinds = [i.kind for i in read_incidents(tmp_path / "ckpts")]
+    assert "failing_device" in kinds and "quarantine" not in kinds
+
+
+@pytest.mark.distributed
+def test_a_device_that_fails_differently_each_time_is_named_not_called_nondeterminism(tmp_path: Path) -> None:
+    """Rank 1's device adds a different spike at each forward at step FLIP: no two runs agree on rank 1 only;
+    rank 1's micro-batches run twice on rank 0 agree bit for bit there: the device, named at once."""
+    rank0, rank1 = torchrun(SCRIPT, 2, tmp_path, "ddp", "device_random")
+    assert rank0["stopped"] == rank1["stopped"] and decisions(rank0["events"]) == decisions(rank1["events"])
+    assert rank0["stopped"]["rank"] == 1 and rank0["stopped"]["steps"] == [FLIP]
+    (event,) = rank0["events"]
+    assert event["cause"] == "device" and event["ranks"] == [1] and event["runs"] == 5
+    assert event["elsewhere"] == [{"rank": 1, "on": 0, "flagged": False, "same": True, "partner_flagged": True}]
+    assert rank0["quarantined"] == []
