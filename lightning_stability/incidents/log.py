@@ -87,6 +87,20 @@ def this_host() -> str:
     return socket.gethostname()
 
 
+def logged(directory: str | os.PathLike[str], incident: Incident) -> bool:
+    """Whether ``incident``'s rank logged the same fault already (kind, step, action, what was lost, detail)."""
+    path = log_dir(directory) / f"rank-{incident.rank}.jsonl"
+    same = ("kind", "step", "action", "lost", "detail")
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            found = Incident.from_json(line)
+        except (ValueError, TypeError):
+            continue
+        if all(getattr(found, key) == getattr(incident, key) for key in same):
+            return True
+    return False
+
+
 def read_incidents(directory: str | os.PathLike[str]) -> list[Incident]:
     """Every rank's incidents in ``directory``'s log (the checkpoints' directory), oldest first (a line a kill cut
     short is left out); none when it holds no log. Raises ``StabilityConfigError`` when ``directory`` is not one."""

@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_stability import _compat
 from lightning_stability.incidents import restarts
-from lightning_stability.incidents.log import Incident, append, cut_short, mark_fit, this_host
+from lightning_stability.incidents.log import Incident, append, cut_short, logged, mark_fit, this_host
 
 
 def log_directory(trainer: pl.Trainer) -> Path | None:
@@ -31,11 +31,14 @@ def record(
     detail: str = "",
     step: int | None = None,
     this_rank_only: bool = False,
+    unless_logged: bool = False,
 ) -> None:
     """Append one incident to ``trainer``'s log (see :mod:`~lightning_stability.incidents.log`).
 
     Call it on every rank for a fault every rank handles alike (rank 0 writes it), or with ``this_rank_only=True``
-    on the rank it concerns (that rank writes it). Host only: no device sync.
+    on the rank it concerns (that rank writes it). ``unless_logged``: not when the rank's log holds the same one
+    (a fault from before the checkpoint a fit resumed, which the killed run may have recorded already; this reads
+    the rank's file). Host only: no device sync.
     """
     if not this_rank_only and not trainer.is_global_zero:
         return
@@ -53,7 +56,8 @@ def record(
         host=this_host(),
         attempt=attempt.describe() if attempt is not None else "",
     )
-    append(directory, incident)
+    if not (unless_logged and logged(directory, incident)):
+        append(directory, incident)
 
 
 def fit_started(trainer: pl.Trainer) -> None:

@@ -86,6 +86,35 @@ def test_a_night_of_faults_reads_as_one_page(tmp_path: Path) -> None:
     assert [i["kind"] for i in report["incidents"]] == kinds
 
 
+def test_a_resume_records_no_fault_of_before_its_checkpoint_again(tmp_path: Path) -> None:
+    """The health monitor reads a step's outcome (and records its skip) at the next logging step. Killed after that
+    step and resumed from a checkpoint saved before it, the run reads the restored outcome of a step it does not
+    train again: the same fault, recorded once (seen in benchmarks/chaos.py: every skip of the first epoch twice)."""
+    directory = tmp_path / "ckpts"
+
+    def run(callbacks: list[pl.Callback], ckpt_path: str | None = None) -> None:
+        pl.seed_everything(0)
+        trainer = quiet_trainer(
+            max_steps=10,
+            log_every_n_steps=5,  # step 2's outcome read at step 4's end, after the save of step 4
+            enable_checkpointing=True,
+            default_root_dir=tmp_path,
+            callbacks=[
+                TrainingHealthMonitor(response="skip", warmup_steps=3, report=False),
+                StableCheckpoint(dirpath=directory, every_n_train_steps=4, keep=3),
+                *callbacks,
+            ],
+        )
+        trainer.fit(TinyModule(inf_at_step=2), ckpt_path=ckpt_path)
+
+    with pytest.raises(RuntimeError, match="the node went away"):
+        run([Crash()])  # the NaN of step 2 skipped; saved at 4; its skip recorded; crashes as step 7 starts
+    assert [(i.kind, i.step) for i in read_incidents(directory)] == [("skip", 2)]
+    run([], ckpt_path="last")  # resumed at step 4: step 2 is not trained again
+    found = read_incidents(directory)
+    assert [(i.kind, i.step) for i in found] == [("skip", 2), ("restart", 4)], format_incidents(found)
+
+
 def test_the_command_refuses_a_directory_without_a_log(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "lightning_stability.cli", "incidents", str(tmp_path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
