@@ -27,7 +27,7 @@ FOLDER = "incidents"
 
 #: every kind of incident, in the order the summary lists them, with what it is
 KINDS = {
-    "restart": "the job started again after a death or a preemption, from a saved checkpoint",
+    "restart": "the job started again after a death or a preemption, from a saved checkpoint or from step 0",
     "preemption": "a preemption signal: every rank saved at one step and stopped",
     "damaged_checkpoint": "a checkpoint failed verification and was passed over",
     "spike": "a loss or gradient-norm spike (skipped, clipped or applied, as the response says)",
