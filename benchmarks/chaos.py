@@ -43,7 +43,8 @@ poisoned samples (bit-equal; within ``WORLD_BOUND`` for the resize seeds), and e
 resize, weights) on the way; *steps lost*: rank 0's steps trained after the step the next launch resumed at (what
 the restart trains again); *goodput*: for a kind, ``R / (R + lost)`` with ``R`` the steps of the seeds it is in
 (1.000: it costs no step); for a seed, its steps / the steps rank 0 trained over all launches. Steps, not seconds:
-start-up (about 8 s a launch here) is left out.
+start-up is left out, and shown apart: *down s*, from a fault that ends a launch to the first step of the next
+(torchrun's detection, the new processes' imports and set-up, the checkpoint's load), and a job's start-up.
 
 Run: ``python -m benchmarks.chaos [--seeds 10] [--resize-seeds 4]`` (about 80 s a seed on 2 cores).
 """
@@ -87,6 +88,8 @@ class Row:
     named: str  # the incident kind(s) naming it; "" when none does
     end: str  # "bit-equal", "within" (WORLD_BOUND), "differs", "failed"
     lost: int
+    resized: bool = False  # a resize seed's: its end state is compared within WORLD_BOUND
+    down_s: float = 0.0  # a fault that ends a launch: seconds from it to the next launch's first step
 
 
 def first_after(found: list[Incident], kind: str, since: float) -> Incident | None:
@@ -133,7 +136,7 @@ def poisoned_rows(
         step = min(met) - 1 if met else -1
         quarantined = [i for i in found if i.step == step and i.kind in ("quarantine", "replay")]
         kinds = sorted({i.kind for i in quarantined if i.kind == "quarantine" or "quarantined" in i.detail})
-        rows.append(Row("poisoned_sample", seed, step, survived, "+".join(kinds), end, 0))
+        rows.append(Row("poisoned_sample", seed, step, survived, "+".join(kinds), end, 0, resized=False))
     return rows
 
 
@@ -174,46 +177,52 @@ def run_seed(
     rows: list[Row] = []
     for outcome in result.outcomes if result is not None else []:
         lost = outcome.lost
-        rows.append(Row(outcome.fault.label, seed, outcome.fault.step, survived, naming(outcome, found), end, lost))
+        fault, named = outcome.fault, naming(outcome, found)
+        rows.append(Row(fault.label, seed, fault.step, survived, named, end, lost, resize, outcome.down_s))
         if outcome.restarted_by == "torchrun" and args.launcher == "torchrun":
-            rows.append(Row(TORCHRUN, seed, outcome.fault.step, survived, named_by_torchrun(outcome, found), end, 0))
+            named = named_by_torchrun(outcome, found)
+            rows.append(Row(TORCHRUN, seed, fault.step, survived, named, end, 0, resize, outcome.down_s))
     rows += poisoned_rows(out, reference, poisoned, found, seed, survived, end)
     print(f"  {result.line() if result is not None else ''}{f'; FAILED: {failure}' if failure else ''}", flush=True)
     return rows, result, failure
 
 
+def count(rows: list[Row], end: str) -> str:
+    return f"{sum(r.end == end for r in rows)}/{len(rows)}" if rows else "-"
+
+
 def table(rows: list[Row], results: dict[int, ChaosResult | None], args: argparse.Namespace) -> list[str]:
     lines = [
-        f"{'fault kind':<22} {'n':>3} {'survived':>9} {'named':>7}  {'named as':<28} {'end state':<16} "
-        f"{'lost: mean':>10} {'max':>4} {'goodput':>8}",
-        "-" * 118,
+        f"{'fault kind':<20} {'n':>3} {'survived':>8} {'named':>6}  {'named as':<28} {'bit-equal':>9} "
+        f"{'within':>6} {'lost: mean':>10} {'max':>3} {'goodput':>7} {'down s':>6}",
+        "-" * 119,
     ]
     for kind in KINDS:
         mine = [r for r in rows if r.kind == kind]
         if not mine:
             continue
-        n = len(mine)
-        seeds = {r.seed for r in mine}
-        done = [r for r in mine if r.end in ("bit-equal", "within")]
-        ends = sorted({r.end for r in mine})
-        end = "/".join(ends) if len(ends) > 1 else ends[0]
-        end_text = f"{len(done)}/{n} {end}" if end != "failed" else f"0/{n} failed"
-        reference_steps = args.steps * len(seeds)
-        lost = [r.lost for r in mine]
-        as_ = "/".join(sorted({r.named for r in mine if r.named})) or "-"
+        n, lost, reference_steps = len(mine), [r.lost for r in mine], args.steps * len({r.seed for r in mine})
+        exact, resized = [r for r in mine if not r.resized], [r for r in mine if r.resized]
+        named_as = "/".join(sorted({r.named for r in mine if r.named})) or "-"
+        down = [r.down_s for r in mine if r.down_s]
+        survived, named = f"{sum(r.survived for r in mine)}/{n}", f"{sum(bool(r.named) for r in mine)}/{n}"
+        goodput, down_s = reference_steps / (reference_steps + sum(lost)), statistics.mean(down) if down else None
         lines.append(
-            f"{kind:<22} {n:>3} {sum(r.survived for r in mine):>5}/{n:<3} {sum(bool(r.named) for r in mine):>3}/{n:<3}"
-            f"  {as_:<28} {end_text:<16} {statistics.mean(lost):>10.1f} {max(lost):>4} "
-            f"{reference_steps / (reference_steps + sum(lost)):>8.3f}"
+            f"{kind:<20} {n:>3} {survived:>8} {named:>6}  {named_as:<28} {count(exact, 'bit-equal'):>9} "
+            f"{count(resized, 'within'):>6} {statistics.mean(lost):>10.1f} {max(lost):>3} {goodput:>7.3f} "
+            f"{'-' if down_s is None else f'{down_s:.1f}':>6}"
         )
-    lines.append("-" * 118)
-    finished = {s: r for s, r in results.items() if r is not None and r.executed}
-    if finished:
-        per_seed = [args.steps / r.executed for r in finished.values()]
+    lines.append("-" * 119)
+    done = [r for r in results.values() if r is not None and r.executed]
+    if done:
+        per_seed = [args.steps / r.executed for r in done]
+        startup = [s for r in done for s in r.startup_s]
         lines.append(
             f"goodput per seed (steps {args.steps} / steps trained over all launches): mean "
-            f"{statistics.mean(per_seed):.3f}, min {min(per_seed):.3f}, max {max(per_seed):.3f}"
+            f"{statistics.mean(per_seed):.3f}, min {min(per_seed):.3f}, max {max(per_seed):.3f}; "
+            f"{sum(len(r.startup_s) for r in done)} jobs, {sum(len(r.resumed_at) for r in done)} launches"
         )
+        lines.append(f"a job's start-up (launched to its first step): mean {statistics.mean(startup):.1f} s")
     worst = max((r.lost for r in rows), default=0)
     verdict = "met" if worst <= args.every else "NOT met"
     lines.append(

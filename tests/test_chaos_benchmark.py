@@ -22,6 +22,7 @@ def test_a_tiny_schedule_survives_is_named_and_ends_bit_equal(capsys: pytest.Cap
     assert (nan.named, nan.lost) == ("replay", 0)  # replayed, applied bit-exact: nothing lost
     assert found["poisoned_sample"].named and found["poisoned_sample"].lost == 0
     out = capsys.readouterr().out
-    assert "kill_in_save             1     1/1     1/1    restart" in out
+    row = next(line.split() for line in out.splitlines() if line.startswith("kill_in_save "))
+    assert row == ["kill_in_save", "1", "1/1", "1/1", "restart", "1/1", "-", "10.0", "10", "0.750", row[-1]]
     assert "goodput per seed (steps 30 / steps trained over all launches): mean 0.750" in out
     assert "every fault named in the incident log: yes" in out

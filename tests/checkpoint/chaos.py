@@ -86,6 +86,7 @@ class Outcome:
     resumed_at: int | None = None  # the step the launch after it started at
     lost: int = 0  # steps trained again: rank 0's steps of its launch after the step the next one resumed at
     damaged: str = ""  # the checkpoint the driver damaged after it (damage=True)
+    down_s: float = 0.0  # seconds from the fault to the first step of the launch after it (start-up included)
 
 
 @dataclass
@@ -100,6 +101,8 @@ class ChaosResult:
     quarantined: list[int] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)
     damaged: dict[int, str] = field(default_factory=dict)  # fault index -> the checkpoint file damaged after it
+    job_started: list[float] = field(default_factory=list)  # time.time() as each job was launched
+    startup_s: list[float] = field(default_factory=list)  # per job: from its launch to its first launch's start
     executed: int = 0  # optimizer steps rank 0 trained, over every launch
     finished: bool = False
     wall_s: float = 0.0
@@ -334,6 +337,11 @@ def account(out: Path, name: str, faults: list[Fault], jobs: list[Job], result: 
     result.worlds = [starts[k]["world"] for k in sorted(starts)]
     result.outcomes = [Outcome(f) for f in faults]
     launch = 0
+    for job, started in zip(jobs, result.job_started, strict=False):
+        if launch in starts:
+            result.startup_s.append(starts[launch]["time"] - started)
+        launch += len(job.launches)
+    launch = 0
     for job in jobs:
         for i, armed in enumerate(job.launches):
             for index in armed:
@@ -345,6 +353,7 @@ def account(out: Path, name: str, faults: list[Fault], jobs: list[Job], result: 
                     continue
                 outcome.restarted_by = "torchrun" if i + 1 < len(job.launches) else "requeue"
                 resumed = outcome.resumed_at = starts[launch + 1]["global_step"]
+                outcome.down_s = starts[launch + 1]["time"] - outcome.time
                 outcome.lost = sum(1 for step, line in steps if line.launch == launch and step > resumed)
             launch += 1
 
@@ -404,6 +413,7 @@ def chaos(
                 mode = "kill_in_async_save" in kinds or (async_save and "kill_in_save" not in kinds)
                 attempts.append({"faults": [faults[i].spec(i, job.world) for i in armed], "async_save": mode})
             spec = {**base, "name": name, "kind": "chaos", "world": job.world, "launch": first}
+            result.job_started.append(time.time())
             codes = runner.job(spec, attempts, timeout)
             result.exit_codes.append(codes)
             check_job(out, name, faults, job, first, codes, last=number == len(jobs) - 1)
