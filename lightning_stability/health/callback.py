@@ -192,6 +192,7 @@ class TrainingHealthMonitor(LedgerCallback):
         self._module_of: dict[int, int] = {}  # id(param) -> its module's index in `_names`
         self._module_index: tuple[tuple[int, ...], Tensor] | None = None  # for the params that have gradients
         self._trainer: pl.Trainer | None = None
+        self._resumed_at = 0  # the global step this fit started at
         self._interval = IntervalMean()  # the loss (and norm) over the logging interval
         self._const: _Constants | None = None
         self._row: int | None = None  # the open step's history row, its outcome set in after_step
@@ -239,6 +240,7 @@ class TrainingHealthMonitor(LedgerCallback):
         self._log.on_events = self._record_incidents
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._resumed_at = trainer.global_step  # the outcomes of steps before it came with the checkpoint
         if self.response == "rollback":
             total = _total_steps(trainer)
             every, skip = self.rollback.fit_to_run(total)
@@ -324,7 +326,7 @@ class TrainingHealthMonitor(LedgerCallback):
     def _record_incidents(self, events: list[dict[str, Any]]) -> None:
         if self._trainer is not None:
             replayed = {e.get("step") for e in (*self._log.events, *events) if e.get("kind") == "replay"}
-            record_incidents(self._trainer, events, replayed)
+            record_incidents(self._trainer, events, replayed, self._resumed_at)
 
     def record_event(self, ledger: StepLedger, event: dict[str, Any]) -> None:
         """Record an event of the run (``{"step", "kind", "detail", ...}``: a rollback, a replay) in the report's
@@ -775,21 +777,28 @@ def _total_steps(trainer: pl.Trainer) -> int | None:
     return int(total) if math.isfinite(total) and total > 0 else None
 
 
-def record_incidents(trainer: pl.Trainer, events: list[dict[str, Any]], replayed: set[Any]) -> None:
+def record_incidents(
+    trainer: pl.Trainer, events: list[dict[str, Any]], replayed: set[Any], resumed_at: int = 0
+) -> None:
     """The monitor's new events in the incident log (host only: the events come from rows read on logging steps,
     rollbacks and replays as they happen). Left out: the fp16 scaler's own overflow skips (its normal dynamics),
     new levels, the data skipped after a rollback (the rollback's incident says it) and the skip of a step
-    ``StepReplay`` replayed (its incident says it)."""
+    ``StepReplay`` replayed (its incident says it). An event of a step before ``resumed_at`` (a row the checkpoint
+    held unread) is left out too when the log holds it: the run that saved the checkpoint may have read that row and
+    recorded it before it was killed."""
     for event in events:
         kind, step, detail = event.get("kind"), int(event.get("step", -1)), str(event.get("detail", ""))
         if kind == "skip" and (event.get("outcome") == outcome_name(1) or event.get("step") in replayed):
             continue
         if kind in ("new_level", "data_skip"):
             continue
+        again = step < resumed_at
         if kind in ("spike", "clip"):
-            incidents.record(trainer, "spike", str(event.get("outcome") or kind), detail=detail, step=step)
+            action = str(event.get("outcome") or kind)
+            incidents.record(trainer, "spike", action, detail=detail, step=step, unless_logged=again)
         elif kind == "skip":
-            incidents.record(trainer, "skip", "update skipped", lost="this step's update", detail=detail, step=step)
+            lost = "this step's update"
+            incidents.record(trainer, "skip", "update skipped", lost, detail, step, unless_logged=again)
         elif kind == "rollback":
             to_step = int(event.get("to_step", step))
             incidents.record(
@@ -799,6 +808,7 @@ def record_incidents(trainer: pl.Trainer, events: list[dict[str, Any]], replayed
                 lost=f"the updates of steps {to_step + 1}-{step} and the batches skipped after it",
                 detail=detail,
                 step=step,
+                unless_logged=again,
             )
         elif kind == "replay":  # StepReplay's verdict (every rank alike)
             cause, quarantined = str(event.get("cause")), int(event.get("quarantined", 0))
@@ -810,6 +820,7 @@ def record_incidents(trainer: pl.Trainer, events: list[dict[str, Any]], replayed
                 lost="" if cause == "transient" else "this step's update" if not applied else "bad micro-batches",
                 detail=detail,
                 step=step,
+                unless_logged=again,
             )
             if quarantined:
                 incidents.record(
@@ -819,4 +830,5 @@ def record_incidents(trainer: pl.Trainer, events: list[dict[str, Any]], replayed
                     lost=f"{quarantined} sample(s), for the rest of the run",
                     detail="read them with lightning-stability quarantine or read_quarantine",
                     step=step,
+                    unless_logged=again,
                 )

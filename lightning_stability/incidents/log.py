@@ -27,7 +27,7 @@ FOLDER = "incidents"
 
 #: every kind of incident, in the order the summary lists them, with what it is
 KINDS = {
-    "restart": "the job started again after a death or a preemption, from a saved checkpoint",
+    "restart": "the job started again after a death or a preemption, from a saved checkpoint or from step 0",
     "preemption": "a preemption signal: every rank saved at one step and stopped",
     "damaged_checkpoint": "a checkpoint failed verification and was passed over",
     "spike": "a loss or gradient-norm spike (skipped, clipped or applied, as the response says)",
@@ -85,6 +85,20 @@ def append(directory: str | os.PathLike[str], incident: Incident) -> Path:
 
 def this_host() -> str:
     return socket.gethostname()
+
+
+def logged(directory: str | os.PathLike[str], incident: Incident) -> bool:
+    """Whether ``incident``'s rank logged the same fault already (kind, step, action, what was lost, detail)."""
+    path = log_dir(directory) / f"rank-{incident.rank}.jsonl"
+    same = ("kind", "step", "action", "lost", "detail")
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            found = Incident.from_json(line)
+        except (ValueError, TypeError):
+            continue
+        if all(getattr(found, key) == getattr(incident, key) for key in same):
+            return True
+    return False
 
 
 def read_incidents(directory: str | os.PathLike[str]) -> list[Incident]:

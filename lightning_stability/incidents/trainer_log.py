@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_stability import _compat
 from lightning_stability.incidents import restarts
-from lightning_stability.incidents.log import Incident, append, cut_short, mark_fit, this_host
+from lightning_stability.incidents.log import Incident, append, cut_short, logged, mark_fit, this_host
 
 
 def log_directory(trainer: pl.Trainer) -> Path | None:
@@ -30,10 +30,13 @@ def record(
     lost: str = "",
     detail: str = "",
     step: int | None = None,
+    unless_logged: bool = False,
 ) -> None:
     """Append one incident to ``trainer``'s log (see :mod:`~lightning_stability.incidents.log`). Call it on every
     rank, for a fault every rank handles alike (the callbacks decide alike): rank 0 writes it, naming in ``detail``
-    the rank and host it concerns. Host only: no device sync."""
+    the rank and host it concerns. ``unless_logged``: not when the log holds the same one (a fault from before the
+    checkpoint a fit resumed, which the killed run may have recorded already; this reads rank 0's file). Host
+    only: no device sync."""
     if not trainer.is_global_zero:
         return
     directory = log_directory(trainer)
@@ -50,28 +53,29 @@ def record(
         host=this_host(),
         attempt=attempt.describe() if attempt is not None else "",
     )
-    append(directory, incident)
+    if not (unless_logged and logged(directory, incident)):
+        append(directory, incident)
 
 
 def fit_started(trainer: pl.Trainer) -> None:
-    """At the start of a fit, rank 0: a ``restart`` incident when it resumes a checkpoint after the previous fit in
-    this log was cut short (killed, crashed: it never reached :func:`fit_ended`) or as a restart by torchrun or
-    SLURM; then this fit is marked running."""
+    """At the start of a fit, rank 0: a ``restart`` incident when the previous fit in this log was cut short (killed,
+    crashed: it never reached :func:`fit_ended`) or this is a restart by torchrun or SLURM, whether it resumes a
+    checkpoint or starts from step 0 (none saved yet, or none verifies); then this fit is marked running."""
     directory = log_directory(trainer)
     if directory is None or not trainer.is_global_zero:
         return
     previous = cut_short(directory)
     attempt = restarts.attempt(os.environ)
-    if trainer.ckpt_path and (previous is not None or (attempt is not None and attempt.is_restart)):
+    if previous is not None or (attempt is not None and attempt.is_restart):
         step = trainer.global_step
         why = "the previous run ended without finishing its fit (killed or crashed)" if previous else "restarted"
-        record(
-            trainer,
-            "restart",
-            f"resumed from {Path(trainer.ckpt_path).name} (step {step})",
-            lost=f"the steps the previous run trained after step {step}, if any",
-            detail=why + (f" ({attempt.describe()})" if attempt is not None else ""),
-        )
+        if trainer.ckpt_path:
+            action = f"resumed from {Path(trainer.ckpt_path).name} (step {step})"
+            lost = f"the steps the previous run trained after step {step}, if any"
+        else:
+            action, lost = f"started from step {step}: no checkpoint resumed", "every step the previous run trained"
+        detail = why + (f" ({attempt.describe()})" if attempt is not None else "")
+        record(trainer, "restart", action, lost=lost, detail=detail)
     mark_fit(directory, running=True, step=trainer.global_step)
 
 

@@ -122,6 +122,7 @@ class OptimizerStep:
         self._clip = ClipScale()  # every clip of this step, shared by all norm types
         self._known: dict[Outcome, Flag] = {}  # reasons decided so far (host bools or device flags)
         self._pending: dict[Outcome, Flag] = {}  # votes not yet enforced
+        self._open_votes: set[Outcome] = set()  # votes cast as the step opened, read early (not on its gradients)
         self._folded: dict[Outcome, Flag] = {}  # votes added to the fp16 scaler's decision
         self._enforced = enforce_each_vote  # once enforced, a later vote is enforced at once
         self._found_inf_set = False  # `found_inf` is set on the optimizer (removed at close)
@@ -160,7 +161,8 @@ class OptimizerStep:
     def regrad(self, loss: Tensor | None) -> None:
         """The step's gradients were computed again (``StepReplay``, row 3b): forget every measure of the old ones
         and take ``loss``, the new update's loss (as :attr:`loss`). Only before anything clipped, voted or scaled."""
-        if self._pending or self._known or self._scaled or self._clip.coef is not None:
+        on_gradients = set(self._pending) - self._open_votes  # a vote on the batch (cast as it opened) stands
+        if on_gradients or self._known or self._scaled or self._clip.coef is not None:
             raise RuntimeError("regrad() after the step was clipped, voted on or scaled: replay before row 4")
         self._grads = {}
         self.loss = loss
@@ -182,6 +184,7 @@ class OptimizerStep:
         host = torch.cat(parts).to("cpu", copy=True).tolist()
         for reason, _ in reversed(votes):
             self._pending[reason] = host.pop() > 0
+        self._open_votes |= set(self._pending)
         if isinstance(factor, Tensor):
             self.scale.read_as(host.pop())
         return host

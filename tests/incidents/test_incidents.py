@@ -23,8 +23,11 @@ from tests.helpers import REPO, TinyModule, quiet_trainer
 
 
 class Crash(pl.Callback):
+    def __init__(self, at: int = 7) -> None:
+        self.at = at
+
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        if trainer.global_step == 7:
+        if trainer.global_step == self.at:
             raise RuntimeError("the node went away")
 
 
@@ -84,6 +87,48 @@ def test_a_night_of_faults_reads_as_one_page(tmp_path: Path) -> None:
 
     report = json.loads((tmp_path / "stability_report.json").read_text())
     assert [i["kind"] for i in report["incidents"]] == kinds
+
+
+def fit_saving_every_4(root: Path, callbacks: list[pl.Callback], ckpt_path: str | None = None) -> None:
+    """10 steps, a NaN at step 2 skipped, a save every 4 steps, the health read every 5 (step 2's at step 4's end,
+    after its save)."""
+    pl.seed_everything(0)
+    trainer = quiet_trainer(
+        max_steps=10,
+        log_every_n_steps=5,
+        enable_checkpointing=True,
+        default_root_dir=root,
+        callbacks=[
+            TrainingHealthMonitor(response="skip", warmup_steps=3, report=False),
+            StableCheckpoint(dirpath=root / "ckpts", every_n_train_steps=4, keep=3),
+            *callbacks,
+        ],
+    )
+    trainer.fit(TinyModule(inf_at_step=2), ckpt_path=ckpt_path)
+
+
+def test_a_resume_records_no_fault_of_before_its_checkpoint_again(tmp_path: Path) -> None:
+    """The health monitor reads a step's outcome (and records its skip) at the next logging step. Killed after that
+    step and resumed from a checkpoint saved before it, the run reads the restored outcome of a step it does not
+    train again: the same fault, recorded once (seen in benchmarks/chaos.py: every skip of the first epoch twice)."""
+    with pytest.raises(RuntimeError, match="the node went away"):
+        fit_saving_every_4(tmp_path, [Crash()])  # saved at 4; step 2's skip recorded; crashes as step 7 starts
+    assert [(i.kind, i.step) for i in read_incidents(tmp_path / "ckpts")] == [("skip", 2)]
+    fit_saving_every_4(tmp_path, [], ckpt_path="last")  # resumed at step 4: step 2 is not trained again
+    found = read_incidents(tmp_path / "ckpts")
+    assert [(i.kind, i.step) for i in found] == [("skip", 2), ("restart", 4)], format_incidents(found)
+
+
+def test_a_restart_with_no_checkpoint_to_resume_is_recorded(tmp_path: Path) -> None:
+    """Killed before the first save, the job starts again from step 0: the death is in the log all the same (seen in
+    benchmarks/chaos.py: a kill before step 10, or inside the first save, left no trace)."""
+    with pytest.raises(RuntimeError, match="the node went away"):
+        fit_saving_every_4(tmp_path, [Crash(at=3)])
+    fit_saving_every_4(tmp_path, [], ckpt_path="last")
+    restarts = [i for i in read_incidents(tmp_path / "ckpts") if i.kind == "restart"]
+    assert len(restarts) == 1, format_incidents(read_incidents(tmp_path / "ckpts"))
+    assert restarts[0].step == 0 and restarts[0].action == "started from step 0: no checkpoint resumed"
+    assert restarts[0].lost == "every step the previous run trained" and "ended without finishing" in restarts[0].detail
 
 
 def test_the_command_refuses_a_directory_without_a_log(tmp_path: Path) -> None:
