@@ -32,7 +32,7 @@ def test_torchrun_restarts_the_group_and_fit_last_resumes_exactly(
         assert min(resumed["seen"]) == 12, rank  # the kill came as step 12 started; step 11's checkpoint resumed
     assert differences(tmp_path, "ddp-shuffle", "restart", ranks=2) == []
     (restart,) = read_incidents(tmp_path / "ddp-shuffle-restart")  # the death, named by the restarted group
-    assert restart.kind == "restart" and restart.step == 11 and restart.attempt == "restart 1 of 1 by torchrun"
+    assert restart.kind == "restart" and restart.step == 12 and restart.attempt == "restart 1 of 1 by torchrun"
     assert "ended without finishing" in restart.detail
 
 
