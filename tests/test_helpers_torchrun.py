@@ -23,7 +23,7 @@ with open(os.path.join(out, f"pids.{os.environ['RANK']}"), "w") as f:
     f.write(f"{os.getpid()} {child.pid}")
 time.sleep(300)
 """
-TIMEOUT = 40  # torchrun's start on a busy 2-core machine takes ~10 s
+TIMEOUT = 20  # torchrun's start on a busy 2-core machine takes ~10 s; its workers here import no torch
 
 
 def alive(pid: int) -> bool:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,11 +13,11 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 
-from lightning_stability import GradientNormMonitor, StableCheckpoint, TrainingHealthMonitor
+from lightning_stability import GradientNormMonitor, StableCheckpoint, TrainingHealthMonitor, cli
 from lightning_stability.incidents import Incident, format_incidents, read_incidents
 from lightning_stability.incidents.log import append, cut_short, log_dir, mark_fit
 from tests.checkpoint.test_stable_checkpoint import SendSignal
-from tests.helpers import REPO, TinyModule, quiet_trainer
+from tests.helpers import TinyModule, quiet_trainer
 
 
 class Crash(pl.Callback):
@@ -55,7 +53,7 @@ def fit(root: Path, callbacks: list[pl.Callback], ckpt_path: str | None = None, 
     return trainer
 
 
-def test_a_night_of_faults_reads_as_one_page(tmp_path: Path) -> None:
+def test_a_night_of_faults_reads_as_one_page(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     directory = tmp_path / "ckpts"
     with pytest.raises(RuntimeError, match="the node went away"):
         fit(tmp_path, [Crash()])  # the NaN of step 4 skipped; saves at 2, 4, 6; crashes as step 7 starts
@@ -79,11 +77,10 @@ def test_a_night_of_faults_reads_as_one_page(tmp_path: Path) -> None:
     assert all(i.rank == 0 and i.host for i in found)
     assert cut_short(directory) is None  # the stop at the signal is a clean end
 
-    command = [sys.executable, "-m", "lightning_stability.cli", "incidents", str(directory)]
-    page = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert page.returncode == 0, page.stderr
-    assert page.stdout.startswith("5 incident(s): 1 restart, 1 preemption, 1 damaged_checkpoint, 2 skip")
-    assert "resumed from epoch=0-step=4.ckpt (step 4); lost: the steps the previous run trained" in page.stdout
+    assert cli.main(["incidents", str(directory)]) == 0
+    page = capsys.readouterr()
+    assert page.out.startswith("5 incident(s): 1 restart, 1 preemption, 1 damaged_checkpoint, 2 skip")
+    assert "resumed from epoch=0-step=4.ckpt (step 4); lost: the steps the previous run trained" in page.out
 
     report = json.loads((tmp_path / "stability_report.json").read_text())
     assert [i["kind"] for i in report["incidents"]] == kinds
@@ -131,10 +128,11 @@ def test_a_restart_with_no_checkpoint_to_resume_is_recorded(tmp_path: Path) -> N
     assert restarts[0].lost == "every step the previous run trained" and "ended without finishing" in restarts[0].detail
 
 
-def test_the_command_refuses_a_directory_without_a_log(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "lightning_stability.cli", "incidents", str(tmp_path)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert done.returncode == 2 and "holds no incident log" in done.stderr and "Fix: pass the directory" in done.stderr
+def test_the_command_refuses_a_directory_without_a_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["incidents", str(tmp_path)])
+    said = capsys.readouterr().err
+    assert exited.value.code == 2 and "holds no incident log" in said and "Fix: pass the directory" in said
 
 
 def test_each_rank_appends_to_its_own_file_and_a_line_cut_by_a_kill_is_left_out(tmp_path: Path) -> None:
