@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 import torch
 
 from tests.checkpoint.chaos_run import FAULTS
+from tests.checkpoint.soak import ForkServer
 from tests.checkpoint.test_world_size import BOUND as WORLD_BOUND
 from tests.helpers import kill_process_tree
 
@@ -142,23 +143,12 @@ def plan(faults: list[Fault]) -> list[Job]:
             jobs.append(Job(1 if faults[armed[-1]].kind == "resize" else 2))
 
 
-class Server:
+class Server(ForkServer):
     """``chaos_run.py serve``: forks the ranks of each launch from one process that imported everything; a job's
     launches one after the other (the next as soon as one ends, as torchrun's agent restarts a group)."""
 
     def __init__(self, out: Path) -> None:
-        env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
-        self.log = open(out / "server.log", "ab")  # noqa: SIM115 (closed in close())
-        self.proc = subprocess.Popen(
-            [sys.executable, str(SCRIPT), "serve"],
-            env=env,
-            cwd=out,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            start_new_session=True,
-        )
+        super().__init__(out, SCRIPT)
 
     def launch(self, spec: dict[str, object], timeout: float = 600) -> list[int]:
         """Run one launch to its end; a rank that dies takes the other down (as torchrun's agent does). Returns
@@ -188,17 +178,6 @@ class Server:
         for i, attempt in enumerate(attempts):
             codes += self.launch({**spec, **attempt, "launch": spec["launch"] + i}, timeout)
         return codes
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-        self.log.close()
 
 
 def _dead(pid: int) -> bool:

@@ -55,7 +55,7 @@ from lightning_stability import AtomicCheckpointIO, StableCheckpoint, TrainingHe
 from lightning_stability.checkpoint import atomic
 from lightning_stability.checkpoint.ring import HealthyCheckpoints
 from lightning_stability.replay import BitFlip, PoisonedSamples, StepReplay
-from tests.checkpoint.soak_run import final_state
+from tests.checkpoint.soak_run import final_state, report_exits
 from tests.helpers import exit_worker, quiet_trainer
 from tests.replay.test_replay import IndexedData, Model
 
@@ -247,12 +247,7 @@ def serve() -> None:
                 os.dup2(log, 2)
                 work(spec)
             pids.append(pid)
-        print(json.dumps(pids), flush=True)
-        codes = []
-        for pid in pids:
-            _, status = os.waitpid(pid, 0)
-            codes.append(os.waitstatus_to_exitcode(status))
-        print(json.dumps(codes), flush=True)
+        report_exits(pids)
 
 
 def worker(spec_file: str) -> NoReturn:

@@ -51,14 +51,15 @@ class SoakResult:
         )
 
 
-class Server:
-    """``soak_run.py serve``: forks the two ranks of each launch from one process that imported everything."""
+class ForkServer:
+    """``SCRIPT serve`` in a process of its own (its stderr in ``out/server.log``), which forks the ranks of each
+    launch from one process that imported everything; what a launch is, is the subclass's."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, script: Path) -> None:
         env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
         self.log = open(out / "server.log", "ab")  # noqa: SIM115 (closed in close())
         self.proc = subprocess.Popen(
-            [sys.executable, str(SCRIPT), "serve"],
+            [sys.executable, str(script), "serve"],
             env=env,
             cwd=out,
             stdin=subprocess.PIPE,
@@ -67,6 +68,24 @@ class Server:
             text=True,
             start_new_session=True,
         )
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self.log.close()
+
+
+class Server(ForkServer):
+    """``soak_run.py serve``: the two ranks of each launch, forked."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__(out, SCRIPT)
 
     def launch(self, out: Path, config: str, steps: int, runs: list[str]) -> list[int]:
         """Start both ranks; returns their pids."""
@@ -85,17 +104,6 @@ class Server:
         if not ready:
             return []
         return list(json.loads(self.proc.stdout.readline()))
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
-        self.log.close()
 
 
 def kill(pid: int) -> None:

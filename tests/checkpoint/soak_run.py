@@ -224,12 +224,18 @@ def serve() -> None:
                     os._exit(1)
                 exit_worker()
             pids.append(pid)
-        print(json.dumps(pids), flush=True)
-        codes = []
-        for pid in pids:
-            _, status = os.waitpid(pid, 0)
-            codes.append(os.waitstatus_to_exitcode(status))
-        print(json.dumps(codes), flush=True)
+        report_exits(pids)
+
+
+def report_exits(pids: list[int]) -> None:
+    """For the fork server's driver: the launch's pids, then, once they ended, their exit statuses (a JSON line
+    each on stdout)."""
+    print(json.dumps(pids), flush=True)
+    codes = []
+    for pid in pids:
+        _, status = os.waitpid(pid, 0)
+        codes.append(os.waitstatus_to_exitcode(status))
+    print(json.dumps(codes), flush=True)
 
 
 if __name__ == "__main__":
