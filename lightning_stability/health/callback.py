@@ -29,7 +29,6 @@ from lightning_stability.errors import (
     check_path,
     config_error,
 )
-from lightning_stability.forward_state import ForwardState
 from lightning_stability.health.history import HealthHistory, HealthReporter, HealthSent
 from lightning_stability.health.report import outcome_name
 from lightning_stability.health.report_loggers import send_report
@@ -38,6 +37,7 @@ from lightning_stability.health.rollback import HostFlag, Rollback, newest_clean
 from lightning_stability.health.signals import capacity, mean_over_ranks, peak_memory_over_ranks
 from lightning_stability.health.spike_stats import NEW_LEVEL_AFTER, IntervalMean, Scored, SpikeStats, zclip_threshold
 from lightning_stability.ledger import LedgerCallback, OnHost, OptimizerRecord, Outcome, StepLedger, loss_scaler
+from lightning_stability.ledger.forward_state import ForwardState
 from lightning_stability.ledger.gradients import StepGradients
 from lightning_stability.ledger.verdict import CheckpointRing, HealthVerdict
 from lightning_stability.norms import local_tensor, module_groups

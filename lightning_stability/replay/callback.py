@@ -44,8 +44,8 @@ Cost: on a healthy step, one host read of the step's flags as it opens (the deci
 the votes on the step and the update's factors then use, so that a non-fused optimizer's step makes no read of its
 own at row 8 (a fused one reads nothing without ``StepReplay``: one read more there); the RNG states of each
 micro-batch (a few kB on the host); the batches stay alive until the update; the buffers a forward changes
-(BatchNorm's statistics, an MoE layer's token counts, persistent or not: ``forward_state.py``) are copied once per
-step. A flagged step pays one or two more forward and backward passes
+(BatchNorm's statistics, an MoE layer's token counts, persistent or not: ``ledger/forward_state.py``) are copied
+once per step. A flagged step pays one or two more forward and backward passes
 and a copy of its gradients; one attributed to the data or to nondeterminism under DDP, one more (two for
 nondeterminism), the gather of the suspects' micro-batches and another copy of the gradients. Each replay's time is
 in its event (``elsewhere_seconds``: the run on another rank)."""

@@ -10,7 +10,7 @@ the optimizer state, which the step has not touched yet when the replay runs (be
   nondeterministic and skipped, never applied wrong;
 * its loss as passed to backward (a reference);
 * the buffers a forward changes, persistent or not (BatchNorm's running statistics, an MoE layer's token counts),
-  copied before the first micro-batch (:class:`~lightning_stability.forward_state.ForwardState`: found by their
+  copied before the first micro-batch (:class:`~lightning_stability.ledger.forward_state.ForwardState`: found by their
   version counters at the fit's first step, only those copied; constants such as attention masks and rotary
   caches are not). Most transformers have none or a few small ones.
 
@@ -42,7 +42,7 @@ from torch.optim import Optimizer
 
 from lightning_stability import _compat
 from lightning_stability.checkpoint import rng
-from lightning_stability.forward_state import ForwardState
+from lightning_stability.ledger.forward_state import ForwardState
 from lightning_stability.norms import local_tensor
 
 

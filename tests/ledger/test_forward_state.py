@@ -138,7 +138,7 @@ def test_buffers_a_forward_changes_are_found_at_the_first_steps_and_only_those_a
     monitor = TrainingHealthMonitor(response="skip", warmup_steps=5, report=False)
     trainer = quiet_trainer(callbacks=[monitor, StepReplay(quarantine_file=None)], max_steps=6)
     trainer.fit(model)
-    from lightning_stability.forward_state import ForwardState
+    from lightning_stability.ledger.forward_state import ForwardState
 
     state = ForwardState.of(model)
     norm = ["net.1.0.running_mean", "net.1.0.running_var", "net.1.0.num_batches_tracked"]
