@@ -38,6 +38,7 @@ _EXPORTS = {
     # the step ledger, for callback authors
     "LedgerCallback": "lightning_stability.ledger.callback",
     "Outcome": "lightning_stability.ledger.track",
+    "Stage": "lightning_stability.ledger.stages",
     "StepLedger": "lightning_stability.ledger.step_ledger",
     # checkpoints a crash cannot half-write
     "AtomicCheckpointIO": "lightning_stability.checkpoint.io",
@@ -128,6 +129,7 @@ if TYPE_CHECKING:
     from lightning_stability.health.rollback import TrainingDivergedError
     from lightning_stability.incidents.log import Incident, format_incidents, read_incidents
     from lightning_stability.ledger.callback import LedgerCallback
+    from lightning_stability.ledger.stages import Stage
     from lightning_stability.ledger.step_ledger import StepLedger
     from lightning_stability.ledger.track import Outcome
     from lightning_stability.planner import (

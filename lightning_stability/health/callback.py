@@ -36,7 +36,7 @@ from lightning_stability.health.responses import RESPONSES, Response
 from lightning_stability.health.rollback import HostFlag, Rollback, newest_clean_step, restore_checkpoint
 from lightning_stability.health.signals import capacity, mean_over_ranks, peak_memory_over_ranks
 from lightning_stability.health.spike_stats import NEW_LEVEL_AFTER, IntervalMean, Scored, SpikeStats, zclip_threshold
-from lightning_stability.ledger import LedgerCallback, OnHost, OptimizerRecord, Outcome, StepLedger, loss_scaler
+from lightning_stability.ledger import LedgerCallback, OnHost, OptimizerRecord, Outcome, Stage, StepLedger, loss_scaler
 from lightning_stability.ledger.forward_state import ForwardState
 from lightning_stability.ledger.gradients import StepGradients
 from lightning_stability.ledger.verdict import CheckpointRing, HealthVerdict
@@ -202,6 +202,7 @@ class TrainingHealthMonitor(LedgerCallback):
         self._sent: dict[int, HealthSent] = {}  # per optimizer: what a logging step sent, read in on_host
         # (step, generation, scores, values, the flags read on the host or None: see flags_on_host)
         self._scored_of: tuple[Any, int, Scored, Tensor, list[bool] | None] | None = None
+        self._rolling = False  # under "rollback": the open step is a rollback's or skipped after one (row 3)
 
     @property
     def history(self) -> HealthHistory:
@@ -238,6 +239,9 @@ class TrainingHealthMonitor(LedgerCallback):
         self._const = None
         self._trainer = trainer
         self._log.on_events = self._record_incidents
+        # row 3 of the step table: a rollback restores the state before anything measures the step
+        rollback = self._open_rollback if self.response == "rollback" else None
+        StepLedger.of(trainer).at(Stage.OPEN, "TrainingHealthMonitor.rollback", rollback)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._resumed_at = trainer.global_step  # the outcomes of steps before it came with the checkpoint
@@ -269,7 +273,7 @@ class TrainingHealthMonitor(LedgerCallback):
         the step leaves: the statistics, the metrics, the history's row, the update measured on logging steps."""
         lr = optimizer.param_groups[0]["lr"]
         host = {} if isinstance(lr, Tensor) else {"lr": float(lr)}
-        if self.response == "rollback" and self._rollback_or_skip(trainer, ledger):
+        if self._rolling:
             self._skip_for_rollback(ledger, host)  # the rollback step or the data window after it: no sync
             return
         grads = ledger.gradients()
@@ -336,9 +340,9 @@ class TrainingHealthMonitor(LedgerCallback):
 
     # ------------------------------------------------------------------ for StepReplay
     def scores_step(self) -> bool:
-        """Whether this monitor scores the coming step (under ``"rollback"``, not the rollback's own step nor the
-        data window skipped after it). Reads nothing from the device it would not read anyway."""
-        return not (self.response == "rollback" and (self.rollback.skip_left > 0 or self._damaged.peek()))
+        """Whether this monitor scores the open step (under ``"rollback"``, not the rollback's own step nor the data
+        window skipped after it, decided as the step opened). Reads nothing from the device."""
+        return not self._rolling
 
     def flags_on_host(self, ledger: StepLedger) -> list[bool]:
         """The open step's ``[non-finite, loss spike, gradient-norm spike]`` by the monitor's rule, read on the host
@@ -495,6 +499,11 @@ class TrainingHealthMonitor(LedgerCallback):
         if self._const is None or self._const.zero.device != device:
             self._const = _Constants(device)
         return self._const
+
+    def _open_rollback(self, ledger: StepLedger) -> None:
+        """As the step opens (row 3 of the step table, ``Stage.OPEN``), under ``"rollback"``: roll back or skip."""
+        trainer = ledger.trainer
+        self._rolling = trainer is not None and self._rollback_or_skip(trainer, ledger)
 
     def _rollback_or_skip(self, trainer: pl.Trainer, ledger: StepLedger) -> bool:
         """Under ``"rollback"``, before the step's update: roll back if the flag sent one step ago says the damage

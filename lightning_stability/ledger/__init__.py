@@ -7,7 +7,9 @@ A callback author needs :class:`LedgerCallback` (the template: fill in ``on_step
 :class:`OptimizerRecord` (one optimizer's counts) and :class:`Outcome` (why a step was skipped).
 
 * ``step.py``: :class:`OptimizerStep`, one step from unscale to update, in order: measure, clip, vote, enforce,
-  outcome.
+  outcome; its docstring is the step table.
+* ``stages.py``: :class:`Stage`, one member per row of that table (``StepLedger.at`` registers at a row), and the
+  debug check that no row changes what it may not.
 * ``callback.py``: :class:`LedgerCallback`, the template every callback fills in.
 * ``step_ledger.py``: :class:`StepLedger`: opens and closes each optimizer step (its step hooks), takes skip
   votes, routes metrics; the update's loss.
@@ -25,6 +27,7 @@ from lightning_stability.ledger.callback import LedgerCallback
 from lightning_stability.ledger.gradients import StepGradients
 from lightning_stability.ledger.metrics import OnHost
 from lightning_stability.ledger.skips import loss_scaler
+from lightning_stability.ledger.stages import Stage
 from lightning_stability.ledger.step import OptimizerStep
 from lightning_stability.ledger.step_ledger import CHECKPOINT_KEY, StepLedger
 from lightning_stability.ledger.track import OptimizerRecord, Outcome
@@ -39,6 +42,7 @@ __all__ = [
     "OptimizerRecord",
     "OptimizerStep",
     "Outcome",
+    "Stage",
     "StepGradients",
     "StepLedger",
     "loss_scaler",

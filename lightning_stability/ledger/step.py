@@ -1,53 +1,68 @@
 """One optimizer step, from unscale to update: where it is measured, where it is clipped, where it is skipped.
 
-:class:`OptimizerStep` is the open step of one optimizer; its methods are in the order the step runs. In full:
+:class:`OptimizerStep` is the open step of one optimizer; its methods are in the order the step runs. In full, one row
+per :class:`~lightning_stability.ledger.stages.Stage` (its name opens the row); what changes weights, optimizer state,
+buffers or the LR outside the optimizer's own update registers at its row with ``StepLedger.at(stage, name, fn)``:
 
-==  ==========================================  ==============================================================
- #  what happens                                where
-==  ==========================================  ==============================================================
- 1  forward, backward of each micro-batch;      Lightning's loop; ``LedgerCallback.on_before_backward`` ->
-    the loss kept if a callback ``needs_loss``  ``step_ledger.StepLoss`` (Lightning's divisor, fp16 scale undone)
- 2  fp16: the scaler unscales a non-fused       ``MixedPrecision`` / ``StableFSDPPrecision.optimizer_step``;
-    optimizer, one overflow flag per device     ``amp/scaler.py`` max-reduces the flag over the ranks
- 3  **the step opens**: a fused optimizer is    :class:`OptimizerStep` ``__init__``, from ``StepLedger.open_step``
-    unscaled now; the scaler's decision kept    (the first ``LedgerCallback.on_before_optimizer_step``)
-3b  **a flagged step replayed** (with           ``StepReplay``, from ``StepLedger.open_step``: its look
-    ``StepReplay``): the flags read on the      (``TrainingHealthMonitor.flags_on_host``) is the values row 6
-    host, once; the step's forward and          scores, computed once, read with the factors and votes cast at open
-    backward run again, before anything         (:meth:`OptimizerStep.read_on_host`); the micro-batches run again
-    measures it; the fault attributed           (``replay/rerun.py``), then :meth:`OptimizerStep.regrad`
- 4  **gradients measured**, once for all        :meth:`OptimizerStep.gradients` -> ``gradients.StepGradients``
- 5  **clips**, each relative to the norm the    ``StepGradients.clip_`` -> ``norms.clip_by_global_norm_``:
-    ones before left (the tightest wins)        ``GradientNormMonitor(max_norm)``, ``TrainingHealthMonitor``'s
-                                                adaptive clip (ZClip)
- 6  **votes** to skip: any callback, the        ``StepLedger.mark_skip`` -> :meth:`OptimizerStep.vote`;
-    module's ``on_before_optimizer_step``;      ``StepLedger.scale_update`` -> :meth:`OptimizerStep.scale_update`
-    **factors on the update**, any callback     (AdaScale's gain; ``PrecursorMonitor``'s LR back-off is added as
-                                                the step opens, ``StepLedger._at_open``)
- 7  ``Trainer(gradient_clip_val)``, after       ``StableFSDPPrecision.clip_grad_by_norm``,
-    every ``on_before_optimizer_step``          ``FusedClipMixedPrecision.clip_grad_by_norm`` ->
-                                                ``norms.clip_by_global_norm_``; Lightning's other plugins:
-                                                ``torch.nn.utils.clip_grad_norm_`` (the same coefficient);
-                                                ``backend="fairscale"``: FairScale's ``clip_grad_norm_``
- 8  **votes enforced**, together, one host      :meth:`OptimizerStep.enforce` (the table there says how), from
-    read at most (none when 3b read what they   the optimizer's step pre-hook (:func:`enforce_before_update`);
-    vote); **the update's scale**: the          ``update.UpdateScale.apply`` (read with the votes if on the host,
-    factors' product times each group's LR      or at 3b)
- 9  the update: ``optimizer.step()``, or not    torch, at ``lr x scale`` (every optimizer that reads
-    (the fp16 scaler calls it only without      ``group["lr"]``)
-    overflow)
-10  **the outcome**: one :class:`Outcome`;      :meth:`OptimizerStep.close`, from the step post-hook (or
-    each group's LR put back                    ``on_train_batch_end`` when the scaler skipped the call)
-11  **edits after the update**, in the order    :meth:`OptimizerStep.after_update`: ``PrecursorMonitor``'s
-    asked: weights and optimizer state          update clipping (Adam/AdamW), QK-clip, moment reset
-12  **the update measured** (when asked):       :meth:`OptimizerStep.measure_update` -> ``update.UpdateSize``
-    ``||Δθ||``, ``||θ||`` per tensor            (read by ``TrainingHealthMonitor`` and ``PrecursorMonitor``)
-13  callbacks' ``after_step``: the LR           ``ScheduledLR`` (on the put-back LR), the back-off's factor
-    schedule's next LR, the monitors            moved on row 12, the health history's outcome
-==  ==========================================  ==============================================================
+===  ============================================  ==============================================================
+ #   what happens                                  where
+===  ============================================  ==============================================================
+ 1   ``BACKWARD``: forward, backward of each       Lightning's loop; ``LedgerCallback.on_before_backward`` ->
+     micro-batch; the loss kept if a callback      ``step_ledger.StepLoss`` (Lightning's divisor, fp16 scale undone)
+     ``needs_loss``
+ 2   ``UNSCALE``: fp16: the scaler unscales a      ``MixedPrecision`` / ``StableFSDPPrecision.optimizer_step``;
+     non-fused optimizer, one flag per device      ``amp/scaler.py`` max-reduces the flag over the ranks
+ 3   ``OPEN``: **the step opens**: a fused         :class:`OptimizerStep` ``__init__``, from ``StepLedger.open_step``
+     optimizer is unscaled now; the scaler's       (the first ``LedgerCallback.on_before_optimizer_step``), then
+     decision kept; **what must come before        the functions at ``Stage.OPEN``: ``TrainingHealthMonitor``'s
+     anything measures the step**                  rollback (weights, optimizer state, buffers restored; a disk
+                                                   rollback loads its checkpoint here), ``StepReplay``'s stand-in
+                                                   batch (its buffers put back, a skip vote), ``PrecursorMonitor``'s
+                                                   LR back-off (a factor on the update)
+3b   ``REPLAY``: **a flagged step replayed**       ``StepReplay`` at ``Stage.REPLAY``: its look
+     (with ``StepReplay``): the flags read on      (``TrainingHealthMonitor.flags_on_host``) is the values row 6
+     the host, once; the step's forward and        scores, computed once, read with the factors and votes cast at
+     backward run again, buffers and RNG states    open (:meth:`OptimizerStep.read_on_host`); the micro-batches run
+     put back around them; the fault attributed    again (``replay/rerun.py``), then :meth:`OptimizerStep.regrad`
+ 4   ``MEASURE``: **gradients measured**, once     :meth:`OptimizerStep.gradients` -> ``gradients.StepGradients``
+     for all (callbacks' ``on_step``)
+ 5   ``CLIP``: **clips**, each relative to the     ``StepGradients.clip_`` -> ``norms.clip_by_global_norm_``:
+     norm the ones before left (the tightest       ``GradientNormMonitor(max_norm)``, ``TrainingHealthMonitor``'s
+     wins)                                         adaptive clip (ZClip)
+ 6   ``VOTE``: **votes** to skip: any callback,    ``StepLedger.mark_skip`` -> :meth:`OptimizerStep.vote`;
+     the module's ``on_before_optimizer_step``;    ``StepLedger.scale_update`` -> :meth:`OptimizerStep.scale_update`
+     **factors on the update**, any callback       (AdaScale's gain; the LR back-off's is added at row 3)
+ 7   ``LIGHTNING_CLIP``:                           ``StableFSDPPrecision.clip_grad_by_norm``,
+     ``Trainer(gradient_clip_val)``, after every   ``FusedClipMixedPrecision.clip_grad_by_norm`` ->
+     ``on_before_optimizer_step``                  ``norms.clip_by_global_norm_``; Lightning's other plugins:
+                                                   ``torch.nn.utils.clip_grad_norm_`` (the same coefficient);
+                                                   ``backend="fairscale"``: FairScale's ``clip_grad_norm_``
+ 8   ``ENFORCE``: the gradients the update will    the optimizer's step pre-hook (:func:`enforce_before_update`):
+     use, read (functions at ``Stage.ENFORCE``);   the functions at ``Stage.ENFORCE`` (``PrecursorMonitor``'s
+     **votes enforced**, together, one host read   update-clip coefficients and moment-reset test), then
+     at most (none when 3b read what they vote);   :meth:`OptimizerStep.enforce` (the table there says how);
+     **the update's scale**: the factors'          ``update.UpdateScale.apply`` (read with the votes if on the host,
+     product times each group's LR                 or at 3b)
+ 9   ``UPDATE``: ``optimizer.step()``, or not      torch, at ``lr x scale`` (every optimizer that reads
+     (the fp16 scaler calls it only without        ``group["lr"]``)
+     overflow)
+10   ``OUTCOME``: **the outcome**: one             :meth:`OptimizerStep.close`, from the step post-hook (or
+     :class:`Outcome`; each group's LR put back    ``on_train_batch_end`` when the scaler skipped the call), via
+                                                   ``StepLedger.close_step``
+11   ``AFTER_UPDATE``: **edits after the           the functions at ``Stage.AFTER_UPDATE``: ``PrecursorMonitor``'s
+     update**, applied or skipped: weights and     update clipping (Adam/AdamW), QK-clip, moment reset
+     optimizer state
+12   ``MEASURE_UPDATE``: **the update measured**   :meth:`OptimizerStep.finish_update` -> ``update.UpdateSize``
+     (when asked): ``||Δθ||``, ``||θ||`` per       (asked for with :meth:`OptimizerStep.measure_update`; read by
+     tensor                                        ``TrainingHealthMonitor`` and ``PrecursorMonitor``)
+13   ``AFTER_STEP``: callbacks' ``after_step``:    the functions at ``Stage.AFTER_STEP``, one per
+     the LR schedule's next LR, the monitors       ``LedgerCallback``: ``ScheduledLR`` (on the put-back LR), the
+                                                   back-off's factor moved on row 12, the health history's outcome
+===  ============================================  ==============================================================
 
-What lands in the weights is rows 9 and 11, nothing else; what sets an update's size is the LR schedule (the
-base LR), row 8 (every factor on it) and, for Adam only, the update clipping of row 11.
+The functions of a row run in the order of their names: what a step does does not depend on the order of the
+Trainer's callbacks. What lands in the weights is rows 3 (a rollback), 9 and 11, nothing else; what sets an update's
+size is the LR schedule (the base LR), row 8 (every factor on it) and, for Adam only, the update clipping of row 11.
 
 Where is a step skipped? At 8, and only there (under fp16 the scaler's own skip at 9 obeys the votes of 6).
 Where is it clipped? At 5 and 7; every clip of this package goes through one function, ``norms.clip_by_global_norm_``.
@@ -83,9 +98,6 @@ from lightning_stability.ledger.skips import (
 )
 from lightning_stability.ledger.track import OptimizerRecord, Outcome
 from lightning_stability.ledger.update import UpdateScale, UpdateSize
-
-#: an edit after the update (row 11): called with the step and its outcome
-AfterUpdate = Callable[["OptimizerStep", "Outcome | Tensor"], None]
 
 
 class OptimizerStep:
@@ -133,7 +145,6 @@ class OptimizerStep:
         self._scaled = False  # the factors are in the LRs (put back at close)
         #: the update's size (row 12), when a callback asked for it; finished at close
         self.update: UpdateSize | None = None
-        self._after_update: list[AfterUpdate] = []
         #: how many times the step's gradients were computed again (row 3b): a measure of the gradients is valid
         #: for the generation it was taken at
         self.generation = 0
@@ -240,11 +251,6 @@ class OptimizerStep:
             )
         self.scale.add(source, factor)
 
-    def after_update(self, action: AfterUpdate) -> None:
-        """Run ``action(step, outcome)`` right after the update (applied or skipped), before it is measured: an edit
-        of the weights or the optimizer's state (row 11). Actions run in the order they were asked for."""
-        self._after_update.append(action)
-
     def measure_update(self) -> UpdateSize | None:
         """Measure this update's size (row 12): ``step.update`` holds it from ``after_step`` on. Costs one transient
         copy of this rank's weights; asked for by several callbacks, measured once. ``None`` when no tensor has a
@@ -314,8 +320,8 @@ class OptimizerStep:
     # 10. --------------------------------------------------------------- outcome
     def close(self) -> Outcome | Tensor:
         """The step's :class:`Outcome` (a tensor when decided on the device), once ``optimizer.step()`` ran or
-        the scaler skipped it (:attr:`stepped`). Removes ``found_inf`` from the optimizer, puts each group's LR
-        back, runs the edits after the update (row 11) and measures it (row 12)."""
+        the scaler skipped it (:attr:`stepped`). Removes ``found_inf`` from the optimizer and puts each group's LR
+        back."""
         if self._found_inf_set:
             del self.optimizer.found_inf  # type: ignore[attr-defined]
             del self.optimizer.grad_scale  # type: ignore[attr-defined]
@@ -345,13 +351,13 @@ class OptimizerStep:
                 outcome = torch.where(flag.to(self.device, non_blocking=True).bool(), int(reason), other)
             elif flag:
                 outcome = reason
-        # 11. edits after the update; 12. the update measured (what rows 9 and 11 left in the weights)
-        actions, self._after_update = self._after_update, []
-        for action in actions:
-            action(self, outcome)
+        return outcome
+
+    # 12. --------------------------------------------------------------- the update measured
+    def finish_update(self) -> None:
+        """Measure what rows 9 and 11 left in the weights, when a callback asked (:meth:`measure_update`)."""
         if self.update is not None:
             self.update.finish()
-        return outcome
 
 
 def enforce_before_update(

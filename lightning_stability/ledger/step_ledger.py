@@ -14,6 +14,7 @@ by :class:`~lightning_stability.ledger.callback.LedgerCallback`.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -28,6 +29,7 @@ from lightning_stability.errors import check_instance
 from lightning_stability.ledger.gradients import StepGradients
 from lightning_stability.ledger.metrics import FlushHook, MetricQueue, OnHost
 from lightning_stability.ledger.skips import Flag, loss_scaler
+from lightning_stability.ledger.stages import Stage, StageCheck
 from lightning_stability.ledger.step import OptimizerStep, enforce_before_update
 from lightning_stability.ledger.track import OptimizerRecord, Outcome, device_of, optimizer_names
 from lightning_stability.ledger.verdict import HealthVerdict
@@ -50,6 +52,8 @@ class StepLedger:
     * :meth:`gradients`: the open step's gradients and their global norm, computed once for all callbacks;
     * :meth:`mark_skip`: the one way to skip the update, with its reason;
     * :meth:`scale_update`: the one way to change the update's size (a factor on each param group's LR);
+    * :meth:`at`: the one way to run at a row of the step table (:class:`~lightning_stability.ledger.Stage`): every
+      change of the weights, optimizer state, buffers or LR outside the optimizer's own update;
     * :attr:`step_label`: Lightning's step label of the current step (the x axis of ``self.log``);
     * :meth:`any_rank`: a flag made the same on every rank, for every decision that skips;
     * :meth:`record_of`: one optimizer's :class:`OptimizerRecord` (steps, outcome counts, window sums);
@@ -83,9 +87,8 @@ class StepLedger:
         self._current: OptimizerRecord | None = None
         self._open: Optimizer | None = None
         self._several: bool | None = None  # _several_optimizers, as of the step open now (None between steps)
-        self._close_hooks: list[Callable[[StepLedger], None]] = []
-        self._replay: Callable[[StepLedger], None] | None = None  # StepReplay's look at each step as it opens
-        self._open_hooks: dict[str, Callable[[StepLedger], None]] = {}  # see _at_open
+        self._at: dict[Stage, dict[str, Any]] = {}  # see at()
+        self._check = StageCheck() if StageCheck.enabled() else None  # the debug check of the stages' writes
         self._queue = MetricQueue()
         self._loss = StepLoss()
         # id(optimizer) -> (weak reference, record index, hook handles); the reference tells a reused id apart
@@ -203,23 +206,56 @@ class StepLedger:
         self._several = len(self._optimizers()) > 1
         scaler = loss_scaler(trainer) if trainer is not None else None
         self._step = OptimizerStep(optimizer, record, scaler, self._loss.take(), enforce_each_vote=late)
-        for hook in list(self._open_hooks.values()):
-            hook(self)  # factors known before the step (PrecursorMonitor's back-off): in an early read too
-        if self._replay is not None:
-            self._replay(self)  # 3b: a flagged step replayed, before anything measures it (StepReplay)
+        self._run(Stage.OPEN)  # 3. the rollback's restore, a stand-in's buffers, factors known before the step
+        self._run(Stage.REPLAY)  # 3b. a flagged step replayed, before anything measures it (StepReplay)
+        if self._check is not None:
+            self._check.mark(Stage.MEASURE, self._params())
         return True
 
-    def _replay_with(self, look: Callable[[StepLedger], None] | None) -> None:
-        """Have ``look(ledger)`` run as each step opens, before any callback measures it (``StepReplay``)."""
-        self._replay = look
+    def at(self, stage: Stage, name: str, fn: Callable[[StepLedger], None] | None) -> None:
+        """Run ``fn(ledger)`` at ``stage`` of every step from now on (``None``: no more), under ``name`` (one function
+        per name and stage: registering a name again replaces it).
 
-    def _at_open(self, name: str, hook: Callable[[StepLedger], None] | None) -> None:
-        """Have ``hook(ledger)`` run as each step opens, before the replay's look (``None``: no more): for a factor on
-        the update known before the step, so that an early host read (row 3b) carries it."""
-        if hook is None:
-            self._open_hooks.pop(name, None)
-        else:
-            self._open_hooks[name] = hook
+        The functions of a stage run in the order of their names, whatever the order of the Trainer's callbacks.
+        Stages that take functions (``stage.registers``): ``OPEN`` (as the step opens, before anything measures it),
+        ``REPLAY`` (StepReplay's), ``ENFORCE`` (right before the update, after every clip and vote: the gradients
+        the update will use), ``AFTER_UPDATE`` (right after it, applied or skipped: ``ledger.outcome``) and
+        ``AFTER_STEP`` (once the step closed). A bound method is held weakly: a callback's registration ends with it.
+        """
+        check_instance("stage", stage, Stage, "a Stage member, e.g. Stage.AFTER_UPDATE", "StepLedger.at")
+        if not stage.registers:
+            takes = ", ".join(f"Stage.{s.name}" for s in Stage if s.registers)
+            raise ValueError(
+                f"StepLedger.at: Stage.{stage.name} (row {stage.row}) runs no registered function. Fix: one of "
+                f"{takes} (measure, clip and vote from a LedgerCallback's on_step)"
+            )
+        hooks = self._at.setdefault(stage, {})
+        if fn is None:
+            hooks.pop(name, None)
+            return
+        if stage is Stage.REPLAY and any(other != name for other in hooks):
+            raise ValueError(
+                f"StepLedger.at: Stage.REPLAY runs one function ({next(iter(hooks))!r}); {name!r} would be a second"
+            )
+        hooks[name] = weakref.WeakMethod(fn) if inspect.ismethod(fn) else fn
+
+    def _run(self, stage: Stage) -> None:
+        hooks = self._at.get(stage)
+        if not hooks:
+            return
+        for name in sorted(hooks):
+            fn = hooks.get(name)
+            if isinstance(fn, weakref.WeakMethod):
+                fn = fn()
+                if fn is None:  # its callback is gone
+                    del hooks[name]
+                    continue
+            if fn is not None:
+                fn(self)
+
+    def _params(self) -> list[Tensor]:
+        optimizer = self._open
+        return [] if optimizer is None else [p for g in optimizer.param_groups for p in g["params"]]
 
     @property
     def is_open(self) -> bool:
@@ -328,6 +364,9 @@ class StepLedger:
 
     def _enforce(self, optimizer: Optimizer) -> None:
         if self._open is optimizer and self._step is not None:
+            if self._check is not None:  # rows 4 to 7 measure, clip and vote: the weights as they were
+                self._check.check(Stage.ENFORCE, self._params())
+            self._run(Stage.ENFORCE)  # 8. the gradients as the update will see them
             self._step.enforce(before_update=True)
 
     def _after_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
@@ -344,23 +383,25 @@ class StepLedger:
             record.count(Outcome.APPLIED)
             self.outcome = Outcome.APPLIED
 
-    def _on_close(self, hook: Callable[[StepLedger], None]) -> None:
-        """Run ``hook(ledger)`` once when the current step closes (after the optimizer step)."""
-        self._close_hooks.append(hook)
-
     def close_step(self) -> None:
-        """Turn the step's skip flags into one :class:`Outcome` and count it. Idempotent."""
+        """Close the open step, rows 10 to 13 of the step table: its skip flags become one :class:`Outcome`, counted;
+        the edits after the update (``Stage.AFTER_UPDATE``); the update measured; ``Stage.AFTER_STEP``. Idempotent."""
         optimizer = self._open
         if optimizer is None:
             return
         assert self._step is not None
-        outcome = self._step.close()
+        self.outcome = outcome = self._step.close()  # 10. the outcome; each group's LR put back
+        self._run(Stage.AFTER_UPDATE)  # 11. edits of the weights and optimizer state
+        self._step.finish_update()  # 12. the update measured: what rows 9 and 11 left in the weights
         self.record_of().count(outcome)
-        self.outcome = outcome
         self._open = None
-        hooks, self._close_hooks = self._close_hooks, []
-        for hook in hooks:
-            hook(self)
+        check = self._check
+        params = [p for g in optimizer.param_groups for p in g["params"]] if check is not None else []
+        if check is not None:
+            check.mark(Stage.AFTER_STEP, params)
+        self._run(Stage.AFTER_STEP)  # 13. each callback's after_step: the LR schedule's next LR, the monitors
+        if check is not None:
+            check.check(Stage.AFTER_STEP, params)
         self._several = None  # read live between steps (another fit may have other optimizers)
 
     # ------------------------------------------------------------------ metrics

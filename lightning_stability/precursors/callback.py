@@ -54,7 +54,7 @@ from torch.optim import Optimizer
 
 from lightning_stability import _compat
 from lightning_stability.errors import StabilityConfigError, check_bool, check_int, check_number, config_error
-from lightning_stability.ledger import LedgerCallback, OnHost, OptimizerRecord, OptimizerStep, StepLedger
+from lightning_stability.ledger import LedgerCallback, OnHost, OptimizerRecord, OptimizerStep, Stage, StepLedger
 from lightning_stability.ledger.track import Outcome
 from lightning_stability.ledger.update import UpdateSize
 from lightning_stability.norms import is_dtensor, per_tensor_norms
@@ -288,11 +288,14 @@ class PrecursorMonitor(LedgerCallback):
                     "Rprop reads its LR only once, as its first step sizes",
                     "lr_backoff",
                 )
-        StepLedger.of(trainer)._at_open("lr_backoff", self._scale_by_backoff if self._backoff_on else None)
+        ledger = StepLedger.of(trainer)
+        ledger.at(Stage.OPEN, "PrecursorMonitor.lr_backoff", self._scale_by_backoff if self._backoff_on else None)
+        ledger.at(Stage.ENFORCE, "PrecursorMonitor", self._read_gradients)
+        ledger.at(Stage.AFTER_UPDATE, "PrecursorMonitor", self._edit)
 
     def _scale_by_backoff(self, ledger: StepLedger) -> None:
         """As each step opens (before ``StepReplay``'s early read, which then carries it): the back-off's factor on
-        the update (row 6 of the step table)."""
+        the update (row 3 of the step table)."""
         trainer = ledger.trainer
         if trainer is not None:
             ledger.scale_update("lr_backoff", self._backoff_tensor(self._device(trainer)))
@@ -381,8 +384,9 @@ class PrecursorMonitor(LedgerCallback):
 
     # ------------------------------------------------------------------ the step
     def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer) -> None:
-        """Before the update: the back-off's factor on it, its measurement when a signal or a figure needs one, and
-        the edits right after it (update clipping, QK-clip, moment reset: row 11 of the step table)."""
+        """Before the update: whether the update is measured (when a signal or a figure needs it) and whether the
+        back-off moves on it. The gradients the Adam actions read are read at row 8 (:meth:`_read_gradients`), after
+        every clip; the edits run at row 11 (:meth:`_edit`)."""
         step = ledger.step
         config = self.lr_backoff
         tick = (
@@ -394,23 +398,30 @@ class PrecursorMonitor(LedgerCallback):
         measured = (
             self._reads or self.is_logging_step or clipping or (tick and config is not None and config.measures_update)
         ) and step.measure_update() is not None
+        self._open = _OpenStep(optimizer, measured, tick)
+
+    def _read_gradients(self, ledger: StepLedger) -> None:
+        """Row 8 of the step table, right before the update: the update-clip coefficients and the tensors whose
+        gradient spiked, from the gradients the update will use (after every clip, Lightning's too)."""
+        open_step, trainer = self._open, ledger.trainer
+        if open_step is None or trainer is None or not self._adam_actions:
+            return
+        optimizer = open_step.optimizer
+        clipping = self.update_clip is not None
         device = self._device(trainer)
-        open_step = self._open = _OpenStep(optimizer, measured, tick)
-        if self._adam_actions:
-            params = [
-                p
-                for g in optimizer.param_groups
-                for p in g["params"]
-                if p.grad is not None and "exp_avg_sq" in optimizer.state.get(p, {})
-            ]
-            if params:
-                open_step.params = params
-                if clipping:
-                    open_step.clip_coef = self._clip_coefficients(optimizer, params, device)
-                if self.reset_moments:
-                    open_step.hit = self._hit_tensors(optimizer, params, device)
-                _agree_across_ranks(open_step)  # what each rank derived from its own gradients and state
-        step.after_update(self._edit)
+        params = [
+            p
+            for g in optimizer.param_groups
+            for p in g["params"]
+            if p.grad is not None and "exp_avg_sq" in optimizer.state.get(p, {})
+        ]
+        if params:
+            open_step.params = params
+            if clipping:
+                open_step.clip_coef = self._clip_coefficients(optimizer, params, device)
+            if self.reset_moments:
+                open_step.hit = self._hit_tensors(optimizer, params, device)
+            _agree_across_ranks(open_step)  # what each rank derived from its own gradients and state
 
     def _clip_coefficients(self, optimizer: Optimizer, params: list[Tensor], device: torch.device) -> Tensor:
         """StableAdamW's coefficient of each of ``params`` (``(n,)``), from its gradient and state before the step."""
@@ -432,9 +443,9 @@ class PrecursorMonitor(LedgerCallback):
                 )
         return torch.cat(parts)
 
-    def _edit(self, step: OptimizerStep, outcome: Outcome | Tensor) -> None:
+    def _edit(self, ledger: StepLedger) -> None:
         """Right after the update (row 11): the update clipping, the moment reset, QK-clip."""
-        open_step = self._open
+        open_step, step, outcome = self._open, ledger.step, ledger.outcome
         if open_step is None:
             return
         optimizer = step.optimizer

@@ -70,7 +70,7 @@ from lightning_stability.checkpoint import rng
 from lightning_stability.checkpoint.loader_state import ReplayableSampler, training_sampler
 from lightning_stability.errors import StabilityConfigError, check_int, check_path, config_error
 from lightning_stability.health.callback import TrainingHealthMonitor
-from lightning_stability.ledger import LedgerCallback, Outcome, StepLedger, loss_scaler
+from lightning_stability.ledger import LedgerCallback, Outcome, Stage, StepLedger, loss_scaler
 from lightning_stability.ledger.step_ledger import StepLoss
 from lightning_stability.replay.attribute import (
     Attribution,
@@ -201,8 +201,8 @@ class StepReplay(LedgerCallback):
             )
         self._monitor = monitors[0]
         ledger = StepLedger.of(trainer)
-        ledger._at_open("StepReplay", self._vote_stand_ins)
-        ledger._replay_with(self._look)
+        ledger.at(Stage.OPEN, "StepReplay", self._vote_stand_ins)  # before TrainingHealthMonitor's rollback
+        ledger.at(Stage.REPLAY, "StepReplay", self._look)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if len(trainer.optimizers) != 1:

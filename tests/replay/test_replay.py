@@ -32,7 +32,7 @@ from lightning_stability import (
     read_incidents,
 )
 from lightning_stability.errors import StabilityConfigError
-from lightning_stability.ledger import Outcome, StepLedger
+from lightning_stability.ledger import Outcome, Stage, StepLedger
 from lightning_stability.replay import BitFlip, FailingDeviceError, PoisonedSamples, StepReplay, read_quarantine
 from tests.helpers import TinyModule, count_syncs_per_step, make_data, quiet_trainer
 
@@ -527,7 +527,7 @@ def test_a_device_vote_cast_as_the_step_opens_rides_the_early_read() -> None:
         def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
             flag = torch.zeros((), dtype=torch.bool)
             vote = lambda ledger: ledger.mark_skip(Outcome.SKIPPED_QUARANTINED, flag)  # noqa: E731
-            StepLedger.of(trainer)._at_open("test", vote)
+            StepLedger.of(trainer).at(Stage.OPEN, "test", vote)
 
     def syncs(vote: bool) -> list[int]:
         torch.manual_seed(0)
