@@ -296,11 +296,6 @@ _FABRIC_DISTRIBUTED = "lightning.fabric.utilities.distributed"
 _LAUNCHER = ("lightning.pytorch.strategies.launchers.subprocess_script", "_SubprocessScriptLauncher")
 
 
-def distributed_is_initialized() -> bool:
-    """Whether torch.distributed is available and its default process group exists."""
-    return bool(_private(_FABRIC_DISTRIBUTED, "_distributed_is_initialized")())
-
-
 def default_process_group_backend(device: torch.device) -> str:
     """Lightning's default process-group backend for ``device`` (e.g. ``"nccl"`` on CUDA, ``"gloo"`` on CPU)."""
     backend: str = _private(_FABRIC_DISTRIBUTED, "_get_default_process_group_backend_for_device")(device)
@@ -481,7 +476,7 @@ def scaler_device(scaler: Any, default: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- checks
-_TORCH_OPS = ("_foreach_norm", "_foreach_mul_", "_foreach_add_", "_foreach_sub_", "_amp_update_scale_")
+_TORCH_OPS = ("_foreach_norm", "_foreach_mul_", "_foreach_sub_", "_amp_update_scale_")
 #: what an enabled GradScaler must have (TunedGradScaler subclasses it and uses these too)
 _SCALER_ATTRS = (
     "_per_optimizer_states",
@@ -537,7 +532,6 @@ def check_strategy_supported(strategy: Any) -> None:
     from lightning.pytorch.strategies import Strategy
 
     for name in (
-        "_distributed_is_initialized",
         "_get_default_process_group_backend_for_device",
         "_init_dist_connection",
         "_sync_ddp_if_available",
@@ -706,26 +700,6 @@ def foreach_div(tensors: list[Tensor], others: list[Tensor]) -> tuple[Tensor, ..
 def foreach_copy_(tensors: list[Tensor], sources: list[Tensor]) -> None:
     """``tensors[i].copy_(sources[i])`` for all i, in one fused call (``torch._foreach_copy_``)."""
     torch._foreach_copy_(tensors, sources)
-
-
-def foreach_add_(tensors: list[Tensor], others: list[Tensor]) -> None:
-    """``tensors[i] += others[i]`` in place for all i (``torch._foreach_add_``); ``others`` may be 0-dim tensors."""
-    torch._foreach_add_(tensors, others)
-
-
-def foreach_reciprocal_(tensors: list[Tensor]) -> None:
-    """``tensors[i] = 1 / tensors[i]`` in place for all i (``torch._foreach_reciprocal_``)."""
-    torch._foreach_reciprocal_(tensors)
-
-
-def foreach_mul_list_(tensors: list[Tensor], others: list[Tensor]) -> None:
-    """``tensors[i] *= others[i]`` in place for all i (``torch._foreach_mul_``), element-wise."""
-    torch._foreach_mul_(tensors, others)
-
-
-def foreach_add_scalar_(tensors: list[Tensor], scalar: float) -> None:
-    """``tensors[i] += scalar`` in place for all i (``torch._foreach_add_``)."""
-    torch._foreach_add_(tensors, scalar)
 
 
 def foreach_mul_scalars_(tensors: list[Tensor], scalars: list[float] | list[Tensor]) -> None:

@@ -7,9 +7,9 @@ are in :mod:`~lightning_stability.amp.state`.
 
 Each optimizer step has one overflow flag, the same on every rank: torch's unscale records one flag per device the
 gradients live on, :func:`combine_flags` makes them one 0-dim flag on the scale's device, and
-:func:`max_across_ranks` max-reduces it over a process group, so an inf in one rank's gradient (or one shard) makes
-every rank skip and back off alike. :class:`ScalerSettings` holds the scaler's settings and their checks, the
-one definition ``TunedGradScaler`` and ``LossScaleTuner`` both take their arguments from.
+:func:`lightning_stability.ranks.max_` max-reduces it over a process group, so an inf in one rank's gradient (or
+one shard) makes every rank skip and back off alike. :class:`ScalerSettings` holds the scaler's settings and their
+checks, the one definition ``TunedGradScaler`` and ``LossScaleTuner`` both take their arguments from.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_stability import _compat
+from lightning_stability import _compat, ranks
 from lightning_stability.amp.rule import HostScaleState, ScaleRule
 from lightning_stability.amp.state import OverflowCounts, RuleState, ScaleProbe, overflow_read_on_host
 from lightning_stability.errors import check_bool, check_instance, check_int, check_number, config_error
@@ -228,7 +228,7 @@ class TunedGradScaler(torch.amp.GradScaler):
 
     # ------------------------------------------------------------------ overflow detection
     def _reduce_max(self, flags: Tensor) -> Tensor:
-        return max_across_ranks(flags, self.process_group)
+        return ranks.max_(flags, self.process_group)  # one 0-dim collective
 
     def _unscale_grads_(
         self, optimizer: Optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool
@@ -366,13 +366,6 @@ def combine_flags(per_device: dict[torch.device, Tensor], device: torch.device) 
     if len(flags) == 1:
         return flags[0]
     return torch.stack(flags).amax() if flags else torch.zeros((), dtype=torch.float32, device=device)
-
-
-def max_across_ranks(flag: Tensor, group: ProcessGroup | None) -> Tensor:
-    """``flag`` max-reduced in place over ``group`` (one 0-dim collective) when more than one rank runs."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return flag
 
 
 def _check_init_scale(init_scale: object, min_scale: object) -> None:

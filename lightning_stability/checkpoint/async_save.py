@@ -48,7 +48,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from lightning_stability import _compat
+from lightning_stability import _compat, ranks
 from lightning_stability.checkpoint import atomic
 from lightning_stability.checkpoint.atomic import CheckpointError
 from lightning_stability.checkpoint.io import AtomicCheckpointIO, install_on
@@ -112,7 +112,7 @@ class AsyncSaves:
         strategy = trainer.strategy
         atomic_io = install_on(strategy)
         if isinstance(strategy, ShardedAsyncSaver):
-            if dist.is_available() and dist.is_initialized() and self.dcp_group is None:
+            if ranks.is_distributed() and self.dcp_group is None:
                 self.dcp_group = dist.new_group(backend="gloo")
         elif not atomic_io:
             raise config_error(
@@ -123,7 +123,7 @@ class AsyncSaves:
                 "leave out the CheckpointIO plugin (single device, DDP: AtomicCheckpointIO is then installed) or pass "
                 "plugins=[AtomicCheckpointIO()], or strategy=StableFSDPStrategy(), or async_save=False",
             )
-        if _world() > 1 and self._exchange_group is None:
+        if ranks.world_size() > 1 and self._exchange_group is None:
             self._exchange_group = dist.new_group(backend="gloo")
 
     def close(self) -> None:
@@ -262,8 +262,8 @@ class AsyncSaves:
         return _FAILED if any(f.exception() is not None for f in self.pending.futures) else _DONE
 
     def _launch(self, async_op: bool) -> torch.Tensor:
-        buffer = torch.zeros(dist.get_world_size(self._exchange_group), dtype=torch.int64)
-        buffer[dist.get_rank(self._exchange_group)] = self._local_status()
+        buffer = torch.zeros(ranks.world_size(self._exchange_group), dtype=torch.int64)
+        buffer[ranks.rank(self._exchange_group)] = self._local_status()
         work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._exchange_group, async_op=async_op)
         if async_op:
             self._round = (work, buffer)
@@ -341,7 +341,3 @@ class HostCopy:
             torch.cuda.synchronize(device)  # the non-blocking copies are done: the weights may change now
         self._buffers[name] = used
         return staged
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

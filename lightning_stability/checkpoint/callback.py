@@ -11,13 +11,12 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from lightning_stability import _compat, incidents
+from lightning_stability import _compat, incidents, ranks
 from lightning_stability.checkpoint import atomic, recover
 from lightning_stability.checkpoint.arguments import check_model_checkpoint_arguments
 from lightning_stability.checkpoint.async_save import AsyncSaves, PendingSave, ShardedAsyncSaver
@@ -623,9 +622,7 @@ def state_problems(trainer: pl.Trainer, batch_loss: Tensor | None = None) -> lis
     flags.append(~torch.stack(finite).all() if finite else torch.zeros((), device=device, dtype=torch.bool))
     verdict = ledger.health
     flags.append(verdict.spike.to(device) if verdict is not None else torch.zeros((), device=device, dtype=torch.bool))
-    values = torch.stack([f.float() for f in flags])
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    values = ranks.max_(torch.stack([f.float() for f in flags]))
     code, loss_bad, weights_bad, spiked = values.tolist()  # HOST SYNC: a save is due
     problems = []
     if code != Outcome.APPLIED:

@@ -37,7 +37,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import (
     BatchSampler,
@@ -50,7 +49,7 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from lightning_stability import _compat
+from lightning_stability import _compat, ranks
 from lightning_stability.checkpoint import epoch_order, rng
 
 #: the checkpoint's key for what :meth:`LoaderResume.capture` returns
@@ -317,13 +316,13 @@ class LoaderResume:
                 for loader in loaders
             ],
         }
-        world = _world()
+        world = ranks.world_size()
         return {
             "version": 1,
             "epoch": trainer.current_epoch,
             "batches": int(trainer.fit_loop.epoch_loop.batch_progress.current.ready),
             "lengths": [_length(loader) for loader in loaders],
-            "ranks": rng.gather(local),
+            "ranks": ranks.gather_objects(local),
             # to resume on another world size (the same on every rank): each loader's epoch order and global batch
             "orders": [_recipe(loader) for loader in loaders],
             "global_batches": [(_batch_size(loader) or 0) * world or None for loader in loaders],
@@ -345,7 +344,7 @@ class LoaderResume:
         managed = self._check(loaders)
         wrappers = [install(loader) for loader in managed]
         here = _local_states(loaders)
-        rank, world = trainer.global_rank, _world()
+        rank, world = trainer.global_rank, ranks.world_size()
         if saved is None:
             # a fresh fit: rebuild the iterator through the wrappers, drawing nothing from the run's generators
             if wrappers and _compat.restart_train_iterator(trainer):
@@ -391,7 +390,7 @@ class LoaderResume:
         """A resume on another world size (or of an epoch that one dealt): this rank's RNG states (:func:`_states_of`)
         and, mid-epoch, its share of the rest of the saved epoch's order (:mod:`.epoch_order`), when the global
         batch is the same; otherwise said once, and the epoch restarts at its first batch."""
-        rank, world, saved_world = trainer.global_rank, _world(), len(saved["ranks"])
+        rank, world, saved_world = trainer.global_rank, ranks.world_size(), len(saved["ranks"])
         mine = _states_of(saved["ranks"], rank, len(loaders))
         batches, epoch = int(saved["batches"]), int(saved["epoch"])
         total = trainer.num_training_batches
@@ -505,10 +504,6 @@ def _states_of(ranks: list[dict[str, Any]], rank: int, count: int) -> dict[str, 
     if rank < len(ranks):
         return {"rng": ranks[rank]["rng"], "generators": ranks[rank]["generators"]}
     return {"rng": rng.derive(ranks[0]["rng"], rank), "generators": [None] * count}
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _recipe(loader: Any) -> dict[str, Any] | None:

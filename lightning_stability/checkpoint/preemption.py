@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_stability import _compat
+from lightning_stability import _compat, ranks
 from lightning_stability.errors import config_error
 
 _UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP} if hasattr(signal, "SIGKILL") else set()
@@ -128,7 +128,7 @@ class PreemptionSignals:
         """Create the exchange's gloo group (every rank calls this at the same point, e.g. setup)."""
         self.closed = False
         self._work = None
-        if self._group is None and self.signals and _world() > 1:
+        if self._group is None and self.signals and ranks.world_size() > 1:
             self._group = dist.new_group(backend="gloo")
 
     def poll(self) -> dict[signal.Signals, int]:
@@ -161,7 +161,3 @@ class PreemptionSignals:
         if self._group is not None and self._work is None:
             dist.destroy_process_group(self._group)
         self._group, self._work = None, None
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -3,8 +3,9 @@ what the uninterrupted run drew: dropout masks, random augmentation, noise, samp
 
 One process's states: torch's CPU generator, every initialised CUDA device's, NumPy's global ``RandomState`` (when
 NumPy is installed) and Python's ``random``. The HF Trainer saves the same four per process
-(``rng_state_<rank>.pth``); each rank has its own, so a checkpoint holds one set per rank (:func:`gather`). A rank
-that a resume on more processes adds has none saved: it gets :func:`derive`'s.
+(``rng_state_<rank>.pth``); each rank has its own, so a checkpoint holds one set per rank (gathered with
+:func:`lightning_stability.ranks.gather_objects`). A rank that a resume on more processes adds has none saved: it
+gets :func:`derive`'s.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import random
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 try:  # NumPy is optional
     import numpy as np
@@ -70,16 +70,6 @@ def restore(states: dict[str, Any]) -> list[str]:
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
             problems.append(f"CUDA's (saved for {len(saved)} devices, {count} here)")
     return problems
-
-
-def gather(local: Any) -> list[Any]:
-    """Every rank's ``local`` on every rank, in rank order (one ``all_gather_object``; a collective: every rank
-    calls it at the same point). One process: ``[local]``."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [local]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, local)
-    return out
 
 
 def derive(states: dict[str, Any], rank: int) -> dict[str, Any]:

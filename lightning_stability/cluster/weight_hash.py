@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from lightning_stability import ranks
 from lightning_stability.norms import is_dtensor, local_tensor
 
 if TYPE_CHECKING:
@@ -185,10 +185,7 @@ def weight_fingerprint(tensors: Iterable[Tensor], device: torch.device) -> Tenso
 
 def gather_fingerprints(fingerprint: Tensor) -> Tensor:
     """Every rank's fingerprint, ``(world_size, 2)`` on every rank: one small all-gather on the default group."""
-    world = dist.get_world_size()
-    out = torch.empty(world * fingerprint.numel(), dtype=fingerprint.dtype, device=fingerprint.device)
-    dist.all_gather_into_tensor(out, fingerprint.contiguous())
-    return out.view(world, -1)
+    return ranks.gather(fingerprint)
 
 
 def disagreeing_replicas(fingerprints: Sequence[Sequence[float]], layout: ReplicaLayout) -> dict[int, list[int]]:
@@ -211,7 +208,4 @@ def disagreeing_replicas(fingerprints: Sequence[Sequence[float]], layout: Replic
 
 def gather_from_ranks(value: Tensor) -> Tensor:
     """Every rank's ``value`` (0-dim), gathered into a vector on every rank: one small all-gather."""
-    world = dist.get_world_size()
-    out = torch.empty(world, dtype=torch.float32, device=value.device)
-    dist.all_gather_into_tensor(out, value.detach().to(torch.float32).reshape(1))
-    return out
+    return ranks.gather(value.detach().to(torch.float32).reshape(()))

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_stability import _compat, incidents
+from lightning_stability import _compat, incidents, ranks
 from lightning_stability.checkpoint.atomic import CheckpointError, verify_checkpoint
 from lightning_stability.checkpoint.recover import check_listed
 from lightning_stability.checkpoint.ring import RING, Entry
@@ -34,13 +34,14 @@ from lightning_stability.health.report import outcome_name
 from lightning_stability.health.report_loggers import send_report
 from lightning_stability.health.responses import RESPONSES, Response
 from lightning_stability.health.rollback import HostFlag, Rollback, newest_clean_step, restore_checkpoint
-from lightning_stability.health.signals import capacity, mean_over_ranks, peak_memory_over_ranks
+from lightning_stability.health.signals import capacity, peak_memory_over_ranks
 from lightning_stability.health.spike_stats import NEW_LEVEL_AFTER, IntervalMean, Scored, SpikeStats, zclip_threshold
 from lightning_stability.ledger import LedgerCallback, OnHost, OptimizerRecord, Outcome, Stage, StepLedger, loss_scaler
 from lightning_stability.ledger.forward_state import ForwardState
 from lightning_stability.ledger.gradients import StepGradients
 from lightning_stability.ledger.verdict import CheckpointRing, HealthVerdict
 from lightning_stability.norms import local_tensor, module_groups
+from lightning_stability.precursors.callback import PrecursorMonitor
 
 _LOSS, _GRAD = 0, 1
 
@@ -198,6 +199,7 @@ class TrainingHealthMonitor(LedgerCallback):
         self._row: int | None = None  # the open step's history row, its outcome set in after_step
         self._grads: StepGradients | None = None  # the open step's gradients: their fixed clip read in after_step
         self._measured = False  # this logging step's update is measured (the step's UpdateSize, read in after_step)
+        self._logs_update_ratio = True  # stability/update_ratio is this monitor's to record (see on_fit_start)
         self._sent_memory: OnHost | None = None  # a logging step's peak memory, read back in on_host
         self._sent: dict[int, HealthSent] = {}  # per optimizer: what a logging step sent, read in on_host
         # (step, generation, scores, values, the flags read on the host or None: see flags_on_host)
@@ -229,6 +231,7 @@ class TrainingHealthMonitor(LedgerCallback):
                 f"TrainingHealthMonitor watches one optimizer's updates; this module has {len(trainer.optimizers)}. "
                 "Fix: remove it, or train with one optimizer (GradientNormMonitor and the LR schedules serve several)."
             )
+        self._logs_update_ratio = not _update_ratio_recorded_by_precursors(trainer, self._every_n)
         names = {id(p): n for n, p in pl_module.named_parameters()}
         params = [p for g in trainer.optimizers[0].param_groups for p in g["params"]] if trainer.optimizers else []
         index, self._log.names = module_groups(params, names)
@@ -322,7 +325,7 @@ class TrainingHealthMonitor(LedgerCallback):
             return memo[2], memo[3]
         loss = step.loss
         first = const.zero if loss is None else loss.detach().float().to(const.zero.device)
-        values = mean_over_ranks(torch.stack([first, grads.total]))
+        values = ranks.mean(torch.stack([first, grads.total]))  # every rank decides from the same numbers
         scored = self.stats.score(values, self.spike_z, const.grad_only if loss is None else None)
         self._scored_of = (step, step.generation, scored, values, None)
         return scored, values
@@ -440,11 +443,8 @@ class TrainingHealthMonitor(LedgerCallback):
         for key, value in metrics:
             self.record_metric(key, value)
         scaler = loss_scaler(trainer)
-        scale = (
-            scaler._scale.reshape(1).float().to(const.nan.device)
-            if scaler is not None and scaler._scale is not None
-            else const.nan
-        )
+        scaler_scale = _compat.scaler_scale(scaler) if scaler is not None else None
+        scale = scaler_scale.reshape(1).float().to(const.nan.device) if scaler_scale is not None else const.nan
         lr_value = lr.reshape(1).float() if isinstance(lr, Tensor) else const.nan
         # the history's row: loss, grad norm, clip threshold, the two spike flags, LR, loss scale, update ratio (set
         # in after_step where the step measured its update)
@@ -477,7 +477,8 @@ class TrainingHealthMonitor(LedgerCallback):
         self._measured = False
         if size is not None:  # the update-to-weight ratio (total and the largest modules), after the update
             total, largest = self._log.update_ratios(size, self._index_of(size.params))
-            self.record_metric("stability/update_ratio", total)
+            if self._logs_update_ratio:
+                self.record_metric("stability/update_ratio", total)
             top = (self.to_host(largest[0]), self.to_host(largest[1])) if largest is not None else None
         if self.is_logging_step:
             rows = self.history.pending()  # the rows since the last logging step ride this step's transfer
@@ -841,3 +842,14 @@ def record_incidents(
                     step=step,
                     unless_logged=again,
                 )
+
+
+def _update_ratio_recorded_by_precursors(trainer: pl.Trainer, every_n: int) -> bool:
+    """Whether a ``PrecursorMonitor`` records ``stability/update_ratio`` on every step this monitor would (its
+    logging steps fall on each of ours): the key is then that callback's alone. Both record the same figure, the
+    step's ``UpdateSize.ratio``; the monitor keeps the per-module ratios (``stability/update_ratio_by_module/...``)."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, PrecursorMonitor):
+            theirs = callback.log_every_n_steps or trainer.log_every_n_steps  # type: ignore[attr-defined]
+            return theirs > 0 and every_n % theirs == 0
+    return False

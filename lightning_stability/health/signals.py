@@ -1,4 +1,4 @@
-"""The health monitor's measurements: peak memory and its capacity, means over ranks (the update size is the
+"""The health monitor's measurements: peak memory and its capacity (the update size is the
 step's: ``lightning_stability.ledger.update.UpdateSize``).
 
 * Peak memory of this process (:func:`peak_memory`) and the capacity it must fit in (:func:`capacity`): CUDA's
@@ -13,8 +13,8 @@ import resource
 import sys
 
 import torch
-import torch.distributed as dist
-from torch import Tensor
+
+from lightning_stability import ranks
 
 GiB = float(1 << 30)
 
@@ -35,9 +35,7 @@ def peak_memory_over_ranks(device: torch.device) -> torch.Tensor:
     peak, second = peak_memory(device)
     # fills with host scalars: no host-to-device copy
     memory = torch.stack([torch.full((), v, dtype=torch.float32, device=device) for v in (peak, second)])
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(memory, op=dist.ReduceOp.MAX)
-    return memory
+    return ranks.max_(memory)
 
 
 def capacity(device: torch.device) -> float | None:
@@ -68,12 +66,3 @@ def memory_warning(peak: float, total: float | None, fraction: float) -> str | N
         "available: close to out-of-memory. Fix: a smaller micro-batch with more gradient accumulation, activation "
         "checkpointing, or sharding (StableFSDPStrategy)."
     )
-
-
-def mean_over_ranks(values: Tensor) -> Tensor:
-    """The mean over ranks (one all-reduce; ``values`` itself when not distributed): every rank then decides from
-    the same numbers."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
-        values = values / dist.get_world_size()
-    return values

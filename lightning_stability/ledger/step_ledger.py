@@ -20,11 +20,10 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_stability import _compat
+from lightning_stability import _compat, ranks
 from lightning_stability.errors import check_instance
 from lightning_stability.ledger.gradients import StepGradients
 from lightning_stability.ledger.metrics import FlushHook, MetricQueue, OnHost
@@ -313,11 +312,7 @@ class StepLedger:
     def any_rank(self, flag: Tensor) -> Tensor:
         """``flag`` made rank-consistent: true on every rank when it is true on any (one 0-dim all-reduce
         over the default process group, no host sync). Use it for every decision that skips a step."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-            return flag
-        value = flag.to(torch.float32)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return value > 0
+        return ranks.any_rank(flag)
 
     def mark_skip(self, reason: Outcome, flag: Flag, optimizer: Optimizer | None = None) -> None:
         """Skip the current update when ``flag`` (a host bool or a 0-dim device tensor) is true, and say why.

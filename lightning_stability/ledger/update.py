@@ -16,11 +16,10 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_stability import _compat
+from lightning_stability import _compat, ranks
 from lightning_stability.errors import config_error
 from lightning_stability.norms import DTensor, combine_norms, is_dtensor, local_tensor, per_tensor_norms
 
@@ -178,6 +177,5 @@ class UpdateSize:
         total = combine_norms(self.update_norms)
         ratio = total / combine_norms(self.weight_norms).clamp(min=torch.finfo(torch.float32).tiny)
         both = torch.stack([ratio, total])
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(both, op=dist.ReduceOp.MAX)  # alike on every rank, also if one rank's weights strayed
+        ranks.max_(both)  # alike on every rank, also if one rank's weights strayed
         self.ratio, self.update_norm = both.unbind()

@@ -11,7 +11,8 @@ read on the host there):
   the measured values (:class:`~lightning_stability.precursors.logits.LogPartition`);
 * ``stability/update_ratio``: the update's norm over the weights' norm, all tensors together, and
   ``stability/update_rms_max``: the largest RMS of a tensor's update, both measured across the update for any
-  optimizer (the step's ``UpdateSize``: the same figure ``TrainingHealthMonitor`` logs);
+  optimizer (the step's ``UpdateSize``; ``TrainingHealthMonitor`` leaves the ratio's key to this callback when it
+  logs on each of the monitor's logging steps);
 * ``stability/adam_eps_share``: with ``torch.optim.Adam``/``AdamW``, the share of coordinates (over every tensor)
   where Adam's epsilon dominates the denominator (:func:`~lightning_stability.precursors.adam.adam_eps_share`).
 
@@ -46,13 +47,12 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed.tensor import Shard
 from torch.optim import Optimizer
 
-from lightning_stability import _compat
+from lightning_stability import _compat, ranks
 from lightning_stability.errors import StabilityConfigError, check_bool, check_int, check_number, config_error
 from lightning_stability.ledger import LedgerCallback, OnHost, OptimizerRecord, OptimizerStep, Stage, StepLedger
 from lightning_stability.ledger.track import Outcome
@@ -538,10 +538,9 @@ class PrecursorMonitor(LedgerCallback):
         if self._logits is None or not self._logits.maxima:
             return {}
         maxima = self._logits.maxima
-        if _world_size() > 1:
+        if ranks.world_size() > 1:
             names = list(maxima)
-            flat = torch.cat([maxima[n] for n in names])
-            dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+            flat = ranks.max_(torch.cat([maxima[n] for n in names]))
             sizes = [maxima[n].numel() for n in names]
             maxima = dict(zip(names, flat.split(sizes), strict=True))
         return maxima
@@ -685,10 +684,6 @@ class _OpenStep:
         self.maxima: dict[str, Tensor] | None = None  # the step's attention maxima, over ranks (the edit's)
 
 
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def _agree_across_ranks(open_step: _OpenStep) -> None:
     """The update-clip coefficients (their minimum) and the hit tensors (any rank's) alike on every rank: one
     all-reduce. Under DDP every rank computes them from the same reduced gradients and the same state, so this
@@ -696,10 +691,9 @@ def _agree_across_ranks(open_step: _OpenStep) -> None:
     parts = [t for t in (open_step.clip_coef,) if t is not None]
     if open_step.hit is not None:
         parts.append(1.0 - open_step.hit.float())  # min over ranks of "not hit": hit on any rank
-    if _world_size() == 1 or not parts:
+    if ranks.world_size() == 1 or not parts:
         return
-    flat = torch.cat(parts)
-    dist.all_reduce(flat, op=dist.ReduceOp.MIN)
+    flat = ranks.min_(torch.cat(parts))
     chunks = list(flat.split([t.numel() for t in parts]))
     if open_step.clip_coef is not None:
         open_step.clip_coef = chunks.pop(0)

@@ -21,9 +21,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_stability import ranks
 from lightning_stability.errors import StabilityConfigError, check_ratio, config_error
 
 #: The names an LM head usually has, tried in this order when no ``module`` is given.
@@ -119,11 +119,8 @@ class LogPartition:
             return None
         log_z = self._sum / self._count
         self._sum, self._count = None, 0
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            # the mean over ranks before the EMA moves: every rank keeps the same EMA (rank 0's checkpoint resumes all)
-            log_z = log_z.clone()
-            dist.all_reduce(log_z, op=dist.ReduceOp.SUM)
-            log_z = log_z / dist.get_world_size()
+        # the mean over ranks before the EMA moves: every rank keeps the same EMA (rank 0's checkpoint resumes all)
+        log_z = ranks.mean(log_z)
         if self.ema is None:
             self.ema = log_z.clone()
         drift = log_z - self.ema

@@ -72,6 +72,7 @@ from lightning_stability.errors import StabilityConfigError, check_int, check_pa
 from lightning_stability.health.callback import TrainingHealthMonitor
 from lightning_stability.ledger import LedgerCallback, Outcome, Stage, StepLedger, loss_scaler
 from lightning_stability.ledger.step_ledger import StepLoss
+from lightning_stability.ranks import gather_objects
 from lightning_stability.replay.attribute import (
     Attribution,
     Cause,
@@ -210,7 +211,7 @@ class StepReplay(LedgerCallback):
                 f"StepReplay replays one optimizer's steps; this module has {len(trainer.optimizers)}. Fix: remove "
                 "StepReplay, or train with one optimizer."
             )
-        self._hosts = [str(h) for h in rng.gather(socket.gethostname())]  # every rank's, in rank order
+        self._hosts = [str(h) for h in gather_objects(socket.gethostname())]  # every rank's, in rank order
         self._world = trainer.world_size
         self._elsewhere = self._world > 1 and isinstance(trainer.strategy, DDPStrategy)
         if self._world > 1 and not self._elsewhere:
@@ -327,7 +328,7 @@ class StepReplay(LedgerCallback):
         first_grads = gradients(optimizer)
         same = (same_bits(original, first), same_bits(original_grads, first_grads))
         runs = 2
-        gathered: list[Any] = rng.gather(same)
+        gathered: list[Any] = gather_objects(same)
         if all(loss and grads for loss, grads in gathered):
             losses = grads = [Evidence(True) for _ in gathered]
             final = first
@@ -341,7 +342,7 @@ class StepReplay(LedgerCallback):
                 (same_bits(original, second), same_bits(first, second)),
                 (same_bits(original_grads, second_grads), same_bits(kept, second_grads)),
             )
-            gathered = rng.gather(local)
+            gathered = gather_objects(local)
             losses = [Evidence(s[0], *o) for s, o, _ in gathered]
             grads = [Evidence(s[1], *g) for s, _, g in gathered]
             final = second
@@ -389,7 +390,7 @@ class StepReplay(LedgerCallback):
         if not self._elsewhere:
             return found, f" (not run on another rank under {type(trainer.strategy).__name__}: DDP only)", {}
         if found.cause is Cause.DATA:
-            flagged = [any(f) for f in rng.gather(self._flagged(trainer, monitor, losses))]  # HOST READ
+            flagged = [any(f) for f in gather_objects(self._flagged(trainer, monitor, losses))]  # HOST READ
         else:
             flagged = [False] * self._world
         ranks = suspects(found, flagged)
@@ -402,7 +403,7 @@ class StepReplay(LedgerCallback):
         source = list(range(self._world))
         for suspect, partner in pairs:
             source[suspect], source[partner] = partner, suspect
-        micro: list[Any] = rng.gather(shipped(self.inputs) if source[me] != me else None)
+        micro: list[Any] = gather_objects(shipped(self.inputs) if source[me] != me else None)
         inputs = (
             self.inputs if source[me] == me else received(self.inputs, micro[source[me]], trainer.strategy.root_device)
         )
@@ -411,7 +412,7 @@ class StepReplay(LedgerCallback):
         twice = found.cause is Cause.NONDETERMINISTIC
         runs = [rerun(trainer, optimizer, inputs, sync=False) for _ in range(2 if twice else 1)]
         local = (any(self._flagged(trainer, monitor, runs[0])), same_bits(runs[0], runs[1]) if twice else None)
-        seen: list[Any] = rng.gather(local)  # HOST READ above, on a replayed step only
+        seen: list[Any] = gather_objects(local)  # HOST READ above, on a replayed step only
         # the replay's gradients and RNG states back (the buffers: every outcome from here skips or runs again)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         for param, grad in zip(params, kept_grads, strict=True):
@@ -558,7 +559,7 @@ class StepReplay(LedgerCallback):
         mine = [
             (m.batch_idx, m.indices or [], bool(b)) for m, b in zip(micro, bad or [False] * len(micro), strict=True)
         ]
-        everyone: list[Any] = rng.gather(mine)
+        everyone: list[Any] = gather_objects(mine)
         located = any(b for rank in everyone for _, _, b in rank)
         new = 0
         for rank, batches in enumerate(everyone):

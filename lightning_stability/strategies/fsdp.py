@@ -22,7 +22,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_stability import _compat
+from lightning_stability import _compat, ranks
 from lightning_stability.checkpoint import atomic
 from lightning_stability.checkpoint.async_save import AsyncSaves
 from lightning_stability.checkpoint.atomic import CheckpointError
@@ -312,7 +312,7 @@ class StableFSDPStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ collectives
     def barrier(self, name: str | None = None) -> None:
-        if not _compat.distributed_is_initialized():
+        if not ranks.is_distributed():
             return
         if torch.distributed.get_backend() == "nccl":
             torch.distributed.barrier(device_ids=[self.root_device.index])
@@ -320,7 +320,7 @@ class StableFSDPStrategy(ParallelStrategy):
             torch.distributed.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _compat.distributed_is_initialized():
+        if not ranks.is_distributed():
             return obj
         holder = [obj]
         torch.distributed.broadcast_object_list(holder, src)
@@ -450,10 +450,7 @@ class StableFSDPStrategy(ParallelStrategy):
 
     def _gather_errors(self, error: str | None) -> dict[int, str]:
         """Every rank's error (``None`` for success), known to every rank: one all-gather, also a barrier."""
-        errors = [error]
-        if _compat.distributed_is_initialized():
-            errors = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(errors, error)
+        errors = ranks.gather_objects(error)
         return {rank: e for rank, e in enumerate(errors) if e is not None}
 
     def _save_failed(self, failed: dict[int, str], stage: str, path: Path, partial: Path) -> CheckpointError:

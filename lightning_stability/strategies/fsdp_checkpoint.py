@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_stability import _compat
+from lightning_stability import _compat, ranks
 from lightning_stability.checkpoint import atomic, checksums
 from lightning_stability.errors import check_bool, check_path
 
@@ -118,18 +118,12 @@ def save(checkpoint: dict[str, Any], partial: Path, *, full: bool, is_global_zer
 def gather_checksums(partial: Path, group: Any = None) -> dict[str, Any]:
     """Every rank (after the shards are written): hash this rank's files of the sharded ``partial``; returns the
     table of every rank's (one all-gather on ``group``). A rank that fails to hash raises on every rank."""
-    import torch.distributed as dist
-
-    distributed = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank(group) if distributed else 0
+    rank = ranks.rank(group)
     try:
         mine: tuple[dict[str, Any], str | None] = (checksums.hash_own_files(partial, rank), None)
     except Exception as err:
         mine = ({}, f"{type(err).__name__}: {err}")
-    parts = [mine]
-    if distributed:
-        parts = [({}, None)] * dist.get_world_size(group)
-        dist.all_gather_object(parts, mine, group=group)
+    parts = ranks.gather_objects(mine, group)
     failed = [(r, error) for r, (_, error) in enumerate(parts) if error is not None]
     if failed:
         raise atomic.CheckpointError(f"Hashing the shards of {partial} failed on rank {failed[0][0]}: {failed[0][1]}")

@@ -855,3 +855,43 @@ def test_skip_on_loss_adds_no_host_sync_on_steps_that_do_not_log() -> None:
         TinyModule(optimizer="adamw_fused"),
     )
     assert ours == bare
+
+
+class RatioSeen(pl.Callback):
+    """``stability/update_ratio`` in ``callback_metrics`` after each step (``None`` where not there)."""
+
+    def __init__(self) -> None:
+        self.seen: list[float | None] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        value = trainer.callback_metrics.get("stability/update_ratio")
+        self.seen.append(None if value is None else float(value))
+
+
+@pytest.mark.parametrize(
+    ("health_every", "precursor_every", "owner"), [(2, 2, "precursor"), (4, 2, "precursor"), (2, 4, "both")]
+)
+def test_update_ratio_has_one_owner_and_reads_the_same_with_both_monitors(
+    health_every: int, precursor_every: int, owner: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a ``PrecursorMonitor`` that logs on each of the health monitor's logging steps, ``stability/update_ratio``
+    is the precursor monitor's alone; the loggers and ``callback_metrics`` show what both recording it showed."""
+    from lightning_stability import PrecursorMonitor
+    from lightning_stability.health import callback as health_callback
+    from tests.amp.test_loss_scale import MemoryLogger
+
+    def fit() -> tuple[TrainingHealthMonitor, MemoryLogger, RatioSeen]:
+        mon, logger, seen = monitor("warn", log_every_n_steps=health_every), MemoryLogger(), RatioSeen()
+        callbacks = [mon, PrecursorMonitor(log_every_n_steps=precursor_every), seen]
+        torch.manual_seed(0)
+        quiet_trainer(max_steps=12, callbacks=callbacks, logger=logger, limit_train_batches=5).fit(TinyModule())
+        return mon, logger, seen
+
+    mon, logger, seen = fit()
+    assert mon._logs_update_ratio is (owner == "both")
+    monkeypatch.setattr(health_callback, "_update_ratio_recorded_by_precursors", lambda *args: False)
+    both, both_logger, both_seen = fit()  # both record the key
+    assert both._logs_update_ratio
+    assert logger.series("stability/update_ratio") == both_logger.series("stability/update_ratio")
+    assert len(logger.series("stability/update_ratio")) >= 3
+    assert seen.seen == both_seen.seen
