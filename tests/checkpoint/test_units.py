@@ -119,3 +119,43 @@ def test_save_now_is_the_checkpoint_callbacks_own_else_the_model_checkpoints_las
     quiet_trainer(max_steps=3, callbacks=[SaveAt()]).fit(TinyModule())
     assert saved == [str(tmp_path / "plain" / "last.ckpt"), str(tmp_path / "stable" / "epoch=0-step=2.ckpt"), None]
     assert stable.healthy_checkpoints() == [(tmp_path / "stable" / "epoch=0-step=2.ckpt", 2)]
+
+
+class InfFrom(TinyModule):
+    """Every step from global step 2 on has an infinite loss (its update skipped: never a healthy state)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("inf") if self.global_step >= 2 else loss
+
+
+def test_a_signal_in_a_state_that_stays_unhealthy_stops_without_a_save_after_the_tries(tmp_path: Path) -> None:
+    """StableCheckpoint hands its PreemptionCheckpoint a save that saves nothing while the state is unhealthy: the
+    unit tries at the boundary every rank learned of the signal and at SIGNAL_DEFER_STEPS more, then stops."""
+    import os
+    import signal
+
+    from lightning_stability import GradientNormMonitor, read_incidents
+    from lightning_stability.checkpoint.callback import SIGNAL_DEFER_STEPS
+
+    class Signal(Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == 3:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        stable = StableCheckpoint(dirpath=tmp_path, every_n_train_steps=100, signals=[signal.SIGUSR1])
+        trainer = quiet_trainer(
+            max_steps=20,
+            enable_checkpointing=True,
+            plugins=[AtomicCheckpointIO()],
+            callbacks=[GradientNormMonitor(), Signal(), stable],
+        )
+        trainer.fit(InfFrom())
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert trainer.global_step == 4 + SIGNAL_DEFER_STEPS  # learned at the boundary of step 4
+    assert stable.healthy_checkpoints() == []
+    (preemption,) = [i for i in read_incidents(tmp_path) if i.kind == "preemption"]
+    assert "not saved" in preemption.action and preemption.lost
