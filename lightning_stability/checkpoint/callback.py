@@ -20,12 +20,12 @@ from lightning_stability import _compat, incidents, ranks
 from lightning_stability.checkpoint import atomic, recover
 from lightning_stability.checkpoint.arguments import check_model_checkpoint_arguments
 from lightning_stability.checkpoint.async_save import AsyncSaves, PendingSave, ShardedAsyncSaver
-from lightning_stability.checkpoint.atomic import CheckpointError
 from lightning_stability.checkpoint.exact_resume import ExactResume
 from lightning_stability.checkpoint.io import install_on, local_path
 from lightning_stability.checkpoint.preemption import check_signals, default_signals
 from lightning_stability.checkpoint.preemption_checkpoint import PreemptionCheckpoint
 from lightning_stability.checkpoint.ring import BEST, LAST, RING, Entry, HealthyCheckpoints
+from lightning_stability.checkpoint.units import drives_units
 from lightning_stability.errors import check_bool, check_int, config_error
 from lightning_stability.ledger.step_ledger import StepLedger
 from lightning_stability.ledger.track import Outcome
@@ -35,6 +35,7 @@ from lightning_stability.norms import local_tensor
 SIGNAL_DEFER_STEPS = 5
 
 
+@drives_units  # each hook: its own body, then its units'
 class StableCheckpoint(ModelCheckpoint):
     """A ``ModelCheckpoint`` that saves only healthy states, keeps the newest ``keep``, resumes exactly with
     ``trainer.fit(model, ckpt_path="last")`` and saves and stops on a preemption signal.
@@ -162,13 +163,21 @@ class StableCheckpoint(ModelCheckpoint):
         self.save_at_end = save_at_end
         self.signals = check_signals(default_signals() if signals is None else signals)
         # save and stop on a signal, with the healthy save of _save_on_signal
-        self._preemption = PreemptionCheckpoint.part_of("StableCheckpoint", self.signals, self._save_on_signal)
+        self._preemption = PreemptionCheckpoint.part_of(
+            "StableCheckpoint", self.signals, self._save_on_signal, tries=SIGNAL_DEFER_STEPS
+        )
         self._healthy_list = HealthyCheckpoints(Path("."))
         self._kind = BEST  # what the next _save_checkpoint writes
         self._taken_back: list[Entry] = []  # see _find_last_checkpoints
         self._hidden: list[Any] = []  # Lightning's warning hidden where it does not hold (shown again at setup)
         self._exact_resume = ExactResume.part_of("StableCheckpoint")  # the data position and RNG states
         self._reset_run_state()
+
+    @property
+    def units(self) -> tuple[PreemptionCheckpoint, ExactResume]:
+        """The callbacks it is made of, whose hooks run after its own (``drives_units``): ExactResume last, as it
+        puts back the RNG states."""
+        return (self._preemption, self._exact_resume)
 
     def _reset_run_state(self) -> None:
         self._health: tuple[int, list[str]] | None = None  # (global_step, reasons) of the last check
@@ -197,10 +206,8 @@ class StableCheckpoint(ModelCheckpoint):
         self._taken_back = []
         self._show_lightning_warnings()  # resolving "last" is over
         self._check_writer(trainer.strategy)
-        self._exact_resume.setup(trainer, pl_module, stage)
         if stage == "fit":
             self._reset_run_state()
-            self._preemption.setup(trainer, pl_module, stage)
             if self._async is not None:
                 self._async.setup(trainer)
 
@@ -224,14 +231,6 @@ class StableCheckpoint(ModelCheckpoint):
         self._resumed_step = self._listed_step(trainer.ckpt_path)
         self._forget_other_timelines(trainer)
         self._healthy_list.claim(self._run_id, write=trainer.is_global_zero)
-        self._preemption.on_train_start(trainer, pl_module)  # the signal handlers
-        self._exact_resume.on_train_start(trainer, pl_module)  # last: the data position and RNG states
-
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        self._exact_resume.on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
     def _show_lightning_warnings(self) -> None:
         """Lightning's warning hidden while it could not hold (see :meth:`_find_last_checkpoints`) shows again."""
@@ -253,10 +252,6 @@ class StableCheckpoint(ModelCheckpoint):
                 "resume with ckpt_path='last' (or their path)."
             )
 
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_train_epoch_start(trainer, pl_module)
-        self._exact_resume.on_train_epoch_start(trainer, pl_module)
-
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step = trainer.global_step
         if (
@@ -266,13 +261,9 @@ class StableCheckpoint(ModelCheckpoint):
             and _compat.model_checkpoint_saved_at(self) != step
             and self._healthy(trainer)
         ):
-            candidates = self._monitor_candidates(trainer)
-            self._save_ring(trainer, candidates, force=True)
-            self._save_last_checkpoint(trainer, candidates)
+            self.save_now(trainer)
         super().on_train_end(trainer, pl_module)
         self._wait_for_save(trainer)
-        self._preemption.on_train_end(trainer, pl_module)
-        self._exact_resume.on_train_end(trainer, pl_module)
         if self._deferred_from is not None:
             newest = self._newest_name()
             rank_zero_warn(
@@ -288,23 +279,13 @@ class StableCheckpoint(ModelCheckpoint):
         if self._saving is not None:  # one of ours (not another writer's save through the Trainer)
             name, kind = self._saving
             checkpoint[recover.RUN_KEY] = recover.record(self._run_id, name, trainer.global_step, kind)
-        self._exact_resume.on_save_checkpoint(trainer, pl_module, checkpoint)  # every rank: one all-gather
-
-    def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        super().on_load_checkpoint(trainer, pl_module, checkpoint)
-        self._exact_resume.on_load_checkpoint(trainer, pl_module, checkpoint)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._exact_resume.on_exception(trainer, pl_module, exception)
-        self._preemption.on_exception(trainer, pl_module, exception)
+        # not ModelCheckpoint's (which may save the state the exception left)
         if self._async is not None:
             self._async.abandon()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._exact_resume.teardown(trainer, pl_module, stage)
-        self._preemption.teardown(trainer, pl_module, stage)
         if stage == "fit" and self._async is not None:
             self._async.close()
 
@@ -321,7 +302,7 @@ class StableCheckpoint(ModelCheckpoint):
         self._boundary = step
         if self._async is not None:
             self._saved(trainer, self._async.poll())  # an asynchronous save every rank finished: listed now
-        if self._preemption.at_boundary(trainer):
+        if self._preemption.at_boundary(trainer):  # before the deferred save; its own on_train_batch_end then skips
             return  # a signal every rank agrees on: saved (or trying again) and stopping
         if self._deferred_from is not None and _compat.model_checkpoint_saved_at(self) != step:
             self._save_deferred(trainer)
@@ -337,27 +318,13 @@ class StableCheckpoint(ModelCheckpoint):
         if self.verbose:
             rank_zero_info(f"StableCheckpoint: saved at step {trainer.global_step}, deferred from step {deferred}.")
 
-    def _save_on_signal(self, trainer: pl.Trainer, signalled_step: int) -> str | None:
-        """Every rank, at the boundary every rank learned of a signal (``signalled_step``) and after: save if
-        healthy (else ``None``: try again at the next boundary, up to SIGNAL_DEFER_STEPS), wait until the save is
-        published; returns what it did."""
-        step = trainer.global_step
-        saved = _compat.model_checkpoint_saved_at(self) == step  # a due save of this step was written
-        if not saved and not trainer.fast_dev_run:  # type: ignore[attr-defined]
-            if self._healthy(trainer):
-                candidates = self._monitor_candidates(trainer)
-                self._save_ring(trainer, candidates, force=True)
-                self._save_last_checkpoint(trainer, candidates)
-                saved = True
-            elif step - signalled_step < SIGNAL_DEFER_STEPS:
-                return None  # the next boundary tries again
-        self._wait_for_save(trainer)  # published before the Trainer stops
-        if saved:
-            return f"saved {self._newest_name()} at step {step}"
-        return (
-            f"not saved: the state stayed unhealthy ({', '.join(self._reasons(trainer))}) for "
-            f"{SIGNAL_DEFER_STEPS} steps; the newest healthy checkpoint is {self._newest_name() or 'none'}"
-        )
+    def _save_on_signal(self, trainer: pl.Trainer) -> str | None:
+        """The save its PreemptionCheckpoint is handed: :meth:`save_now` when this step's state is healthy (or a
+        due save of it was written), else ``None`` (said once): the unit tries again at the next boundary, up to
+        SIGNAL_DEFER_STEPS, and the end of fit says why nothing was saved."""
+        if _compat.model_checkpoint_saved_at(self) != trainer.global_step and not self._healthy(trainer):
+            return None
+        return self.save_now(trainer)
 
     # ------------------------------------------------------------------ health
     def _healthy(self, trainer: pl.Trainer) -> bool:
@@ -488,9 +455,10 @@ class StableCheckpoint(ModelCheckpoint):
 
     def save_now(self, trainer: pl.Trainer) -> str | None:
         """Save the current state at once as a listed healthy checkpoint (and ``last``, with ``save_last``), and
-        wait until it is published: what ``ckpt_path="last"`` resumes from. For a caller that knows the state is
-        healthy and is about to stop the run (``StepReplay`` before it names a failing device). Every rank calls
-        it. Returns the checkpoint's path (``None`` when nothing was saved)."""
+        wait until it is published: what ``ckpt_path="last"`` resumes from (see ``checkpoint/save_now.py``). For a
+        caller that knows the state is healthy (``StepReplay`` before it names a failing device; its own
+        preemption unit and ``save_at_end`` check first). Every rank calls it. Returns the checkpoint's path
+        (``None`` when nothing was saved)."""
         if _compat.model_checkpoint_saved_at(self) != trainer.global_step:
             candidates = self._monitor_candidates(trainer)
             self._save_ring(trainer, candidates, force=True)
@@ -548,31 +516,30 @@ class StableCheckpoint(ModelCheckpoint):
                 "when saved: back on the list."
             )
         refused: list[str] = []
-        for entry in listed.newest_first():
-            path = directory / entry.name
-            try:
-                found = _verified(path)
-                recover.check_listed(found, entry)
-            except CheckpointError as err:
-                refused.append(str(err))
-                incidents.record(
-                    trainer,
-                    "damaged_checkpoint",
-                    "passed over by ckpt_path='last'",
-                    lost=f"the steps after the next older checkpoint that verifies, up to step {entry.step}",
-                    detail=str(err),
-                    step=entry.step,
-                )
-                continue
-            except FileNotFoundError:
-                continue
+
+        def passed_over(path: Path, step: int, err: Exception) -> None:
+            if isinstance(err, FileNotFoundError):
+                return  # taken off the disk since the list was written
+            refused.append(str(err))
+            incidents.record(
+                trainer,
+                "damaged_checkpoint",
+                "passed over by ckpt_path='last'",
+                lost=f"the steps after the next older checkpoint that verifies, up to step {step}",
+                detail=str(err),
+                step=step,
+            )
+
+        candidates = [(directory / entry.name, entry.step) for entry in listed.newest_first()]
+        found = recover.newest_verified(candidates, passed_over)
+        if found is not None:
             if refused:
                 rank_zero_warn(
-                    f"StableCheckpoint: ckpt_path='last' resumes from {path} (step {entry.step}), the newest healthy "
-                    f"checkpoint of this run that verifies; {len(refused)} newer one(s) failed verification: "
-                    + " | ".join(refused)
+                    f"StableCheckpoint: ckpt_path='last' resumes from {found.path} (step {found.step}), the newest "
+                    f"healthy checkpoint of this run that verifies; {len(refused)} newer one(s) failed "
+                    "verification: " + " | ".join(refused)
                 )
-            return {str(found)}
+            return {str(found.read)}
         if refused:
             rank_zero_warn(
                 f"StableCheckpoint: no healthy checkpoint in {directory} verifies ({' | '.join(refused)}); "
@@ -580,15 +547,6 @@ class StableCheckpoint(ModelCheckpoint):
                 "start fresh (ckpt_path=None)."
             )
         return set()
-
-
-def _verified(path: Path) -> Path:
-    """``verify_checkpoint(path)``, once more if the path moved meanwhile (rank 0 may be putting back a checkpoint
-    a crash left moved away, while another rank looks)."""
-    try:
-        return atomic.verify_checkpoint(path)
-    except FileNotFoundError:
-        return atomic.verify_checkpoint(path)
 
 
 def _local_dir(path: _PATH) -> Path | None:

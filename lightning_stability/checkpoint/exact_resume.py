@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_stability import _compat, incidents
 from lightning_stability.checkpoint.loader_state import KEY, LoaderResume
+from lightning_stability.checkpoint.units import holders_of
 from lightning_stability.errors import check_alone
 from lightning_stability.incidents import restarts
 
@@ -52,13 +53,13 @@ class ExactResume(Callback):
     def __init__(self) -> None:
         self._owner = type(self).__name__
         self._part = False  # composed into another callback (StableCheckpoint), which drives it
-        self._active = True  # False next to a StableCheckpoint, which does the same
+        self._active = True  # False next to a callback that holds an ExactResume of its own (StableCheckpoint)
         self._loader_resume = LoaderResume(self._owner)
         self._hidden: Any = None  # Lightning's warning filter while its warning does not hold
 
     @classmethod
     def part_of(cls, owner: str) -> ExactResume:
-        """The unit inside another callback (``StableCheckpoint``) that calls its hooks from its own; its messages
+        """The unit inside another callback (``owner``, which drives its hooks: ``StableCheckpoint``); its messages
         name ``owner``, and it is always active."""
         unit = cls()
         unit._owner = unit._loader_resume.owner = owner
@@ -78,8 +79,6 @@ class ExactResume(Callback):
             rank_zero_warn(f"{self._owner}: {problem}")
         if self._part:
             return
-        from lightning_stability.checkpoint.callback import StableCheckpoint  # it imports this module
-
         callbacks = trainer.callbacks  # type: ignore[attr-defined]
         check_alone(
             self,
@@ -88,11 +87,13 @@ class ExactResume(Callback):
             "holds two ExactResume callbacks: each would save and restore the data position and RNG states",
             "keep one ExactResume",
         )
-        self._active = not any(isinstance(cb, StableCheckpoint) for cb in callbacks)
-        if not self._active:
+        holders = holders_of(ExactResume, callbacks)
+        self._active = not holders
+        if holders:
             rank_zero_info(
-                "ExactResume: StableCheckpoint already saves and restores the data position and RNG states in "
-                "every checkpoint the Trainer writes; ExactResume does nothing in this fit. You can remove it."
+                f"ExactResume: {type(holders[0]).__name__} already saves and restores the data position and RNG "
+                "states in every checkpoint the Trainer writes; ExactResume does nothing in this fit. You can "
+                "remove it."
             )
 
     def on_load_checkpoint(

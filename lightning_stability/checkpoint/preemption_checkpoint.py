@@ -3,22 +3,19 @@ the save goes where ``trainer.fit(model, ckpt_path="last")`` finds it."""
 
 from __future__ import annotations
 
-import os
 import signal
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_stability import _compat, incidents
+from lightning_stability import incidents
 from lightning_stability.checkpoint.preemption import PreemptionSignals, check_signals, default_signals
+from lightning_stability.checkpoint.save_now import SaveNow, model_checkpoint, save_last
+from lightning_stability.checkpoint.units import holders_of
 from lightning_stability.errors import check_alone, config_error
-
-#: what an owner's save on a signal returns: what it did, for the message (``None``: try again at the next boundary)
-SaveOnSignal = Callable[[pl.Trainer, int], "str | None"]
 
 
 class PreemptionCheckpoint(Callback):
@@ -43,8 +40,8 @@ class PreemptionCheckpoint(Callback):
     Raises:
         StabilityConfigError: a signal that cannot be caught; at setup, a Trainer without a ``ModelCheckpoint``,
             one whose ``save_last`` is not ``True`` (off: an older ``last.ckpt`` would outlive its later saves;
-            ``"link"``: it links ``last.ckpt`` back to its newest step file when the epoch ends), or a
-            ``StableCheckpoint`` next to it.
+            ``"link"``: it links ``last.ckpt`` back to its newest step file when the epoch ends), or a callback
+            next to it that holds a ``PreemptionCheckpoint`` of its own (``StableCheckpoint``).
 
     Example::
 
@@ -63,24 +60,25 @@ class PreemptionCheckpoint(Callback):
     def __init__(self, signals: Sequence[int] | None = None) -> None:
         self.signals = check_signals(default_signals() if signals is None else signals)
         self._owner = type(self).__name__
-        self._save: SaveOnSignal = self._save_last  # StableCheckpoint's own save when it composes this unit
+        self._save: SaveNow = self._save_last  # alone; a composing callback hands its own (part_of)
+        self._tries = 0  # the later step boundaries a save that saved nothing is tried again at
         self._part = False
         self._signals = PreemptionSignals(self.signals)
         self._reset()
 
     @classmethod
-    def part_of(cls, owner: str, signals: Sequence[int], save: SaveOnSignal) -> PreemptionCheckpoint:
-        """The unit inside another callback (``StableCheckpoint``) that calls its hooks from its own, calls
-        :meth:`at_boundary` at each optimizer-step boundary and saves with ``save(trainer, signalled_step)``; its
-        messages name ``owner``."""
+    def part_of(cls, owner: str, signals: Sequence[int], save_now: SaveNow, tries: int = 0) -> PreemptionCheckpoint:
+        """The unit inside another callback (``owner``, which drives its hooks): on a signal it saves with
+        ``save_now(trainer)``; when that saves nothing (``None``), it tries again at each of the next ``tries``
+        step boundaries, then stops without a save. Its messages name ``owner``."""
         unit = cls(signals)
-        unit._owner, unit._save, unit._part = owner, save, True
+        unit._owner, unit._save, unit._tries, unit._part = owner, save_now, tries, True
         return unit
 
     def _reset(self) -> None:
         self._stop: dict[signal.Signals, int] = {}  # the agreed signals (ranks per signal)
         self._stop_step = -1  # the boundary where every rank learned of them
-        self._boundary = -1  # global_step at the last optimizer-step boundary seen (alone)
+        self._boundary = -1  # global_step at the last optimizer-step boundary seen
 
     @property
     def stopping(self) -> bool:
@@ -108,9 +106,6 @@ class PreemptionCheckpoint(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.global_step == self._boundary:
-            return  # a micro-batch that did not step the optimizer
-        self._boundary = trainer.global_step
         self.at_boundary(trainer)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -128,7 +123,13 @@ class PreemptionCheckpoint(Callback):
     # ------------------------------------------------------------------ the signal
     def at_boundary(self, trainer: pl.Trainer) -> bool:
         """At an optimizer-step boundary, every rank: learn the signals every rank agrees on (host only: a flag, or
-        the previous boundary's exchange); after one, save and stop. Returns :attr:`stopping`."""
+        the previous boundary's exchange); after one, save and stop. Returns :attr:`stopping`.
+
+        Once per boundary: a micro-batch that did not step the optimizer, or a second call at the same step (an
+        owner calls it at a point of its own, then its ``on_train_batch_end`` reaches this unit), does nothing."""
+        if trainer.global_step == self._boundary:
+            return self.stopping
+        self._boundary = trainer.global_step
         if not self._stop:
             agreed = self._signals.poll()
             if agreed:
@@ -138,9 +139,18 @@ class PreemptionCheckpoint(Callback):
         return self.stopping
 
     def _save_and_stop(self, trainer: pl.Trainer) -> None:
-        done = self._save(trainer, self._stop_step)
-        if done is None:
-            return  # the owner tries again at the next boundary
+        step = trainer.global_step
+        if trainer.fast_dev_run:  # type: ignore[attr-defined]
+            done = "not saved (fast_dev_run)"
+        else:
+            path = self._save(trainer)
+            if path is None and step - self._stop_step < self._tries:
+                return  # tried again at the next boundary
+            done = (
+                f"saved {path} at step {step}"
+                if path is not None
+                else f"not saved: no state could be saved in the {self._tries + 1} step(s) from step {self._stop_step}"
+            )
         self._signals.finish()
         self._signals.run_requeue(self._stop)  # Lightning's SLURM auto-requeue, after our save
         trainer.should_stop = True
@@ -156,33 +166,19 @@ class PreemptionCheckpoint(Callback):
             "trainer.fit(model, ckpt_path='last')."
         )
 
-    def _save_last(self, trainer: pl.Trainer, signalled_step: int) -> str:
-        """Every rank: the state of this step as the ModelCheckpoint's ``last`` checkpoint."""
-        step = trainer.global_step
-        if trainer.fast_dev_run:  # type: ignore[attr-defined]
-            return "not saved (fast_dev_run)"
-        checkpoint = _model_checkpoint(trainer)
-        path = last_path(checkpoint, trainer)
-        # as ModelCheckpoint does before its own save of last (it is part of its state): after the resume it
-        # writes its last.ckpt there again, not beside it as last-v1.ckpt
-        checkpoint.last_model_path = path
-        trainer.save_checkpoint(path)  # every rank: a collective; the strategy writes it
-        # recorded as the ModelCheckpoint's own save: one that has not saved in this fit writes last.ckpt again
-        # when the fit ends, after the epoch loop has moved on, and its restart would train the wrong samples
-        _compat.record_model_checkpoint_save(checkpoint, trainer, path)
-        return f"saved {path} at step {step}"
+    def _save_last(self, trainer: pl.Trainer) -> str | None:
+        """Alone: the state of this step as the Trainer's ``ModelCheckpoint``'s ``last`` checkpoint."""
+        return save_last(trainer)
 
     def _check_trainer(self, trainer: pl.Trainer) -> None:
-        from lightning_stability.checkpoint.callback import StableCheckpoint  # it imports this module
-
         callbacks = trainer.callbacks  # type: ignore[attr-defined]
-        if any(isinstance(cb, StableCheckpoint) for cb in callbacks):
+        for holder in holders_of(PreemptionCheckpoint, callbacks):
+            owner = type(holder).__name__
             raise config_error(
                 "callbacks",
                 [type(cb).__name__ for cb in callbacks],
-                "has two callbacks that save and stop on a preemption signal (StableCheckpoint does it, with "
-                "healthy states only)",
-                "remove PreemptionCheckpoint and pass its signals to StableCheckpoint(signals=...)",
+                f"has two callbacks that save and stop on a preemption signal ({owner} does it, with its own save)",
+                f"remove PreemptionCheckpoint and pass its signals to {owner}(signals=...)",
             )
         check_alone(
             self,
@@ -191,7 +187,7 @@ class PreemptionCheckpoint(Callback):
             "has two PreemptionCheckpoint callbacks: each would save and stop",
             "keep one, with every signal in its signals=",
         )
-        checkpoint = _model_checkpoint(trainer)
+        checkpoint = model_checkpoint(trainer)
         if checkpoint is None:
             raise config_error(
                 "callbacks",
@@ -214,21 +210,3 @@ class PreemptionCheckpoint(Callback):
                 why,
                 "ModelCheckpoint(..., save_last=True) next to PreemptionCheckpoint",
             )
-
-
-def _model_checkpoint(trainer: pl.Trainer) -> Any:
-    """The Trainer's first ``ModelCheckpoint`` (``trainer.checkpoint_callback``), or ``None``."""
-    found = trainer.checkpoint_callback
-    return found if isinstance(found, ModelCheckpoint) else None
-
-
-def last_path(checkpoint: ModelCheckpoint, trainer: pl.Trainer) -> str:
-    """Where ``checkpoint`` writes its ``last`` checkpoint now (its ``CHECKPOINT_NAME_LAST``, formatted)."""
-    metrics = {
-        **trainer.callback_metrics,
-        "epoch": torch.tensor(trainer.current_epoch),
-        "step": torch.tensor(trainer.global_step),
-    }
-    name = checkpoint.format_checkpoint_name(metrics, filename=checkpoint.CHECKPOINT_NAME_LAST)
-    directory = _compat.model_checkpoint_dir(checkpoint, trainer)
-    return name if os.path.dirname(name) else os.path.join(directory, name)

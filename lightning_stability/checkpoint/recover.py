@@ -12,19 +12,23 @@ At restart, a checkpoint in the directory that verifies, carries the identity th
 name, and a step newer than every listed one, was published by the fit that crashed, in a healthy state (only
 healthy states are saved): it goes back on the list. One carrying another identity (another run in the directory,
 or a continuation a later fit abandoned by resuming from an older step) never does.
+
+Then :func:`newest_verified` picks what a resume (``ckpt_path="last"``) or a rollback to disk takes: the newest
+listed checkpoint that verifies.
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from lightning_stability.checkpoint import atomic
 from lightning_stability.checkpoint.atomic import CheckpointError
-from lightning_stability.checkpoint.ring import FILE_NAME, Entry, HealthyCheckpoints
+from lightning_stability.checkpoint.ring import FILE_NAME, RING, Entry, HealthyCheckpoints
 
 #: the checkpoint's key for ``{"run", "name", "step", "kind"}`` of a ``StableCheckpoint`` save
 RUN_KEY = "lightning_stability_checkpoint"
@@ -67,6 +71,43 @@ def check_listed(path: Path, entry: Entry) -> None:
         f"The checkpoint {path} is not the one listed: the healthy list names it {entry.name} of step {entry.step}, "
         f"it holds {info.get('name')} of step {info.get('step')} (replaced by a copy). Fix: restore it, or delete it."
     )
+
+
+class Verified(NamedTuple):
+    """A listed checkpoint that verifies."""
+
+    path: Path  # where the list names it
+    step: int  # the global step at the save
+    read: Path  # the path to read: ``path``, or the previous checkpoint a crash left moved away
+
+
+def newest_verified(
+    candidates: Iterable[tuple[Path, int]], passed_over: Callable[[Path, int, Exception], None]
+) -> Verified | None:
+    """The checkpoint a resume or a rollback takes: the first of ``candidates`` (listed healthy checkpoints, newest
+    first, as ``(path, global step at the save)``) that is complete, matches every checksum as written
+    (:func:`~lightning_stability.checkpoint.atomic.verify_checkpoint`) and holds the name and step its list entry
+    gives (:func:`check_listed`). Serves ``ckpt_path="last"`` (``StableCheckpoint``) and the rollback to disk
+    (``TrainingHealthMonitor``). Each one passed over goes to ``passed_over(path, step, error)`` first: a
+    ``CheckpointError``, or ``FileNotFoundError`` for one gone. ``None``: none verifies."""
+    for path, step in candidates:
+        try:
+            read = _verified(path)
+            check_listed(read, Entry(path.name, step, RING))  # only its name and step are read
+        except (CheckpointError, FileNotFoundError) as err:
+            passed_over(path, step, err)
+            continue
+        return Verified(path, step, read)
+    return None
+
+
+def _verified(path: Path) -> Path:
+    """``verify_checkpoint(path)``, once more if the path moved meanwhile (rank 0 may be putting back a checkpoint
+    a crash left moved away, while another rank looks)."""
+    try:
+        return atomic.verify_checkpoint(path)
+    except FileNotFoundError:
+        return atomic.verify_checkpoint(path)
 
 
 def unlisted_newer(listed: HealthyCheckpoints) -> tuple[list[Entry], list[str]]:

@@ -18,9 +18,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stability import _compat, incidents, ranks
-from lightning_stability.checkpoint.atomic import CheckpointError, verify_checkpoint
-from lightning_stability.checkpoint.recover import check_listed
-from lightning_stability.checkpoint.ring import RING, Entry
+from lightning_stability.checkpoint.recover import newest_verified
 from lightning_stability.errors import (
     StabilityConfigError,
     check_bool,
@@ -572,9 +570,10 @@ class TrainingHealthMonitor(LedgerCallback):
         """The newest healthy checkpoint saved before the damage and not rolled back to already, as ``(path,
         global step)``, chosen by rank 0 and broadcast; else ``None`` and why not, for the error.
 
-        Rank 0 takes the first that verifies as ``ckpt_path="last"`` does: complete, every file's checksum as
-        written (``verify_checkpoint``), and holding the name and step its list entry gives (not replaced whole by
-        another checkpoint). One that fails is skipped with a warning naming it and what differs."""
+        Rank 0 takes the first that verifies, by the ``newest_verified`` that serves ``ckpt_path="last"``:
+        complete, every file's checksum as written, and holding the name and step its list entry gives (not
+        replaced whole by another checkpoint). One that fails is skipped with a warning naming it and what
+        differs."""
         r = self.rollback
         if not rings:
             return None, (
@@ -586,29 +585,23 @@ class TrainingHealthMonitor(LedgerCallback):
         newest = newest_clean_step(step) + 1  # the global step of a save of the newest clean state
         found: tuple[str, int] | None = None
         if trainer.is_global_zero:
+
+            def passed_over(path: Path, saved_at: int, err: Exception) -> None:
+                incidents.record(
+                    trainer, "damaged_checkpoint", "passed over by a rollback to disk", detail=str(err), step=saved_at
+                )
+                rank_zero_warn(
+                    f"TrainingHealthMonitor: skipping a damaged checkpoint for the rollback: {err} (the next older "
+                    "one is tried)"
+                )
+
             candidates = sorted(
                 {(p, s) for ring in rings for p, s in ring.healthy_checkpoints(newest) if s not in r.disk_steps},
                 key=lambda c: (c[1], str(c[0])),
                 reverse=True,
             )
-            for path, saved_at in candidates:
-                try:
-                    verified = verify_checkpoint(path)
-                    check_listed(verified, Entry(path.name, saved_at, RING))  # only its name and step are read
-                    found = (str(verified), saved_at)
-                    break
-                except (CheckpointError, FileNotFoundError) as err:
-                    incidents.record(
-                        trainer,
-                        "damaged_checkpoint",
-                        "passed over by a rollback to disk",
-                        detail=str(err),
-                        step=saved_at,
-                    )
-                    rank_zero_warn(
-                        f"TrainingHealthMonitor: skipping a damaged checkpoint for the rollback: {err} (the next "
-                        "older one is tried)"
-                    )
+            verified = newest_verified(candidates, passed_over)
+            found = None if verified is None else (str(verified.read), verified.step)
         found = trainer.strategy.broadcast(found)  # every rank loads the same one
         if found is None:
             return None, (

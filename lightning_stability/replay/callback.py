@@ -60,7 +60,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
@@ -68,6 +67,7 @@ from torch import Tensor
 from lightning_stability import incidents
 from lightning_stability.checkpoint import rng
 from lightning_stability.checkpoint.loader_state import ReplayableSampler, training_sampler
+from lightning_stability.checkpoint.save_now import save_now
 from lightning_stability.errors import StabilityConfigError, check_int, check_path, config_error
 from lightning_stability.health.callback import TrainingHealthMonitor
 from lightning_stability.ledger import LedgerCallback, Outcome, Stage, StepLedger, loss_scaler
@@ -599,7 +599,7 @@ class StepReplay(LedgerCallback):
         replayed), then raise :class:`FailingDeviceError`."""
         assert self._failing is not None
         rank, host, steps, why = self._failing
-        saved = _save_last_good(trainer)
+        saved = save_now(trainer)  # where ckpt_path="last" finds it (StableCheckpoint: listed healthy)
         where = f"saved {saved}" if saved else "no checkpoint could be saved (no checkpoint callback)"
         incidents.record(
             trainer,
@@ -643,20 +643,3 @@ def _update_loss(losses: list[Tensor | None], normalize: int) -> Tensor | None:
         if loss is not None:
             total.add(loss, None, normalize)
     return total.take()
-
-
-def _save_last_good(trainer: pl.Trainer) -> str | None:
-    """Save the current state where ``ckpt_path="last"`` finds it: through a checkpoint callback that keeps a
-    healthy list (``StableCheckpoint.save_now``), else as ``last.ckpt`` in the first ``ModelCheckpoint``'s folder;
-    every rank calls it."""
-    for callback in trainer.checkpoint_callbacks:
-        save_now = getattr(callback, "save_now", None)
-        if callable(save_now):
-            path = save_now(trainer)
-            return None if path is None else str(path)
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint) and callback.dirpath is not None:
-            path = Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
-            trainer.save_checkpoint(path)
-            return str(path)
-    return None
