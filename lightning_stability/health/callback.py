@@ -39,7 +39,6 @@ from lightning_stability.ledger.forward_state import ForwardState
 from lightning_stability.ledger.gradients import StepGradients
 from lightning_stability.ledger.verdict import CheckpointRing, HealthVerdict
 from lightning_stability.norms import local_tensor, module_groups
-from lightning_stability.precursors.callback import PrecursorMonitor
 
 _LOSS, _GRAD = 0, 1
 
@@ -197,7 +196,6 @@ class TrainingHealthMonitor(LedgerCallback):
         self._row: int | None = None  # the open step's history row, its outcome set in after_step
         self._grads: StepGradients | None = None  # the open step's gradients: their fixed clip read in after_step
         self._measured = False  # this logging step's update is measured (the step's UpdateSize, read in after_step)
-        self._logs_update_ratio = True  # stability/update_ratio is this monitor's to record (see on_fit_start)
         self._sent_memory: OnHost | None = None  # a logging step's peak memory, read back in on_host
         self._sent: dict[int, HealthSent] = {}  # per optimizer: what a logging step sent, read in on_host
         # (step, generation, scores, values, the flags read on the host or None: see flags_on_host)
@@ -229,7 +227,6 @@ class TrainingHealthMonitor(LedgerCallback):
                 f"TrainingHealthMonitor watches one optimizer's updates; this module has {len(trainer.optimizers)}. "
                 "Fix: remove it, or train with one optimizer (GradientNormMonitor and the LR schedules serve several)."
             )
-        self._logs_update_ratio = not _update_ratio_recorded_by_precursors(trainer, self._every_n)
         names = {id(p): n for n, p in pl_module.named_parameters()}
         params = [p for g in trainer.optimizers[0].param_groups for p in g["params"]] if trainer.optimizers else []
         index, self._log.names = module_groups(params, names)
@@ -450,7 +447,7 @@ class TrainingHealthMonitor(LedgerCallback):
         self._row = self.history.add(ledger.step_label, parts, host, values.device)
         self._grads = grads if self.response != "clip" else None
         # the update-to-weight ratio on logging steps: measured across the update by the step (shared with others)
-        self._measured = self.is_logging_step and ledger.step.measure_update() is not None
+        self._measured = self.is_logging_step and ledger.step.measure_update(log=True) is not None
         if self.is_logging_step:
             self._on_logging_step(ledger)
 
@@ -474,9 +471,7 @@ class TrainingHealthMonitor(LedgerCallback):
         size = ledger.step.update if self._measured else None
         self._measured = False
         if size is not None:  # the update-to-weight ratio (total and the largest modules), after the update
-            total, largest = self._log.update_ratios(size, self._index_of(size.params))
-            if self._logs_update_ratio:
-                self.record_metric("stability/update_ratio", total)
+            _, largest = self._log.update_ratios(size, self._index_of(size.params))
             top = (self.to_host(largest[0]), self.to_host(largest[1])) if largest is not None else None
         if self.is_logging_step:
             rows = self.history.pending()  # the rows since the last logging step ride this step's transfer
@@ -835,14 +830,3 @@ def record_incidents(
                     step=step,
                     unless_logged=again,
                 )
-
-
-def _update_ratio_recorded_by_precursors(trainer: pl.Trainer, every_n: int) -> bool:
-    """Whether a ``PrecursorMonitor`` records ``stability/update_ratio`` on every step this monitor would (its
-    logging steps fall on each of ours): the key is then that callback's alone. Both record the same figure, the
-    step's ``UpdateSize.ratio``; the monitor keeps the per-module ratios (``stability/update_ratio_by_module/...``)."""
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        if isinstance(callback, PrecursorMonitor):
-            theirs = callback.log_every_n_steps or trainer.log_every_n_steps  # type: ignore[attr-defined]
-            return theirs > 0 and every_n % theirs == 0
-    return False

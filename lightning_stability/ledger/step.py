@@ -145,6 +145,7 @@ class OptimizerStep:
         self._scaled = False  # the factors are in the LRs (put back at close)
         #: the update's size (row 12), when a callback asked for it; finished at close
         self.update: UpdateSize | None = None
+        self._update_logged = False  # its ratio goes to the loggers (a callback asked on its logging step)
         #: how many times the step's gradients were computed again (row 3b): a measure of the gradients is valid
         #: for the generation it was taken at
         self.generation = 0
@@ -251,10 +252,12 @@ class OptimizerStep:
             )
         self.scale.add(source, factor)
 
-    def measure_update(self) -> UpdateSize | None:
-        """Measure this update's size (row 12): ``step.update`` holds it from ``after_step`` on. Costs one transient
-        copy of this rank's weights; asked for by several callbacks, measured once. ``None`` when no tensor has a
-        gradient."""
+    def measure_update(self, log: bool = False) -> UpdateSize | None:
+        """Measure this update's size (row 12): ``step.update`` holds it from ``after_step`` on, and the ledger records
+        its ratio as ``stability/update_ratio`` (in ``callback_metrics``; to the loggers too when a callback asked
+        with ``log=True``, on its logging step). Costs one transient copy of this rank's weights; asked for by several
+        callbacks, measured once. ``None`` when no tensor has a gradient."""
+        self._update_logged = self._update_logged or log
         if self.update is None:
             params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
             if params:
@@ -354,10 +357,14 @@ class OptimizerStep:
         return outcome
 
     # 12. --------------------------------------------------------------- the update measured
-    def finish_update(self) -> None:
-        """Measure what rows 9 and 11 left in the weights, when a callback asked (:meth:`measure_update`)."""
-        if self.update is not None:
-            self.update.finish()
+    def finish_update(self) -> tuple[Tensor, bool] | None:
+        """Measure what rows 9 and 11 left in the weights, when a callback asked (:meth:`measure_update`): the
+        update-to-weight ratio, and whether it goes to the loggers."""
+        if self.update is None:
+            return None
+        self.update.finish()
+        ratio = self.update.ratio
+        return None if ratio is None else (ratio, self._update_logged)
 
 
 def enforce_before_update(

@@ -387,7 +387,9 @@ class StepLedger:
         assert self._step is not None
         self.outcome = outcome = self._step.close()  # 10. the outcome; each group's LR put back
         self._run(Stage.AFTER_UPDATE)  # 11. edits of the weights and optimizer state
-        self._step.finish_update()  # 12. the update measured: what rows 9 and 11 left in the weights
+        measured = self._step.finish_update()  # 12. the update measured: what rows 9 and 11 left in the weights
+        if measured is not None:  # the step's figure, whichever callbacks asked for it
+            self._log((("stability/update_ratio", measured[0]),), to_loggers=measured[1])
         self.record_of().count(outcome)
         self._open = None
         check = self._check

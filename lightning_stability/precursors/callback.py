@@ -11,8 +11,8 @@ read on the host there):
   the measured values (:class:`~lightning_stability.precursors.logits.LogPartition`);
 * ``stability/update_ratio``: the update's norm over the weights' norm, all tensors together, and
   ``stability/update_rms_max``: the largest RMS of a tensor's update, both measured across the update for any
-  optimizer (the step's ``UpdateSize``; ``TrainingHealthMonitor`` leaves the ratio's key to this callback when it
-  logs on each of the monitor's logging steps);
+  optimizer (the step's ``UpdateSize``; the ratio's key is the step's, recorded by the ledger for every callback
+  that measured the update);
 * ``stability/adam_eps_share``: with ``torch.optim.Adam``/``AdamW``, the share of coordinates (over every tensor)
   where Adam's epsilon dominates the denominator (:func:`~lightning_stability.precursors.adam.adam_eps_share`).
 
@@ -397,7 +397,7 @@ class PrecursorMonitor(LedgerCallback):
         clipping = self._adam_actions and self.update_clip is not None
         measured = (
             self._reads or self.is_logging_step or clipping or (tick and config is not None and config.measures_update)
-        ) and step.measure_update() is not None
+        ) and step.measure_update(log=self.is_logging_step) is not None
         self._open = _OpenStep(optimizer, measured, tick)
 
     def _read_gradients(self, ledger: StepLedger) -> None:
@@ -602,7 +602,6 @@ class PrecursorMonitor(LedgerCallback):
             self.record_metric("stability/log_z_drift", log_z[1])
         if size is not None and size.ratio is not None and size.update_norms is not None:
             rms = size.update_norms / self._roots(size.params, size.update_norms.device)
-            self.record_metric("stability/update_ratio", size.ratio)
             self.record_metric("stability/update_rms_max", rms.max())
             if is_adam(open_step.optimizer):
                 self.record_metric("stability/adam_eps_share", adam_eps_share(open_step.optimizer, size.params))

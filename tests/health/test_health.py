@@ -868,30 +868,27 @@ class RatioSeen(pl.Callback):
         self.seen.append(None if value is None else float(value))
 
 
-@pytest.mark.parametrize(
-    ("health_every", "precursor_every", "owner"), [(2, 2, "precursor"), (4, 2, "precursor"), (2, 4, "both")]
-)
-def test_update_ratio_has_one_owner_and_reads_the_same_with_both_monitors(
-    health_every: int, precursor_every: int, owner: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(("health_every", "precursor_every"), [(2, 2), (4, 2), (2, 4)])
+def test_update_ratio_is_the_steps_figure_logged_on_either_monitors_logging_steps(
+    health_every: int, precursor_every: int
 ) -> None:
-    """With a ``PrecursorMonitor`` that logs on each of the health monitor's logging steps, ``stability/update_ratio``
-    is the precursor monitor's alone; the loggers and ``callback_metrics`` show what both recording it showed."""
+    """``stability/update_ratio`` is recorded once, by the ledger, for every callback that measured the update: the
+    loggers get it on the logging steps of either monitor, ``callback_metrics`` holds it from the first measured
+    step on, and it is the ratio the health history keeps."""
     from lightning_stability import PrecursorMonitor
-    from lightning_stability.health import callback as health_callback
     from tests.amp.test_loss_scale import MemoryLogger
 
-    def fit() -> tuple[TrainingHealthMonitor, MemoryLogger, RatioSeen]:
-        mon, logger, seen = monitor("warn", log_every_n_steps=health_every), MemoryLogger(), RatioSeen()
-        callbacks = [mon, PrecursorMonitor(log_every_n_steps=precursor_every), seen]
-        torch.manual_seed(0)
-        quiet_trainer(max_steps=12, callbacks=callbacks, logger=logger, limit_train_batches=5).fit(TinyModule())
-        return mon, logger, seen
-
-    mon, logger, seen = fit()
-    assert mon._logs_update_ratio is (owner == "both")
-    monkeypatch.setattr(health_callback, "_update_ratio_recorded_by_precursors", lambda *args: False)
-    both, both_logger, both_seen = fit()  # both record the key
-    assert both._logs_update_ratio
-    assert logger.series("stability/update_ratio") == both_logger.series("stability/update_ratio")
-    assert len(logger.series("stability/update_ratio")) >= 3
-    assert seen.seen == both_seen.seen
+    mon, logger, seen = monitor("warn", log_every_n_steps=health_every), MemoryLogger(), RatioSeen()
+    callbacks = [mon, PrecursorMonitor(log_every_n_steps=precursor_every), seen]
+    torch.manual_seed(0)
+    quiet_trainer(max_steps=12, callbacks=callbacks, logger=logger, limit_train_batches=5).fit(TinyModule())
+    logged = logger.series("stability/update_ratio")
+    every = {step for step in range(12) if (step + 1) % health_every == 0 or (step + 1) % precursor_every == 0}
+    assert set(logged) == every
+    assert all(value is not None for value in seen.seen[min(health_every, precursor_every) - 1 :])
+    history = dict(zip(mon.history.series["step"], mon.history.series["update_ratio"], strict=True))
+    for step in range(health_every - 1, 12, health_every):  # the health monitor's logging steps: the same figure
+        assert logged[step] == pytest.approx(history[step], rel=1e-6)
+    package = Path(__file__).parents[2] / "lightning_stability"
+    recorders = [p for p in package.rglob("*.py") if '"stability/update_ratio"' in p.read_text()]
+    assert [p.relative_to(package).as_posix() for p in recorders] == ["ledger/step_ledger.py"]
