@@ -114,6 +114,7 @@ class GradientAccumulation(LedgerCallback):
         self._factor = schedule.factors[0]
         self._known_applied = 0  # a lower bound of the applied count, exact after each host read
         self._opened = False
+        self._decided: int | None = None  # the next window's factor, decided as the last step closed (row 13)
         self._lr = AccumulationLR(lr_scaling)
         self._stash: list[tuple[Tensor, Tensor]] = []
         self._adascale = adascale.AdaScaleGain()
@@ -201,6 +202,7 @@ class GradientAccumulation(LedgerCallback):
         # HOST SYNC (once, before the first step) at most: the ledger may hold device-decided counts.
         self._known_applied = int(StepLedger.of(trainer).record_of().applied_steps)  # HOST SYNC (once) at most
         self._opened = False
+        self._decided = None
         has_schedule = any(isinstance(cb, ScheduledLR) for cb in trainer.callbacks)  # type: ignore[attr-defined]
         self._lr.start(self._optimizer, active=self.lr_scaling in ("linear", "sqrt") and not has_schedule)
         self._say_lr_change(has_schedule)
@@ -261,7 +263,8 @@ class GradientAccumulation(LedgerCallback):
             module.set_requires_gradient_sync(last, recurse=False)
 
     def _start_window(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
-        k = self._next_factor(StepLedger.of(trainer))
+        k = self._decided if self._decided is not None else self._next_factor(StepLedger.of(trainer))
+        self._decided = None
         batches = trainer.num_training_batches
         size = k if not math.isfinite(batches) else max(1, min(k, int(batches) - batch_idx))
         self._factor, self._size, self._micro = k, size, 0
@@ -271,7 +274,7 @@ class GradientAccumulation(LedgerCallback):
         if batch_idx % size != 0:
             # Lightning zeroes gradients only where `batch_idx % factor == 0`; do it here as it would.
             pl_module.optimizer_zero_grad(trainer.current_epoch, batch_idx, self._optimizer)
-        self._lr.set_factor(self._optimizer, k)
+        self._lr.set_factor(self._optimizer, k)  # the first window of a fit; later ones at row 13 (after_step)
         if self.lr_scaling == "adascale":
             self._adascale.configure(trainer.world_size, size)
 
@@ -302,6 +305,13 @@ class GradientAccumulation(LedgerCallback):
         self.record_metric("stability/accumulation_steps", float(self._size))
         scale = self._adascale.gain if self.lr_scaling == "adascale" else lr_scale(self._factor, self.lr_scaling)
         self.record_metric("stability/lr_scale", scale)
+
+    def after_step(self, trainer: pl.Trainer, ledger: StepLedger) -> None:
+        """Row 13 of the step table, beside the LR schedule: the next window's factor, and the LR of its update (with
+        ``lr_scaling`` and no ``ScheduledLR``, which otherwise folds the scaling into its own LR)."""
+        self._decided = self._next_factor(ledger)
+        if self._optimizer is not None:
+            self._lr.set_factor(self._optimizer, self._decided)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
