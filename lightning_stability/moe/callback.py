@@ -19,15 +19,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_stability.errors import check_bool
 from lightning_stability.ledger import LedgerCallback, Stage, StepLedger
 from lightning_stability.moe.load import LayerFigures, RouterWindow
 from lightning_stability.moe.routers import RouterHooks
-
-#: ``stability/router/<figure>``: the whole model, from its layers' figures by this reduction
-_WHOLE = {"max_vio": "max", "dead_experts": "sum", "entropy": "mean", "logit_max": "max", "z_loss": "mean"}
 
 
 class RouterHealthMonitor(LedgerCallback):
@@ -122,22 +120,23 @@ class RouterHealthMonitor(LedgerCallback):
     def _record(self, figures: dict[str, LayerFigures]) -> None:
         if not figures:
             return
-        per_figure = {
-            "max_vio": [f.max_vio for f in figures.values()],
-            "dead_experts": [f.dead for f in figures.values()],
-            "entropy": [f.entropy for f in figures.values()],
-            "logit_max": [f.logit_max for f in figures.values()],
-            "z_loss": [f.z_loss for f in figures.values()],
-        }
-        for key, values in per_figure.items():
-            stacked = torch.stack([v.to(values[0].dtype) for v in values])
-            how = _WHOLE[key]
-            whole = stacked.amax() if how == "max" else stacked.sum() if how == "sum" else stacked.mean()
-            self.record_metric(f"stability/router/{key}", whole)
-            for name, value in zip(figures, values, strict=True):
-                self.record_metric(f"stability/router/{key}_by_module/{name}", value)
-        if self.expert_shares:
-            for name, layer in figures.items():
+        layers = list(figures.values())
+
+        def over_layers(values: list[Tensor]) -> Tensor:
+            return torch.stack([v.to(values[0].dtype) for v in values])
+
+        self.record_metric("stability/router/max_vio", over_layers([f.max_vio for f in layers]).amax())
+        self.record_metric("stability/router/dead_experts", over_layers([f.dead for f in layers]).sum())
+        self.record_metric("stability/router/entropy", over_layers([f.entropy for f in layers]).mean())
+        self.record_metric("stability/router/logit_max", over_layers([f.logit_max for f in layers]).amax())
+        self.record_metric("stability/router/z_loss", over_layers([f.z_loss for f in layers]).mean())
+        for name, layer in figures.items():
+            self.record_metric(f"stability/router/max_vio_by_module/{name}", layer.max_vio)
+            self.record_metric(f"stability/router/dead_experts_by_module/{name}", layer.dead)
+            self.record_metric(f"stability/router/entropy_by_module/{name}", layer.entropy)
+            self.record_metric(f"stability/router/logit_max_by_module/{name}", layer.logit_max)
+            self.record_metric(f"stability/router/z_loss_by_module/{name}", layer.z_loss)
+            if self.expert_shares:
                 for expert, share in enumerate(layer.load_share.unbind()):
                     self.record_metric(f"stability/router/load_share_by_module/{name}/expert{expert}", share)
 
