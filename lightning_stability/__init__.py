@@ -65,6 +65,11 @@ _EXPORTS = {
     "WatchdogSettings": "lightning_stability.cluster.watchdog",
     "watchdog_environment": "lightning_stability.cluster.watchdog",
     "watchdog_settings": "lightning_stability.cluster.watchdog",
+    # mixtures of experts: router health
+    "RouterHealthMonitor": "lightning_stability.moe.callback",
+    "RouterSpec": "lightning_stability.moe.routers",
+    "Routing": "lightning_stability.moe.routers",
+    "register_router": "lightning_stability.moe.routers",
     # the incident log
     "Incident": "lightning_stability.incidents.log",
     "read_incidents": "lightning_stability.incidents.log",
@@ -132,6 +137,8 @@ if TYPE_CHECKING:
     from lightning_stability.ledger.stages import Stage
     from lightning_stability.ledger.step_ledger import StepLedger
     from lightning_stability.ledger.track import Outcome
+    from lightning_stability.moe.callback import RouterHealthMonitor
+    from lightning_stability.moe.routers import RouterSpec, Routing, register_router
     from lightning_stability.planner import (
         MemoryPlan,
         ModelShape,

@@ -403,6 +403,12 @@ def tensor_version(tensor: Tensor) -> int:
     return int(tensor._version)
 
 
+def in_backward() -> bool:
+    """Whether autograd runs a backward pass on this thread now (a forward run then is activation checkpointing's
+    recomputation of one already run); a host integer, no sync."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
 def is_batchnorm(module: nn.Module) -> TypeGuard[nn.modules.batchnorm._BatchNorm]:
     """Whether ``module`` is a batch norm of any kind (``BatchNorm1d/2d/3d``, ``SyncBatchNorm``, lazy ones)."""
     return isinstance(module, _private("torch.nn.modules.batchnorm", "_BatchNorm"))

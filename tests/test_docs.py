@@ -172,7 +172,7 @@ def _code_keys() -> set[str]:
                     keys.add(node.value)
             elif isinstance(node, ast.JoinedStr):
                 text = "".join(v.value if isinstance(v, ast.Constant) else "<>" for v in node.values)
-                if re.fullmatch(r"stability/\w[\w/]*<>", text):
+                if re.fullmatch(r"stability/\w[\w/<>]*<>", text):  # a part may sit inside: <module>/expert<e>
                     keys.add(text)
     return keys
 

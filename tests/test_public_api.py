@@ -23,6 +23,7 @@ CALLBACKS = {
     "GradientNormMonitor",
     "LossScaleTuner",
     "PrecursorMonitor",
+    "RouterHealthMonitor",
     "ScheduledLR",
     "StepReplay",
     "TrainingHealthMonitor",

@@ -8,6 +8,7 @@ from lightning_stability.checkpoint.preemption_checkpoint import PreemptionCheck
 from lightning_stability.cluster.callback import ClusterHealthMonitor
 from lightning_stability.grad_norm import GradientNormMonitor
 from lightning_stability.health.callback import TrainingHealthMonitor
+from lightning_stability.moe.callback import RouterHealthMonitor
 from lightning_stability.precursors.callback import PrecursorMonitor
 from lightning_stability.replay.callback import StepReplay
 from lightning_stability.schedules.callback import ScheduledLR, WarmupConstantCosineLR
@@ -20,6 +21,7 @@ __all__ = [
     "LossScaleTuner",
     "PreemptionCheckpoint",
     "PrecursorMonitor",
+    "RouterHealthMonitor",
     "ScheduledLR",
     "StepReplay",
     "TrainingHealthMonitor",

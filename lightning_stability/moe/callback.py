@@ -1,0 +1,151 @@
+"""RouterHealthMonitor: each MoE layer's routing figures (load, MaxVio, dead experts, entropy, logits, z-loss),
+logged as ``stability/router/...`` on logging steps.
+
+It observes; it changes nothing in training. A forward hook on each router (:mod:`.routers`) adds every training
+forward's routing to device totals (:class:`~lightning_stability.moe.load.RouterWindow`); on a logging step the
+totals of the window (every optimizer step since the last logging step) are summed over the data-parallel ranks
+(one all-gather), turned into the figures and recorded, to go to the loggers in the step's one transfer; then the
+window starts again. No host read off logging steps, none added on them.
+
+What is counted: the forwards of each training step's micro-batches, once. The hooks count from a step's first
+micro-batch until the step opens (row 3 of the step table, before ``StepReplay`` may run it again at row 3b), so a
+replayed forward, a validation forward and activation checkpointing's recomputation in backward are not counted.
+The totals of the open window are part of the monitor's ``state_dict``: a resume goes on with the window it was in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_stability.errors import check_bool
+from lightning_stability.ledger import LedgerCallback, Stage, StepLedger
+from lightning_stability.moe.load import LayerFigures, RouterWindow
+from lightning_stability.moe.routers import RouterHooks
+
+
+class RouterHealthMonitor(LedgerCallback):
+    """Logs each MoE layer's routing health on logging steps (see the module's doc and :mod:`.load`'s table).
+
+    Args:
+        expert_shares: also log each expert's load share, per layer (``E`` keys a layer).
+        log_every_n_steps: default: the Trainer's. The figures are over every optimizer step since the last
+            logging step (dead experts: none routed to in that window).
+
+    Raises:
+        StabilityConfigError: for a bad argument; at setup, when the model has no router this package can read, or a
+            module that looks like a mixture of experts holds none (:func:`~.routers.find_routers`: the fix is
+            :func:`~.routers.register_router`).
+
+    Metrics (on logging steps; ``<module>`` is the router's name in ``named_modules``):
+
+    ====================================================  ========================================================
+    key                                                   value
+    ====================================================  ========================================================
+    ``stability/router/max_vio``                          MaxVio, the largest over the layers
+    ``stability/router/dead_experts``                     experts no token was routed to, summed over the layers
+    ``stability/router/entropy``                          the mean routing entropy (nats), mean over the layers
+    ``stability/router/logit_max``                        the largest router logit, over the layers
+    ``stability/router/z_loss``                           the router z-loss (ST-MoE), mean over the layers
+    ``stability/router/<figure>_by_module/<module>``      each of the five, per layer
+    ``stability/router/load_share_by_module/<module>/     the share of the layer's routed tokens that went to
+    expert<e>``                                           expert ``e`` (``expert_shares=True``)
+    ====================================================  ========================================================
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[RouterHealthMonitor()], log_every_n_steps=50)
+    """
+
+    one_instance_reason = "each would count the same tokens"
+
+    def __init__(self, expert_shares: bool = True, log_every_n_steps: int | None = None) -> None:
+        super().__init__(log_every_n_steps)
+        check_bool("expert_shares", expert_shares)
+        self.expert_shares = expert_shares
+        #: each layer's totals over the open window (on the device while training)
+        self.window = RouterWindow()
+        self._hooks: RouterHooks | None = None
+        self._routers: list[str] = []
+
+    # ------------------------------------------------------------------ setup
+    def on_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._remove_hooks()
+        self._hooks = RouterHooks(pl_module, self.window)  # raises when there is no router to read
+        self._routers = [r.name for r in self._hooks.routers]
+        StepLedger.of(trainer).at(Stage.OPEN, "RouterHealthMonitor", self._step_opens)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._remove_hooks()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
+
+    @property
+    def routers(self) -> list[str]:
+        """The names of the routers counted (as in the module's ``named_modules``; from setup on)."""
+        return list(self._routers)
+
+    # ------------------------------------------------------------------ the step
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self._hooks is not None:
+            self._hooks.active = True  # this micro-batch's forward counts
+
+    def _step_opens(self, ledger: StepLedger) -> None:
+        """Row 3: the step's forwards are done; what runs from here (a replay at row 3b, validation) is not
+        counted."""
+        if self._hooks is not None:
+            self._hooks.active = False
+
+    def on_step(self, trainer: pl.Trainer, ledger: StepLedger, optimizer: Optimizer) -> None:
+        """On a logging step: the window's figures, over ranks (one collective), recorded; the window starts
+        again."""
+        if not self.is_logging_step or not self.window.seen:
+            return
+        self._record(self.window.figures())
+        self.window.reset()
+
+    def _record(self, figures: dict[str, LayerFigures]) -> None:
+        if not figures:
+            return
+        layers = list(figures.values())
+
+        def over_layers(values: list[Tensor]) -> Tensor:
+            return torch.stack([v.to(values[0].dtype) for v in values])
+
+        self.record_metric("stability/router/max_vio", over_layers([f.max_vio for f in layers]).amax())
+        self.record_metric("stability/router/dead_experts", over_layers([f.dead for f in layers]).sum())
+        self.record_metric("stability/router/entropy", over_layers([f.entropy for f in layers]).mean())
+        self.record_metric("stability/router/logit_max", over_layers([f.logit_max for f in layers]).amax())
+        self.record_metric("stability/router/z_loss", over_layers([f.z_loss for f in layers]).mean())
+        for name, layer in figures.items():
+            self.record_metric(f"stability/router/max_vio_by_module/{name}", layer.max_vio)
+            self.record_metric(f"stability/router/dead_experts_by_module/{name}", layer.dead)
+            self.record_metric(f"stability/router/entropy_by_module/{name}", layer.entropy)
+            self.record_metric(f"stability/router/logit_max_by_module/{name}", layer.logit_max)
+            self.record_metric(f"stability/router/z_loss_by_module/{name}", layer.z_loss)
+            if self.expert_shares:
+                for expert, share in enumerate(layer.load_share.unbind()):
+                    self.record_metric(f"stability/router/load_share_by_module/{name}/expert{expert}", share)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return {"window": self.window.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.window.load_state_dict(state_dict.get("window", {}))
+
+    def transient_state(self) -> dict[str, Any]:
+        return {"_hooks": None}

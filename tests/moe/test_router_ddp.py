@@ -1,0 +1,49 @@
+"""RouterHealthMonitor across 2 processes (torchrun, gloo, DDP): what each rank logs equals what one process logs
+on the same global batches, the token counts summed over ranks (one launch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import torchrun
+from tests.moe import router_ddp_run as run
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return torchrun(Path(run.__file__), run.WORLD, tmp_path_factory.mktemp("router"), timeout=300)
+
+
+@pytest.fixture(scope="module")
+def one() -> dict[str, Any]:
+    return run.fit(1)
+
+
+def test_two_processes_log_what_one_process_logs_on_the_same_global_batch(
+    ranks: list[dict[str, Any]], one: dict[str, Any]
+) -> None:
+    expected = {str(batch): metrics for batch, metrics in one["logged"].items()}
+    assert sorted(expected) == ["1", "3"]
+    for rank in ranks:
+        assert sorted(rank["logged"]) == sorted(expected)
+        for batch, metrics in expected.items():
+            got = rank["logged"][batch]
+            assert set(got) == set(metrics)
+            for key, value in metrics.items():
+                if "dead_experts" in key or "load_share" in key or "max_vio" in key:
+                    assert got[key] == value, (batch, key)  # from token counts: exact
+                else:
+                    assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (batch, key)
+
+
+def test_the_open_window_holds_the_rank_s_own_tokens(ranks: list[dict[str, Any]], one: dict[str, Any]) -> None:
+    """Step 5 is counted, not logged: each rank's window holds its own half of the global batch."""
+    for name, layer in one["state"]["window"]["layers"].items():
+        halves = [rank["state"]["window"]["layers"][name]["counts"] for rank in ranks]
+        assert [a + b for a, b in zip(*halves, strict=True)] == layer["counts"]
+        assert all(sum(h) == sum(layer["counts"]) // 2 for h in halves)
