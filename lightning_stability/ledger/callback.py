@@ -214,8 +214,8 @@ class LedgerCallback(Callback):
             StepLedger.of(trainer)._watch(trainer.optimizers)
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        if self._last:  # one of our callbacks records the loss (if any callback asked for it)
-            StepLedger.of(trainer)._add_loss(loss)
+        if self._last:  # row 1's functions, and the loss (if any callback asked for it): once, by one of our callbacks
+            StepLedger.of(trainer)._before_backward(loss)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

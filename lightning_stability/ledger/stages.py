@@ -35,7 +35,9 @@ class Stage(Enum):
     """One row of the step table (``ledger/step.py``): its label there, what it may change, whether ``StepLedger.at``
     registers functions there."""
 
-    BACKWARD = ("1", frozenset({GRADIENTS, BUFFERS, RNG}), False)
+    #: before each micro-batch's backward: ``fn(ledger)``, e.g. a tensor hook that adds a loss term's gradient (a
+    #: router z-loss), times ``ledger.backward_factor()`` so that it lands as if the term were part of the loss
+    BACKWARD = ("1", frozenset({GRADIENTS, BUFFERS, RNG}), True)
     UNSCALE = ("2", frozenset({GRADIENTS}), False)
     #: the step opens: ``fn(ledger)`` before anything measures it. The health monitor's rollback restores the
     #: weights, optimizer state and buffers here; StepReplay puts back the buffers of a stand-in batch; factors on

@@ -7,9 +7,10 @@ buffers or the LR outside the optimizer's own update registers at its row with `
 ===  ============================================  ==============================================================
  #   what happens                                  where
 ===  ============================================  ==============================================================
- 1   ``BACKWARD``: forward, backward of each       Lightning's loop; ``LedgerCallback.on_before_backward`` ->
-     micro-batch; the loss kept if a callback      ``step_ledger.StepLoss`` (Lightning's divisor, fp16 scale undone)
-     ``needs_loss``
+ 1   ``BACKWARD``: forward, backward of each       Lightning's loop; ``LedgerCallback.on_before_backward`` runs the
+     micro-batch; the loss kept if a callback      functions at ``Stage.BACKWARD`` (a gradient hook for a loss term)
+     ``needs_loss``                                and keeps the loss (``step_ledger.StepLoss``: Lightning's
+                                                   divisor, fp16 scale undone)
  2   ``UNSCALE``: fp16: the scaler unscales a      ``MixedPrecision`` / ``StableFSDPPrecision.optimizer_step``;
      non-fused optimizer, one flag per device      ``amp/scaler.py`` max-reduces the flag over the ranks
  3   ``OPEN``: **the step opens**: a fused         :class:`OptimizerStep` ``__init__``, from ``StepLedger.open_step``

@@ -216,7 +216,8 @@ class StepLedger:
         per name and stage: registering a name again replaces it).
 
         The functions of a stage run in the order of their names, whatever the order of the Trainer's callbacks.
-        Stages that take functions (``stage.registers``): ``OPEN`` (as the step opens, before anything measures it),
+        Stages that take functions (``stage.registers``): ``BACKWARD`` (before each micro-batch's backward; see
+        :meth:`backward_factor`), ``OPEN`` (as the step opens, before anything measures it),
         ``REPLAY`` (StepReplay's), ``ENFORCE`` (right before the update, after every clip and vote: the gradients
         the update will use), ``AFTER_UPDATE`` (right after it, applied or skipped: ``ledger.outcome``) and
         ``AFTER_STEP`` (once the step closed). A bound method is held weakly: a callback's registration ends with it.
@@ -266,17 +267,35 @@ class StepLedger:
         micro-batches, unscaled, on the device."""
         self._loss.enabled = True
 
-    def _add_loss(self, loss: Tensor) -> None:
-        """Record a micro-batch's loss as ``on_before_backward`` sees it (the template does this)."""
+    def _before_backward(self, loss: Tensor) -> None:
+        """Before each micro-batch's backward (the template calls it): row 1's functions (``Stage.BACKWARD``), and
+        the micro-batch's loss recorded, as ``on_before_backward`` sees it."""
+        self._run(Stage.BACKWARD)
         if not self._loss.enabled:
             return
+        scale, normalize = self._loss_factors()
+        if normalize is not None:
+            self._loss.add(loss, scale, normalize)
+
+    def _loss_factors(self) -> tuple[Tensor | None, int | None]:
+        """The fp16 loss scale (``None`` without one) and Lightning's divisor of the coming backward's loss (the
+        accumulation factor under automatic optimization, else 1; ``None`` without a trainer)."""
         trainer = self.trainer
         if trainer is None:
-            return
+            return None, None
         scaler = loss_scaler(trainer)
         automatic = trainer.lightning_module.automatic_optimization
         scale = _compat.scaler_scale(scaler) if scaler is not None else None
-        self._loss.add(loss, scale, trainer.accumulate_grad_batches if automatic else 1)
+        return scale, trainer.accumulate_grad_batches if automatic else 1
+
+    def backward_factor(self) -> Tensor | float:
+        """What the loss of the coming backward was multiplied by, before it: the fp16 loss scale (a 0-dim device
+        tensor, read without a sync) over Lightning's accumulation divisor; 1.0 without either. A gradient that a
+        ``Stage.BACKWARD`` function adds through a tensor hook is multiplied by it, to land as if its term were part
+        of the loss."""
+        scale, normalize = self._loss_factors()
+        factor: Tensor | float = 1.0 / (normalize or 1)
+        return factor if scale is None else scale * factor
 
     def gradients(self, norm_type: float = 2.0) -> StepGradients:
         """The open step's gradients and their global norm, computed once per step for all callbacks.

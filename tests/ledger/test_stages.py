@@ -66,6 +66,7 @@ def test_the_rows_that_may_change_the_weights() -> None:
     writers = {stage for stage in Stage if WEIGHTS in stage.writes}
     assert writers == {Stage.OPEN, Stage.UPDATE, Stage.AFTER_UPDATE}
     assert [s for s in Stage if s.registers] == [
+        Stage.BACKWARD,
         Stage.OPEN,
         Stage.REPLAY,
         Stage.ENFORCE,
@@ -88,7 +89,7 @@ def _trainer(callbacks: list[pl.Callback], steps: int = 3) -> pl.Trainer:
 
 def test_at_refuses_a_row_that_runs_no_function_and_a_second_replay() -> None:
     ledger = StepLedger()
-    with pytest.raises(ValueError, match=r"Stage.CLIP \(row 5\) runs no registered function. Fix: one of Stage.OPEN"):
+    with pytest.raises(ValueError, match=r"Stage.CLIP \(row 5\) runs no registered function. Fix: one of Stage.BACKWARD, Stage.OPEN"):
         ledger.at(Stage.CLIP, "mine", lambda ledger: None)
     with pytest.raises(StabilityConfigError, match="stage"):
         ledger.at("open", "mine", lambda ledger: None)  # type: ignore[arg-type]
