@@ -57,6 +57,10 @@ def lengths() -> dict[str, list[Any]]:
     return {"warmup": [-0.1, 1.5, None], "min_lr_ratio": [1.5, -1]}
 
 
+class _NotARouter(nn.Module):
+    """A module class that register_router's refusals are tried with (each call fails before it registers)."""
+
+
 ENTRIES: dict[str, Entry] = {
     "GradientAccumulation": (
         ls.GradientAccumulation,
@@ -211,6 +215,8 @@ ENTRIES: dict[str, Entry] = {
     ),
     "LedgerCallback": (ls.LedgerCallback, {"log_every_n_steps": [0, -1]}),
     "StepLedger": (ls.StepLedger, {"trainer": [3]}),
+    "RouterHealthMonitor": (ls.RouterHealthMonitor, {"expert_shares": [1, "yes"], "log_every_n_steps": [0]}),
+    "register_router": (call(ls.register_router, cls=_NotARouter), {"cls": [3, int], "routing": [3], "spec": [3]}),
     "check_training_status": (call(ls.check_training_status, model=nn.Linear(2, 2)), {"model": [3], "verbose": [1]}),
     "PreemptionCheckpoint": (ls.PreemptionCheckpoint, {"signals": [["TERM"], "SIGTERM", [signal.SIGKILL]]}),
     "StableCheckpoint": (
@@ -360,6 +366,9 @@ NOT_ENTRY_POINTS = {
     "TrainingStatus": "a result of check_training_status, not built by callers",
     "WatchdogSettings": "a result of watchdog_settings, not built by callers",
     "Outcome": "an enum of step outcomes, read from the ledger",
+    "Stage": "an enum of the step table's rows, passed to StepLedger.at (which refuses anything else)",
+    "RouterSpec": "a record your register_router spec function returns, checked when the monitor reads it at setup",
+    "Routing": "a record your register_router routing function returns, read by the monitor's hook",
     "QueryKey": "what a register_attention function returns, read by the monitor's hook",
     "CheckpointError": "an exception",
     "LossScaleFloorError": "an exception",

@@ -89,7 +89,8 @@ def _trainer(callbacks: list[pl.Callback], steps: int = 3) -> pl.Trainer:
 
 def test_at_refuses_a_row_that_runs_no_function_and_a_second_replay() -> None:
     ledger = StepLedger()
-    with pytest.raises(ValueError, match=r"Stage.CLIP \(row 5\) runs no registered function. Fix: one of Stage.BACKWARD, Stage.OPEN"):
+    refused = r"Stage.CLIP \(row 5\) runs no registered function. Fix: one of Stage.BACKWARD, Stage.OPEN"
+    with pytest.raises(ValueError, match=refused):
         ledger.at(Stage.CLIP, "mine", lambda ledger: None)
     with pytest.raises(StabilityConfigError, match="stage"):
         ledger.at("open", "mine", lambda ledger: None)  # type: ignore[arg-type]
