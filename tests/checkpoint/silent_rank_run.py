@@ -36,7 +36,7 @@ import torch
 from lightning_stability import AtomicCheckpointIO, StableCheckpoint
 from lightning_stability.strategies import StableFSDPStrategy
 from tests.checkpoint.resume_run import STEPS, DropoutLM, final_state
-from tests.helpers import exit_worker
+from tests.helpers import QUIET, finish_worker
 
 KILL_AT = 11  # the global step of the save during which rank 1 is killed (mid-epoch: 8 steps an epoch)
 
@@ -102,10 +102,8 @@ def run(out: Path, strategy: str, kind: str) -> None:
         accelerator="cpu",
         devices=2,
         max_steps=STEPS,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=callbacks,
+        **QUIET,
         **kwargs,
     )
     trainer.fit(module, ckpt_path="last" if kind == "resume" else None)
@@ -115,11 +113,8 @@ def run(out: Path, strategy: str, kind: str) -> None:
 def main() -> None:
     out, strategy, kind = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     run(out, strategy, kind)
-    (out / f"rank{os.environ.get('RANK', '0')}.json").write_text("{}")  # for tests.helpers.torchrun
+    finish_worker(out)
 
 
 if __name__ == "__main__":
     main()
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    exit_worker()
