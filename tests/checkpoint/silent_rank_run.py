@@ -1,6 +1,6 @@
 """A two-process run whose rank 1 is SIGKILLed while rank 0 alone writes (tests/checkpoint/test_silent_rank_kill.py).
 
-Usage: ``torchrun --nproc_per_node 2 silent_rank_run.py OUT_DIR STRATEGY KIND``. STRATEGY ``ddp``
+Usage: ``torchrun --nproc_per_node 2 silent_rank_run.py OUT_DIR STRATEGY KIND...`` (each KIND in turn). STRATEGY ``ddp``
 (``AtomicCheckpointIO``: rank 0 writes every checkpoint file, rank 1 none) or ``fsdp`` (``StableFSDPStrategy``,
 sharded: every rank writes its shards, then rank 0 alone writes ``meta.pt``). KIND:
 
@@ -111,8 +111,9 @@ def run(out: Path, strategy: str, kind: str) -> None:
 
 
 def main() -> None:
-    out, strategy, kind = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-    run(out, strategy, kind)
+    out, strategy = Path(sys.argv[1]), sys.argv[2]
+    for kind in sys.argv[3:]:
+        run(out, strategy, kind)
     finish_worker(out)
 
 
