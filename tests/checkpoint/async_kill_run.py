@@ -37,7 +37,7 @@ from lightning_stability import AtomicCheckpointIO, CheckpointError, StableCheck
 from lightning_stability.checkpoint.async_save import AsyncSaves
 from lightning_stability.strategies import StableFSDPStrategy
 from tests.distributed.fsdp_common import TinyLM
-from tests.helpers import exit_worker
+from tests.helpers import QUIET, exit_worker
 
 EVERY = 2
 
@@ -104,9 +104,7 @@ def run(out: Path, layout: str, max_steps: int, kind: str) -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
         enable_checkpointing=kind == "soak",
         use_distributed_sampler=False,
         callbacks=callbacks,
