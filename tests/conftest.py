@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 # The step table's debug check, on for every test and the processes they start: a stage that changes the weights
 # where it may not fails the test (lightning_stability/ledger/stages.py).
@@ -27,3 +30,25 @@ def launcher_environment_restored() -> Iterator[None]:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(autouse=True)
+def signal_handlers_restored() -> Iterator[None]:
+    """Each test leaves the SIGTERM and SIGUSR1 handlers as it found them (a test that signals its own process
+    installs handlers through the callbacks it fits)."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+@pytest.fixture
+def restore_process_settings() -> Iterator[None]:
+    """For a test that runs a benchmark in this process: the benchmark sets torch's thread count and quiets
+    Lightning's loggers for the whole process; put both back."""
+    names = ("lightning.pytorch", "lightning.fabric", "lightning_stability")
+    threads, levels = torch.get_num_threads(), {n: logging.getLogger(n).level for n in names}
+    yield
+    torch.set_num_threads(threads)
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)

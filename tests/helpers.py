@@ -21,6 +21,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 REPO = Path(__file__).resolve().parents[1]
 
+#: a test Trainer's keyword arguments: no logger, progress bar or model summary
+QUIET: dict[str, Any] = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
+
 
 class SyncCounter(TorchDispatchMode):
     """Counts host-device synchronisations: ``aten._local_scalar_dense`` (``.item()``, ``bool(t)``, ...)
@@ -186,13 +189,22 @@ def quiet_trainer(**kwargs: Any) -> pl.Trainer:
     defaults: dict[str, Any] = dict(
         accelerator="cpu",
         devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         enable_checkpointing=False,
+        **QUIET,
     )
     defaults.update(kwargs)
     return pl.Trainer(**defaults)
+
+
+class SendSignal(pl.Callback):
+    """Sends ``signum`` to this process at the start of the step that begins at ``at_step``."""
+
+    def __init__(self, signum: int, at_step: int) -> None:
+        self.signum, self.at_step = signum, at_step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.at_step:
+            os.kill(os.getpid(), self.signum)
 
 
 def exit_worker() -> NoReturn:
@@ -202,6 +214,16 @@ def exit_worker() -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def finish_worker(out_dir: Path) -> NoReturn:
+    """End a torchrun worker whose results are written: mark this rank done for :func:`torchrun` (an empty
+    ``rank{RANK}.json`` in ``out_dir``), wait for every rank of the process group there is, and
+    :func:`exit_worker`."""
+    (out_dir / f"rank{os.environ.get('RANK', '0')}.json").write_text("{}")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    exit_worker()
 
 
 def _children() -> dict[int, list[int]]:

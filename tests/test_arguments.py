@@ -6,7 +6,6 @@ from __future__ import annotations
 import inspect
 import re
 import signal
-import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -18,8 +17,6 @@ from torch import nn
 
 import lightning_stability as ls
 from lightning_stability import StabilityConfigError
-
-warnings.filterwarnings("ignore", ".*LitLogger.*")
 
 
 class Wrong:

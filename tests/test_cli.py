@@ -106,6 +106,7 @@ def test_help_and_the_pure_commands_do_not_import_torch() -> None:
     assert done.stdout.strip() == "[]"
 
 
+@pytest.mark.distributed  # training in two processes
 def test_demo_on_two_cpu_processes(tmp_path: Path) -> None:
     args = ["demo", "--devices", "2", "--steps", "40", "--out", str(tmp_path), "--no-progress-bar"]
     env = dict(os.environ, OMP_NUM_THREADS="1")

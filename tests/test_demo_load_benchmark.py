@@ -9,6 +9,7 @@ import pytest
 from benchmarks import demo_load
 
 
+@pytest.mark.distributed  # training in a subprocess
 def test_a_row_times_the_demo(capsys: pytest.CaptureFixture[str]) -> None:
     demo_load.main(["--steps", "4", "--threads", "1", "--busy", "0"])
     out = capsys.readouterr().out

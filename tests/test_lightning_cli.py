@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import pytest
@@ -21,9 +20,6 @@ from lightning_stability import (
     WarmupConstantCosineLR,
 )
 from tests.helpers import TinyModule
-
-warnings.filterwarnings("ignore", ".*does not have many workers.*")
-warnings.filterwarnings("ignore", ".*LitLogger.*")
 
 QUIET = ["--trainer.accelerator=cpu", "--trainer.logger=false", "--trainer.enable_progress_bar=false"]
 

@@ -15,7 +15,6 @@ import glob
 import json
 import math
 import struct
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,9 +31,6 @@ from tests.metric_runs import (
     fit_two_optimizers,
     keys_below_others,
 )
-
-warnings.filterwarnings("ignore", ".*does not have many workers.*")
-warnings.filterwarnings("ignore", ".*LitLogger.*")
 
 #: a fit, its part prefixes, its logging steps (Lightning's labels) and a metric of the module's own
 FITS: dict[str, tuple[Callable[..., pl.Trainer], tuple[str, ...], list[int], str]] = {

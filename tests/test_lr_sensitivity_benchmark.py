@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import logging
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,17 +13,7 @@ from torch.utils.data import DataLoader
 
 from benchmarks import lr_sensitivity
 from lightning_stability import WarmupConstantCosineSchedule, get_preset
-
-
-@pytest.fixture
-def restore_process_settings() -> Iterator[None]:
-    """The benchmark sets torch's thread count and quiets Lightning's loggers for the whole process."""
-    names = ("lightning.pytorch", "lightning.fabric", "lightning_stability")
-    threads, levels = torch.get_num_threads(), {n: logging.getLogger(n).level for n in names}
-    yield
-    torch.set_num_threads(threads)
-    for name, level in levels.items():
-        logging.getLogger(name).setLevel(level)
+from tests.helpers import QUIET
 
 
 def test_the_grid_is_six_log_spaced_lrs_from_1e_3_to_3e_1() -> None:
@@ -96,12 +84,10 @@ def test_the_careful_arm_clips_with_lightning_and_warms_up_with_the_presets_shap
     common: dict[str, Any] = dict(
         accelerator="cpu",
         max_steps=steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         enable_checkpointing=False,
         default_root_dir=tmp_path,
         callbacks=[seen],
+        **QUIET,
     )
     trainer = lr_sensitivity.ARMS["careful"](common)
     trainer.fit(model, data)

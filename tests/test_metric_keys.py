@@ -4,7 +4,6 @@ one ``CSVLogger`` row per logging step holds them with the module's own ``self.l
 from __future__ import annotations
 
 import csv
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,8 +23,6 @@ from tests.metric_runs import (
     keys_below_others,
     stability_keys,
 )
-
-warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
 FITS: dict[str, tuple[Callable[..., pl.Trainer], tuple[str, ...]]] = {
     "gpt-preset": (fit_gpt_preset, GPT_PART_PREFIXES),

@@ -39,13 +39,8 @@ from lightning_stability.planner import plan_memory
 from lightning_stability.precursors import LRBackoff, PrecursorMonitor
 from lightning_stability.presets import FIELDS, PRESETS, batch_mismatch, get_preset, layout
 from lightning_stability.trainer import EffectiveBatchCheck
-from tests.helpers import TinyModule, count_syncs_per_step
+from tests.helpers import QUIET, TinyModule, count_syncs_per_step
 from tests.precursors.tiny_lm import TinyLM
-
-warnings.filterwarnings("ignore", ".*does not have many workers.*")
-warnings.filterwarnings("ignore", ".*LitLogger.*")
-
-QUIET = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
 
 
 def one(trainer: pl.Trainer, kind: type) -> Any:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -26,9 +25,6 @@ from lightning_stability.precursors import PrecursorMonitor
 from lightning_stability.presets import FIELDS, PRESETS, get_preset
 from lightning_stability.strategies import StableFSDPStrategy
 from tests.helpers import TinyModule, torchrun
-
-warnings.filterwarnings("ignore", ".*does not have many workers.*")
-warnings.filterwarnings("ignore", ".*LitLogger.*")
 
 
 def quiet(**kwargs: object) -> dict[str, object]:

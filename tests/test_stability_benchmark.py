@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
-
 import pytest
-import torch
 
 from benchmarks import stability
 from benchmarks.stability_runs import Run
@@ -35,17 +31,6 @@ def test_the_fastest_reliable_lr_skips_lrs_where_runs_break() -> None:
     assert ratio == pytest.approx(21.5 / 26.5)
     assert any("preset / bare steps to target = 0.81" in line for line in lines)
     assert fastest_reliable([LRPoint(1e-2, runs([None], diverged=1), runs([None], diverged=1))], False, 0.98) is None
-
-
-@pytest.fixture
-def restore_process_settings() -> Iterator[None]:
-    """The benchmark sets torch's thread count and quiets Lightning's loggers for the whole process."""
-    names = ("lightning.pytorch", "lightning.fabric", "lightning_stability")
-    threads, levels = torch.get_num_threads(), {n: logging.getLogger(n).level for n in names}
-    yield
-    torch.set_num_threads(threads)
-    for name, level in levels.items():
-        logging.getLogger(name).setLevel(level)
 
 
 @pytest.mark.usefixtures("restore_process_settings")

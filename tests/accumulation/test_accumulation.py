@@ -28,8 +28,6 @@ from lightning_stability.schedules import warmup_constant_cosine
 from lightning_stability.schedules.callback import WarmupConstantCosineLR
 from tests.helpers import TinyModule, count_syncs_per_step, make_data, quiet_trainer
 
-warnings.filterwarnings("ignore", ".*does not have many workers.*")
-
 
 class StepRecorder(Callback):
     """Per optimizer step: the batch indices it accumulated, its LR, weights before it and its gradients."""

@@ -1,10 +1,10 @@
 """A run with ``StableCheckpoint(async_save=True)`` whose background write can be held open, to be killed with
 SIGKILL in the middle of it (tests/checkpoint/test_async_kill.py).
 
-Usage: ``python async_kill_run.py OUT_DIR LAYOUT MAX_STEPS RUN`` (LAYOUT ``plain``: one process with
+Usage: ``python async_kill_run.py OUT_DIR LAYOUT MAX_STEPS RUN...`` (LAYOUT ``plain``: one process with
 ``AtomicCheckpointIO``), or under ``torchrun --nproc_per_node 2`` with LAYOUT ``ddp`` (``DDPStrategy`` +
-``AtomicCheckpointIO``), ``sharded`` or ``full`` (``StableFSDPStrategy``'s two layouts). RUN is ``soak`` (resume
-from ``OUT_DIR/LAYOUT/`` with ``ckpt_path="last"``, save every 2 steps) or ``reference`` (uninterrupted, no
+``AtomicCheckpointIO``), ``sharded`` or ``full`` (``StableFSDPStrategy``'s two layouts). Each RUN, in turn, is ``soak``
+(resume from ``OUT_DIR/LAYOUT/`` with ``ckpt_path="last"``, save every 2 steps) or ``reference`` (uninterrupted, no
 checkpoints). One sequence batch per epoch (8 sequences, in order), so a resume sees the same data whatever step it
 resumes at.
 
@@ -37,7 +37,7 @@ from lightning_stability import AtomicCheckpointIO, CheckpointError, StableCheck
 from lightning_stability.checkpoint.async_save import AsyncSaves
 from lightning_stability.strategies import StableFSDPStrategy
 from tests.distributed.fsdp_common import TinyLM
-from tests.helpers import exit_worker
+from tests.helpers import QUIET, exit_worker
 
 EVERY = 2
 
@@ -104,9 +104,7 @@ def run(out: Path, layout: str, max_steps: int, kind: str) -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
         enable_checkpointing=kind == "soak",
         use_distributed_sampler=False,
         callbacks=callbacks,
@@ -134,7 +132,8 @@ def run(out: Path, layout: str, max_steps: int, kind: str) -> None:
 if __name__ == "__main__":
     out_dir = Path(sys.argv[1])
     (out_dir / f"pid.{os.environ.get('RANK', '0')}").write_text(str(os.getpid()))
-    run(out_dir, sys.argv[2], int(sys.argv[3]), sys.argv[4])
+    for kind in sys.argv[4:]:
+        run(out_dir, sys.argv[2], int(sys.argv[3]), kind)
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
     exit_worker()

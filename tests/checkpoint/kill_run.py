@@ -30,7 +30,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_stability.checkpoint import AtomicCheckpointIO, CheckpointError
 from lightning_stability.strategies import StableFSDPStrategy
 from tests.distributed.fsdp_common import TinyLM
-from tests.helpers import exit_worker
+from tests.helpers import QUIET, exit_worker
 
 
 def param_sum(module: torch.nn.Module) -> float:
@@ -75,9 +75,7 @@ def run(out: Path, layout: str, max_steps: int) -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
         use_distributed_sampler=False,
         callbacks=[
             Progress(out, layout),
@@ -95,9 +93,7 @@ def load_broken(path: Path) -> str | None:
         devices=int(os.environ.get("WORLD_SIZE", "1")),
         strategy=StableFSDPStrategy(),
         max_steps=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
         enable_checkpointing=False,
     )
     try:

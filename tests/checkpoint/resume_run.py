@@ -50,7 +50,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset,
 from lightning_stability import ExactResume, PreemptionCheckpoint, StableCheckpoint, StableTrainer
 from lightning_stability.strategies import StableFSDPStrategy
 from tests.distributed.fsdp_common import VOCAB, TinyLM, token_data
-from tests.helpers import exit_worker
+from tests.helpers import QUIET, finish_worker
 
 N, BATCH, STEPS = 64, 8, 20  # 8 batches per epoch (global)
 STOP_AT = int(os.environ.get("RESUME_STOP_AT", "11"))  # mid-epoch in the second epoch unless told
@@ -204,9 +204,7 @@ def run(out: Path, strategy: str, loader: str, kind: str) -> None:
             "gpt",
             accelerator="cpu",
             max_steps=STEPS,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
+            **QUIET,
             default_root_dir=directory,
             callbacks=[Interrupt(kind)],
         )
@@ -220,9 +218,7 @@ def run(out: Path, strategy: str, loader: str, kind: str) -> None:
             reload_dataloaders_every_n_epochs=int(os.environ.get("RESUME_RELOAD", "0")),
             accumulate_grad_batches=int(os.environ.get("RESUME_ACCUMULATE", "1")),
             max_steps=STEPS,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
+            **QUIET,
             callbacks=callbacks,
             **kwargs,
         )
@@ -249,11 +245,8 @@ def main() -> None:
     out, strategy, loader = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     for kind in sys.argv[4:]:
         run(out, strategy, loader, kind)
-    (out / f"rank{os.environ.get('RANK', '0')}.json").write_text("{}")  # for tests.helpers.torchrun
+    finish_worker(out)
 
 
 if __name__ == "__main__":
     main()
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    exit_worker()

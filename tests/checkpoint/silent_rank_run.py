@@ -1,6 +1,6 @@
 """A two-process run whose rank 1 is SIGKILLed while rank 0 alone writes (tests/checkpoint/test_silent_rank_kill.py).
 
-Usage: ``torchrun --nproc_per_node 2 silent_rank_run.py OUT_DIR STRATEGY KIND``. STRATEGY ``ddp``
+Usage: ``torchrun --nproc_per_node 2 silent_rank_run.py OUT_DIR STRATEGY KIND...`` (each KIND in turn). STRATEGY ``ddp``
 (``AtomicCheckpointIO``: rank 0 writes every checkpoint file, rank 1 none) or ``fsdp`` (``StableFSDPStrategy``,
 sharded: every rank writes its shards, then rank 0 alone writes ``meta.pt``). KIND:
 
@@ -36,7 +36,7 @@ import torch
 from lightning_stability import AtomicCheckpointIO, StableCheckpoint
 from lightning_stability.strategies import StableFSDPStrategy
 from tests.checkpoint.resume_run import STEPS, DropoutLM, final_state
-from tests.helpers import exit_worker
+from tests.helpers import QUIET, finish_worker
 
 KILL_AT = 11  # the global step of the save during which rank 1 is killed (mid-epoch: 8 steps an epoch)
 
@@ -102,10 +102,8 @@ def run(out: Path, strategy: str, kind: str) -> None:
         accelerator="cpu",
         devices=2,
         max_steps=STEPS,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=callbacks,
+        **QUIET,
         **kwargs,
     )
     trainer.fit(module, ckpt_path="last" if kind == "resume" else None)
@@ -113,13 +111,11 @@ def run(out: Path, strategy: str, kind: str) -> None:
 
 
 def main() -> None:
-    out, strategy, kind = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
-    run(out, strategy, kind)
-    (out / f"rank{os.environ.get('RANK', '0')}.json").write_text("{}")  # for tests.helpers.torchrun
+    out, strategy = Path(sys.argv[1]), sys.argv[2]
+    for kind in sys.argv[3:]:
+        run(out, strategy, kind)
+    finish_worker(out)
 
 
 if __name__ == "__main__":
     main()
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    exit_worker()

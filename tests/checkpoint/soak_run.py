@@ -59,7 +59,7 @@ from lightning_stability import (
 from lightning_stability.ledger.step_ledger import StepLedger
 from lightning_stability.strategies import StableFSDPStrategy
 from tests.distributed.fsdp_common import TinyLM, token_data
-from tests.helpers import exit_worker
+from tests.helpers import QUIET, exit_worker
 
 SEQS = 64  # global batch 8: 8 steps per epoch, so the run crosses two epoch ends
 EPOCH_STEPS = SEQS // 8
@@ -166,9 +166,7 @@ def run(out: Path, config: str, steps: int, kind: str) -> None:
         accelerator="cpu",
         devices=2,
         max_steps=steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
         enable_checkpointing=kind == "soak",
         log_every_n_steps=5,
         callbacks=callbacks,

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,9 @@ SCRIPT = Path(__file__).with_name("async_kill_run.py")
 HOLD, STEPS, EVERY = 4, 8, 2
 
 
-def launch(out: Path, layout: str, nproc: int, kind: str, hold: bool, fail: bool = False) -> subprocess.Popen[bytes]:
+def launch(
+    out: Path, layout: str, nproc: int, runs: Sequence[str], hold: bool, fail: bool = False
+) -> subprocess.Popen[bytes]:
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
     env.pop("LS_TEST_HOLD_WRITE_AT", None)
     env.pop("LS_TEST_FAIL_WRITE_AT", None)
@@ -41,7 +44,7 @@ def launch(out: Path, layout: str, nproc: int, kind: str, hold: bool, fail: bool
         env["LS_TEST_HOLD_WRITE_AT"] = str(HOLD)
     if fail:
         env["LS_TEST_FAIL_WRITE_AT"] = str(HOLD)
-    cmd = [sys.executable, str(SCRIPT), str(out), layout, str(STEPS), kind]
+    cmd = [sys.executable, str(SCRIPT), str(out), layout, str(STEPS), *runs]
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *cmd[1:]]
     log = open(out / "log.txt", "ab")  # noqa: SIM115 (the child writes it)
@@ -69,7 +72,7 @@ def finish(proc: subprocess.Popen[bytes], out: Path, nproc: int, what: str) -> N
 
 @pytest.mark.parametrize(("layout", "nproc"), [("plain", 1), ("ddp", 2), ("sharded", 2), ("full", 2)])
 def test_kill_during_background_write(tmp_path: Path, layout: str, nproc: int) -> None:
-    proc = launch(tmp_path, layout, nproc, "soak", hold=True)
+    proc = launch(tmp_path, layout, nproc, ["soak"], hold=True)
     deadline = time.monotonic() + 240
     writers = range(nproc) if layout == "sharded" else [0]  # every rank writes shards; else rank 0 the file
     while not all((tmp_path / f"held.{rank}").exists() for rank in writers):
@@ -88,12 +91,12 @@ def test_kill_during_background_write(tmp_path: Path, layout: str, nproc: int) -
 
     for rank in range(nproc):
         (tmp_path / f"pid.{rank}").unlink(missing_ok=True)
-    finish(launch(tmp_path, layout, nproc, "soak", hold=False), tmp_path, nproc, "the restart")
+    # the restart, then the uninterrupted reference (no checkpoints) in the same launch
+    finish(launch(tmp_path, layout, nproc, ["soak", "reference"], hold=False), tmp_path, nproc, "the restart")
     start = json.loads((tmp_path / f"{layout}.start.json").read_text())
     assert start["global_step"] == 2
     assert Path(start["ckpt_path"]).name == entries[0].name
     assert not any(atomic.is_sibling(p.name) for p in directory.iterdir())  # cleaned at the restart's first save
-    finish(launch(tmp_path, layout, nproc, "reference", hold=False), tmp_path, nproc, "the reference run")
     for rank in range(nproc):
         resumed = torch.load(tmp_path / f"{layout}.soak.{rank}.pt", weights_only=False)
         reference = torch.load(tmp_path / f"{layout}.reference.{rank}.pt", weights_only=False)
@@ -108,7 +111,7 @@ def test_kill_during_background_write(tmp_path: Path, layout: str, nproc: int) -
 def test_a_failed_background_write_raises_on_every_rank(tmp_path: Path, layout: str) -> None:
     """Rank 0's background write of the step-4 save fails: every rank raises the same CheckpointError naming the
     path, at the same step, and nothing of step 4 is published or listed."""
-    finish(launch(tmp_path, layout, 2, "soak", hold=False, fail=True), tmp_path, 2, "the failing run")
+    finish(launch(tmp_path, layout, 2, ["soak"], hold=False, fail=True), tmp_path, 2, "the failing run")
     errors = [json.loads((tmp_path / f"error.{rank}.json").read_text()) for rank in range(2)]
     for error in errors:
         assert f"step={HOLD}.ckpt" in error["message"] and "failed on rank(s) [0]" in error["message"], error

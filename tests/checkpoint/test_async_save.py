@@ -20,7 +20,7 @@ import torch
 from lightning_stability import AtomicCheckpointIO, CheckpointError, StabilityConfigError, StableCheckpoint
 from lightning_stability.checkpoint.async_save import AsyncSaves
 from lightning_stability.checkpoint.ring import FILE_NAME
-from tests.helpers import TinyModule, quiet_trainer
+from tests.helpers import QUIET, TinyModule, quiet_trainer
 
 
 class GatedSaves(AsyncSaves):
@@ -191,9 +191,7 @@ def test_on_a_plain_trainer_it_installs_its_writer_and_resumes(tmp_path: Path) -
             accelerator="cpu",
             devices=1,
             max_steps=max_steps,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
+            **QUIET,
             **kwargs,
         )
         trainer.fit(module, ckpt_path=ckpt_path)

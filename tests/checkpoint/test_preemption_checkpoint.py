@@ -6,9 +6,7 @@ ModelCheckpoint itself saves only every 5 steps, so the save at the signal is Pr
 
 from __future__ import annotations
 
-import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,26 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_stability import PreemptionCheckpoint, StabilityConfigError, StableCheckpoint, read_incidents
 from tests.checkpoint.test_loader_resume import SCRIPT, STEPS, differences, load, single
-from tests.helpers import TinyModule, quiet_trainer, torchrun
-
-
-class SendSignal(pl.Callback):
-    """Sends ``signum`` to this process at the start of the step that begins at ``at_step``."""
-
-    def __init__(self, signum: int, at_step: int) -> None:
-        self.signum, self.at_step = signum, at_step
-
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        if trainer.global_step == self.at_step:
-            os.kill(os.getpid(), self.signum)
-
-
-@pytest.fixture(autouse=True)
-def _keep_signal_handlers() -> Iterator[None]:
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
+from tests.helpers import SendSignal, TinyModule, quiet_trainer, torchrun
 
 
 def saved_at_the_stop(out: Path, name: str, how: str, ranks: int) -> None:

@@ -99,8 +99,7 @@ def test_killing_the_rank_that_writes_nothing_mid_save_ends_the_job_and_resumes_
     print(f"{strategy}: complete checkpoints of steps {sorted(complete)}")
     assert max(complete) in (KILL_AT - 1, KILL_AT)
 
-    torchrun(SCRIPT, 2, tmp_path, strategy, "reference")
-    torchrun(SCRIPT, 2, tmp_path, strategy, "resume")
+    torchrun(SCRIPT, 2, tmp_path, strategy, "reference", "resume")
     for rank in range(2):
         ref, resumed = result(tmp_path, strategy, "reference", rank), result(tmp_path, strategy, "resume", rank)
         assert resumed["global_step"] == STEPS

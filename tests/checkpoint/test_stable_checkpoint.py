@@ -10,7 +10,6 @@ import os
 import re
 import signal
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from lightning_stability import (
 from lightning_stability.checkpoint import atomic
 from lightning_stability.checkpoint.ring import FILE_NAME, HealthyCheckpoints
 from lightning_stability.trainer import checkpoint_interval
-from tests.helpers import TinyModule, quiet_trainer
+from tests.helpers import SendSignal, TinyModule, quiet_trainer
 
 BAD = 5  # the module misbehaves in the step that starts at this global_step (it closes as step BAD + 1)
 
@@ -53,28 +52,9 @@ class Faulty(TinyModule):
         return loss
 
 
-class SendSignal(pl.Callback):
-    """Sends ``signum`` to this process at the start of the step that begins at ``at_step``."""
-
-    def __init__(self, signum: int, at_step: int) -> None:
-        self.signum, self.at_step = signum, at_step
-
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        if trainer.global_step == self.at_step:
-            os.kill(os.getpid(), self.signum)
-
-
 class StartStep(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.step = trainer.global_step
-
-
-@pytest.fixture(autouse=True)
-def _keep_signal_handlers() -> Iterator[None]:
-    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    yield
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
 
 
 def steps_on_disk(directory: Path) -> list[int]:

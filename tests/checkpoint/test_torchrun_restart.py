@@ -24,8 +24,9 @@ def test_torchrun_restarts_the_group_and_fit_last_resumes_exactly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # for torchrun itself
-    torchrun(SCRIPT, 2, tmp_path, "ddp", "shuffle", "reference")
-    torchrun(SCRIPT, 2, tmp_path, "ddp", "shuffle", "resume-restart", flags=["--max-restarts=1"])
+    # One launch: the first attempt is killed in resume-restart; the restarted group resumes it, then trains the
+    # uninterrupted reference (a fresh fit, ckpt_path=None) in the same processes
+    torchrun(SCRIPT, 2, tmp_path, "ddp", "shuffle", "resume-restart", "reference", flags=["--max-restarts=1"])
     for rank in range(2):
         resumed = load(tmp_path, "ddp-shuffle", "resume-restart", rank)
         assert resumed["restart_count"] == 1  # written by the restarted group, not the first attempt

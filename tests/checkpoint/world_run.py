@@ -41,7 +41,7 @@ from lightning_stability.ledger import StepLedger
 from lightning_stability.strategies import StableFSDPStrategy
 from tests.checkpoint.resume_run import Indexed, final_state
 from tests.distributed.fsdp_common import VOCAB, TinyLM
-from tests.helpers import exit_worker
+from tests.helpers import finish_worker
 
 N, GLOBAL_BATCH, STOP_AT, AGAIN_AT, END = 64, 8, 11, 13, 16
 
@@ -122,11 +122,8 @@ def main() -> None:
     out = Path(sys.argv[1])
     for kind in sys.argv[2:]:
         run(out, kind)
-    (out / f"rank{os.environ.get('RANK', '0')}.json").write_text("{}")  # for tests.helpers.torchrun
+    finish_worker(out)
 
 
 if __name__ == "__main__":
     main()
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    exit_worker()

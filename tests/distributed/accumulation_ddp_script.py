@@ -21,7 +21,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from lightning_stability.accumulation.callback import GradientAccumulation
 from lightning_stability.errors import StabilityConfigError
-from tests.helpers import TinyModule, exit_worker
+from tests.helpers import QUIET, TinyModule, exit_worker
 
 warnings.filterwarnings("ignore")
 
@@ -63,11 +63,9 @@ def run(steps: Any, n: int) -> dict[str, Any]:
         devices=2,
         strategy="ddp",
         max_epochs=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         enable_checkpointing=False,
         callbacks=[GradientAccumulation(steps=steps, lr_scaling="none"), counts],
+        **QUIET,
     )
     module = TinyModule(n=n, batch_size=4)  # each rank sees n / 2 samples: n / 8 micro-batches
     trainer.fit(module)
@@ -96,11 +94,9 @@ def sync_batchnorm_on_cpu() -> str:
         devices=2,
         strategy="ddp",
         max_steps=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         enable_checkpointing=False,
         callbacks=[GradientAccumulation(steps=2, batchnorm="sync_batchnorm")],
+        **QUIET,
     )
     try:
         trainer.fit(BatchNormModule())

@@ -40,7 +40,7 @@ from lightning_stability import (
 )
 from lightning_stability.ledger.callback import LedgerCallback
 from lightning_stability.norms import local_tensor
-from tests.helpers import exit_worker
+from tests.helpers import QUIET, exit_worker
 
 MODE = sys.argv[4] if len(sys.argv) > 4 else "lightning"
 VOCAB, DIM, SEQ, GLOBAL_BATCH = 32, 16, 8, 8
@@ -328,12 +328,10 @@ def main() -> None:
     common: dict[str, Any] = dict(
         accelerator=ACCELERATOR,
         max_steps=STEPS + 1 if MODE == "resume" else STEPS,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         enable_checkpointing=False,
         use_distributed_sampler=False,
         callbacks=callbacks,
+        **QUIET,
     )
     if dp * tp == 1 and MODE != "resume":
         trainer = pl.Trainer(devices=1, **common)

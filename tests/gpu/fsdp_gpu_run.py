@@ -19,6 +19,7 @@ import torch.distributed as dist
 from lightning_stability.grad_norm import GradientNormMonitor
 from lightning_stability.strategies.fsdp import StableFSDPStrategy
 from tests.distributed.fsdp_common import TinyLM
+from tests.helpers import QUIET
 
 
 def whole_state(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
@@ -46,12 +47,10 @@ def fit(strategy: dict[str, Any], max_epochs: int, resume: str | None = None, **
         devices=int(os.environ["LOCAL_WORLD_SIZE"]),
         strategy=StableFSDPStrategy(**strategy),
         max_epochs=max_epochs,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         enable_checkpointing=False,
         use_distributed_sampler=False,
         callbacks=[start, *trainer_kwargs.pop("callbacks", [])],
+        **QUIET,
         **trainer_kwargs,
     )
     trainer.fit(module, ckpt_path=resume)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +22,6 @@ from lightning_stability import (
 from lightning_stability.health.rollback import scaled_defaults
 from lightning_stability.health.spike_stats import SpikeStats, zclip_threshold
 from tests.helpers import TinyModule, count_syncs_per_step, quiet_trainer
-
-warnings.filterwarnings("ignore", ".*does not have many workers.*")
-warnings.filterwarnings("ignore", ".*LitLogger.*")
 
 SPIKE = 11  # the optimizer step whose loss (hence gradient) is multiplied by 100
 

@@ -17,7 +17,7 @@ import torch
 
 from lightning_stability import StableTrainer
 from lightning_stability.health.report import _draw, figure_class, load_report, summarize, write_report
-from tests.helpers import TinyModule
+from tests.helpers import QUIET, TinyModule
 
 nan, inf = math.nan, math.inf
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -321,9 +321,7 @@ def test_a_preset_run_at_default_logging_reports_every_step_it_did_not_apply_and
         max_steps=300,
         default_root_dir=tmp_path,
         checkpoint=False,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET,
     )
     assert trainer.log_every_n_steps == 50
     with warnings.catch_warnings():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +12,6 @@ import torch
 from lightning_stability import TrainingHealthMonitor
 from lightning_stability.health.report import load_report
 from tests.helpers import TinyModule, quiet_trainer
-
-warnings.filterwarnings("ignore", ".*does not have many workers.*")
-warnings.filterwarnings("ignore", ".*LitLogger.*")
 
 
 class CrashesAt(TinyModule):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +16,6 @@ import torch
 from lightning_stability import AtomicCheckpointIO, StableCheckpoint, TrainingHealthMonitor
 from tests.health.test_health import SkipLabels, Spiky, monitor
 from tests.helpers import quiet_trainer
-
-warnings.filterwarnings("ignore", ".*does not have many workers.*")
-warnings.filterwarnings("ignore", ".*LitLogger.*")
 
 
 def checkpoint_of(directory: Path, step: int) -> Path:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +26,6 @@ from lightning_stability import (
 from lightning_stability.checkpoint.ring import FILE_NAME
 from tests.health.test_health import SkipLabels, Spiky, monitor
 from tests.helpers import quiet_trainer, torchrun
-
-warnings.filterwarnings("ignore", ".*does not have many workers.*")
-warnings.filterwarnings("ignore", ".*LitLogger.*")
 
 SCRIPT = Path(__file__).with_name("rollback_to_disk_script.py")
 SPIKED, ROLLED = int(Outcome.SKIPPED_SPIKE), int(Outcome.SKIPPED_ROLLBACK)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +15,7 @@ import pytest
 from lightning_stability import GradientNormMonitor, StableCheckpoint, TrainingHealthMonitor, cli
 from lightning_stability.incidents import Incident, format_incidents, read_incidents
 from lightning_stability.incidents.log import append, cut_short, log_dir, mark_fit
-from tests.checkpoint.test_stable_checkpoint import SendSignal
-from tests.helpers import TinyModule, quiet_trainer
+from tests.helpers import SendSignal, TinyModule, quiet_trainer
 
 
 class Crash(pl.Callback):
@@ -27,13 +25,6 @@ class Crash(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step == self.at:
             raise RuntimeError("the node went away")
-
-
-@pytest.fixture(autouse=True)
-def _keep_signal_handlers() -> Iterator[None]:
-    saved = signal.getsignal(signal.SIGTERM)
-    yield
-    signal.signal(signal.SIGTERM, saved)
 
 
 def fit(root: Path, callbacks: list[pl.Callback], ckpt_path: str | None = None, max_steps: int = 12) -> pl.Trainer:

@@ -3,7 +3,6 @@ back by StepReplay's replay and by TrainingHealthMonitor's rollback, on real Tra
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +16,6 @@ from lightning_stability import StableCheckpoint, StepLedger, TrainingHealthMoni
 from lightning_stability.replay import BitFlip, PoisonedSamples, StepReplay
 from tests.health.test_health import SkipLabels
 from tests.helpers import TinyModule, make_data, quiet_trainer
-
-warnings.filterwarnings("ignore", ".*does not have many workers.*")
 
 
 class TokenCountingMoE(nn.Module):

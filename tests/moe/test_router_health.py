@@ -30,7 +30,6 @@ from tests.helpers import TinyModule, count_host_data_per_step, count_syncs_per_
 from tests.metric_runs import keys_below_others
 from tests.moe.moe_lm import EXPERTS, FAMILIES, TOP_K, MoELM, build, by_hand, gates
 
-warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*eos_token_id.*")
 
 FIGURES = ("max_vio", "dead_experts", "entropy", "logit_max", "z_loss")

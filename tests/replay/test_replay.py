@@ -29,6 +29,7 @@ from lightning_stability import (
     StableCheckpoint,
     StableTrainer,
     TrainingHealthMonitor,
+    cli,
     read_incidents,
 )
 from lightning_stability.errors import StabilityConfigError
@@ -358,7 +359,9 @@ def test_refused_without_a_health_monitor(tmp_path: Path) -> None:
         quiet_trainer(callbacks=[StepReplay()], max_steps=2).fit(Model(IndexedData()))
 
 
-def test_the_command_line_lists_the_quarantine_from_the_manifest_and_from_a_checkpoint(tmp_path: Path) -> None:
+def test_the_command_line_lists_the_quarantine_from_the_manifest_and_from_a_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     data = PoisonedSamples(IndexedData(), [17])
     torch.manual_seed(0)
     model = Model(data)
@@ -371,19 +374,16 @@ def test_the_command_line_lists_the_quarantine_from_the_manifest_and_from_a_chec
     trainer.fit(model)
     quarantined = sorted(callbacks[1].quarantine.indices)
     newest = callbacks[2].healthy_checkpoints()[0][0]
+    capsys.readouterr()
     for source in (tmp_path / "quarantine.json", newest):
-        done = subprocess.run(
-            [sys.executable, "-m", "lightning_stability.cli", "quarantine", str(source)], capture_output=True, text=True
-        )
-        assert done.returncode == 0, done.stderr
-        assert done.stdout.startswith(f"{len(quarantined)} sample(s) quarantined in 1 batch(es)")
-        assert " ".join(str(i) for i in quarantined) in done.stdout
-    bad = subprocess.run(
-        [sys.executable, "-m", "lightning_stability.cli", "quarantine", str(tmp_path / "nothing.json")],
-        capture_output=True,
-        text=True,
-    )
-    assert bad.returncode == 2 and "no such file" in bad.stderr
+        returncode = cli.main(["quarantine", str(source)])
+        done = capsys.readouterr()
+        assert returncode == 0, done.err
+        assert done.out.startswith(f"{len(quarantined)} sample(s) quarantined in 1 batch(es)")
+        assert " ".join(str(i) for i in quarantined) in done.out
+    with pytest.raises(SystemExit) as bad:
+        cli.main(["quarantine", str(tmp_path / "nothing.json")])
+    assert bad.value.code == 2 and "no such file" in capsys.readouterr().err
 
 
 def test_a_healthy_run_is_the_same_with_and_without_it_and_replays_nothing(tmp_path: Path) -> None:
@@ -442,6 +442,7 @@ def test_refused_under_fp16_loss_scaling_and_with_manual_optimization(tmp_path: 
         StepReplay(max_faults=0)
 
 
+@pytest.mark.distributed  # training in subprocesses
 def test_the_quarantine_survives_a_sigkill_and_the_resume_never_loads_it(tmp_path: Path) -> None:
     """Killed with SIGKILL three steps after the quarantine; resumed with ckpt_path="last" to the end of the third
     epoch: the quarantine is back, and no quarantined sample is loaded again, in that epoch or the next two."""

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,6 +18,34 @@ from tests.helpers import REPO, torchrun
 
 SCRIPT = Path(__file__).with_name("replay_ddp_script.py")
 FLIP, POISONED = 9, 17
+#: the faults each strategy's single torchrun launch fits in turn (the ones that stop the run last)
+FAULTS = {
+    "ddp": ("none", "flip", "after_allreduce", "poison", "poison_in_order", "failing", "device", "device_random"),
+    "fsdp": ("none", "flip", "poison"),
+}
+Ranks = tuple[dict[str, Any], dict[str, Any]]
+
+
+class Launches:
+    """Every fault of FAULTS[strategy], fit in turn by one torchrun launch per strategy (a launch costs more than its
+    fits), made the first time a test asks for that strategy: ``runs(strategy, fault)`` is (rank 0's result, rank
+    1's); the launch's folder is ``root / strategy``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.results: dict[str, dict[str, Ranks]] = {}
+
+    def __call__(self, strategy: str, fault: str) -> Ranks:
+        if strategy not in self.results:
+            (self.root / strategy).mkdir()
+            rank0, rank1 = torchrun(SCRIPT, 2, self.root / strategy, strategy, *FAULTS[strategy])
+            self.results[strategy] = {f: (rank0[f], rank1[f]) for f in FAULTS[strategy]}
+        return self.results[strategy][fault]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Launches:
+    return Launches(tmp_path_factory.mktemp("replay"))
 
 
 def decisions(events: list[dict]) -> list[dict]:
@@ -26,11 +55,9 @@ def decisions(events: list[dict]) -> list[dict]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_bit_flip_on_rank_1_is_its_transient_fault_and_the_run_ends_bit_exact(tmp_path: Path, strategy: str) -> None:
-    (tmp_path / "clean").mkdir()
-    (tmp_path / "flip").mkdir()
-    clean = torchrun(SCRIPT, 2, tmp_path / "clean", strategy, "none")
-    rank0, rank1 = torchrun(SCRIPT, 2, tmp_path / "flip", strategy, "flip")
+def test_a_bit_flip_on_rank_1_is_its_transient_fault_and_the_run_ends_bit_exact(runs: Launches, strategy: str) -> None:
+    clean = runs(strategy, "none")
+    rank0, rank1 = runs(strategy, "flip")
     assert rank0["flipped"] == [] and rank1["flipped"] == [[FLIP, 0]]
     assert decisions(rank0["events"]) == decisions(rank1["events"])
     (event,) = rank0["events"]
@@ -41,8 +68,8 @@ def test_a_bit_flip_on_rank_1_is_its_transient_fault_and_the_run_ends_bit_exact(
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_poisoned_sample_is_quarantined_on_every_rank_and_never_loaded_again(tmp_path: Path, strategy: str) -> None:
-    rank0, rank1 = torchrun(SCRIPT, 2, tmp_path, strategy, "poison")
+def test_a_poisoned_sample_is_quarantined_on_every_rank_and_never_loaded_again(runs: Launches, strategy: str) -> None:
+    rank0, rank1 = runs(strategy, "poison")
     assert decisions(rank0["events"]) == decisions(rank1["events"])
     assert [e["cause"] for e in rank0["events"]] == ["data"]
     assert rank0["quarantined"] == rank1["quarantined"] and POISONED in rank0["quarantined"]
@@ -60,8 +87,8 @@ def test_a_poisoned_sample_is_quarantined_on_every_rank_and_never_loaded_again(t
 
 
 @pytest.mark.distributed
-def test_the_same_fault_three_times_on_rank_1_stops_both_ranks_naming_it(tmp_path: Path) -> None:
-    rank0, rank1 = torchrun(SCRIPT, 2, tmp_path, "ddp", "failing")
+def test_the_same_fault_three_times_on_rank_1_stops_both_ranks_naming_it(runs: Launches) -> None:
+    rank0, rank1 = runs("ddp", "failing")
     assert rank0["stopped"] == rank1["stopped"]
     stopped = rank0["stopped"]
     assert stopped["rank"] == 1 and stopped["steps"] == [FLIP - 2, FLIP - 1, FLIP] and stopped["host"]
@@ -93,13 +120,11 @@ def test_the_quarantine_survives_a_sigkill_of_rank_1_and_the_resumed_ranks_never
 
 
 @pytest.mark.distributed
-def test_a_fault_after_the_all_reduce_on_rank_1_only_is_its_transient_fault(tmp_path: Path) -> None:
+def test_a_fault_after_the_all_reduce_on_rank_1_only_is_its_transient_fault(runs: Launches) -> None:
     """Rank 1's gradients alone go wrong after DDP averaged them: the losses agree everywhere, the gradients differ
     on rank 1 only, which names it; the run ends bit-exact with the fault-free run, both ranks alike."""
-    (tmp_path / "clean").mkdir()
-    (tmp_path / "fault").mkdir()
-    clean = torchrun(SCRIPT, 2, tmp_path / "clean", "ddp", "none")
-    rank0, rank1 = torchrun(SCRIPT, 2, tmp_path / "fault", "ddp", "after_allreduce")
+    clean = runs("ddp", "none")
+    rank0, rank1 = runs("ddp", "after_allreduce")
     assert decisions(rank0["events"]) == decisions(rank1["events"])
     (event,) = rank0["events"]
     assert event["cause"] == "transient" and event["ranks"] == [1] and event["step"] == FLIP
@@ -107,12 +132,12 @@ def test_a_fault_after_the_all_reduce_on_rank_1_only_is_its_transient_fault(tmp_
 
 
 @pytest.mark.distributed
-def test_a_batch_with_no_sample_left_on_rank_1_is_skipped_on_both_ranks(tmp_path: Path) -> None:
+def test_a_batch_with_no_sample_left_on_rank_1_is_skipped_on_both_ranks(runs: Launches) -> None:
     """In order (Lightning's DistributedSampler without shuffling), rank 1's second batch holds poisoned sample 17:
     its 8 samples are quarantined in the first epoch. In the next two, rank 1 has no sample left at that position
     and rank 0 has 8: both ranks skip that step (every rank decides alike), they stay in step and equal, and no
     sample is trained on twice in an epoch."""
-    rank0, rank1 = torchrun(SCRIPT, 2, tmp_path, "ddp", "poison_in_order")
+    rank0, rank1 = runs("ddp", "poison_in_order")
     bad = set(range(17, 32, 2))
     for result in (rank0, rank1):
         assert set(result["quarantined"]) == bad
@@ -128,12 +153,12 @@ def test_a_batch_with_no_sample_left_on_rank_1_is_skipped_on_both_ranks(tmp_path
 
 @pytest.mark.distributed
 def test_a_device_that_fails_the_same_way_every_time_is_named_at_once_and_nothing_is_quarantined(
-    tmp_path: Path,
+    runs: Launches,
 ) -> None:
     """Rank 1's device makes NaN of every forward at step FLIP: the step reproduces there, as bad data would, but
     rank 1's micro-batches run on rank 0 flag nothing (and rank 0's flag on rank 1): the device. Both ranks stop
     with FailingDeviceError naming rank 1 at its first fault, after a checkpoint, and no sample is quarantined."""
-    rank0, rank1 = torchrun(SCRIPT, 2, tmp_path, "ddp", "device")
+    rank0, rank1 = runs("ddp", "device")
     assert rank0["stopped"] == rank1["stopped"] and decisions(rank0["events"]) == decisions(rank1["events"])
     stopped = rank0["stopped"]
     assert stopped["rank"] == 1 and stopped["steps"] == [FLIP] and stopped["host"]
@@ -142,15 +167,15 @@ def test_a_device_that_fails_the_same_way_every_time_is_named_at_once_and_nothin
     (event,) = rank0["events"]
     assert event["cause"] == "device" and event["ranks"] == [1] and event["step"] == FLIP
     assert event["elsewhere"] == [{"rank": 1, "on": 0, "flagged": False, "same": None, "partner_flagged": True}]
-    kinds = [i.kind for i in read_incidents(tmp_path / "ckpts")]
+    kinds = [i.kind for i in read_incidents(runs.root / "ddp" / "device" / "ckpts")]
     assert "failing_device" in kinds and "quarantine" not in kinds
 
 
 @pytest.mark.distributed
-def test_a_device_that_fails_differently_each_time_is_named_not_called_nondeterminism(tmp_path: Path) -> None:
+def test_a_device_that_fails_differently_each_time_is_named_not_called_nondeterminism(runs: Launches) -> None:
     """Rank 1's device adds a different spike at each forward at step FLIP: no two runs agree on rank 1 only;
     rank 1's micro-batches run twice on rank 0 agree bit for bit there: the device, named at once."""
-    rank0, rank1 = torchrun(SCRIPT, 2, tmp_path, "ddp", "device_random")
+    rank0, rank1 = runs("ddp", "device_random")
     assert rank0["stopped"] == rank1["stopped"] and decisions(rank0["events"]) == decisions(rank1["events"])
     assert rank0["stopped"]["rank"] == 1 and rank0["stopped"]["steps"] == [FLIP]
     (event,) = rank0["events"]

@@ -31,9 +31,6 @@ from lightning_stability.schedules import (
 from lightning_stability.schedules.callback import ScheduledLR, WarmupConstantCosineLR
 from tests.helpers import TinyModule, count_host_data_per_step, count_syncs_per_step, quiet_trainer
 
-warnings.filterwarnings("ignore", ".*does not have many workers.*")
-warnings.filterwarnings("ignore", ".*LitLogger.*")
-
 
 class Recorder(Callback):
     """The LR each optimizer step uses, per param group (tensor LRs are copied, read on the host after fit,
