@@ -52,8 +52,8 @@ buffers or the LR outside the optimizer's own update registers at its row with `
      :class:`Outcome`; each group's LR put back    ``on_train_batch_end`` when the scaler skipped the call), via
                                                    ``StepLedger.close_step``
 11   ``AFTER_UPDATE``: **edits after the           the functions at ``Stage.AFTER_UPDATE``: ``PrecursorMonitor``'s
-     update**, applied or skipped: weights and     update clipping (Adam/AdamW), QK-clip, moment reset;
-     optimizer state                               ``RouterHealthMonitor``'s router-logit clip
+     update**, applied or skipped: weights,        update clipping (Adam/AdamW), QK-clip, moment reset;
+     optimizer state and buffers                   ``RouterHealthMonitor``'s router-logit clip, balancing bias
 12   ``MEASURE_UPDATE``: **the update measured**   :meth:`OptimizerStep.finish_update` -> ``update.UpdateSize``
      (when asked): ``||Δθ||``, ``||θ||`` per       (asked for with :meth:`OptimizerStep.measure_update`; read by
      tensor                                        ``TrainingHealthMonitor`` and ``PrecursorMonitor``)

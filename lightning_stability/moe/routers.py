@@ -230,7 +230,7 @@ class RouterHooks:
     as the step opens, so a validation forward or a replayed one is not counted) and skip a forward run inside
     backward (activation checkpointing's recomputation of a forward already counted). No host read. For the
     router's actions they also keep, when asked, each forward's logits in the graph (:attr:`grad_logits`) and each
-    router's logit max in the step (:attr:`step_max`).
+    router's logit max and load in the step (:attr:`step_max`, :attr:`step_counts`).
 
     Args:
         model: the model; every router of it is hooked (:func:`find_routers`, which raises when there is none).
@@ -256,6 +256,9 @@ class RouterHooks:
         self.grad_logits: list[Tensor] | None = None
         #: when a dict: each router's largest logit over the counted forwards since the last clear (0-dim fp32)
         self.step_max: dict[str, Tensor] | None = None
+        #: when a dict: each router's tokens routed to each expert over the counted forwards since the last clear
+        #: (``(E,)`` int64)
+        self.step_counts: dict[str, Tensor] | None = None
         #: the routers whose logits a training-mode forward returned without a gradient (a frozen router, or the
         #: first forward of reentrant activation checkpointing, run under ``no_grad``): the z-loss cannot reach them
         self.no_grad_logits: set[str] = set()
@@ -283,6 +286,12 @@ class RouterHooks:
             if self.active:
                 with torch.no_grad():
                     self.window.add(name, routing.logits, routing.experts)
+                    if self.step_counts is not None:
+                        chosen = routing.experts.detach().reshape(-1).long()
+                        counts = self.step_counts.get(name)
+                        if counts is None:
+                            counts = torch.zeros(router.spec.num_experts, dtype=torch.int64, device=chosen.device)
+                        self.step_counts[name] = counts.scatter_add_(0, chosen, torch.ones_like(chosen))
                     if self.step_max is not None:
                         top = routing.logits.detach().float().amax()
                         seen = self.step_max.get(name)

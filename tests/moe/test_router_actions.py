@@ -4,12 +4,15 @@ equal to the weights scaled by hand."""
 
 from __future__ import annotations
 
+import pickle
 import warnings
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -17,7 +20,7 @@ from lightning_stability import StabilityConfigError
 from lightning_stability.moe import RouterHealthMonitor, register_router
 from lightning_stability.moe.actions import clip_routers_, z_loss_grad
 from tests.helpers import quiet_trainer
-from tests.moe.moe_lm import MoELM, gates
+from tests.moe.moe_lm import MoELM, build, gates
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
 warnings.filterwarnings("ignore", ".*eos_token_id.*")
@@ -252,3 +255,108 @@ def test_a_router_with_no_weight_of_its_own_is_refused_for_the_clip() -> None:
     register_router(Scores)
     with pytest.raises(StabilityConfigError, match=r"logit_clip=1\.0.*router.*no parameter of their own"):
         quiet_trainer(max_steps=1, callbacks=[RouterHealthMonitor(logit_clip=1.0)]).fit(Model())
+
+
+# ---------------------------------------------------------------------------------------------- balancing bias
+class BiasSeen(pl.Callback):
+    """Each router's balancing bias as each step begins, and every training forward's ``(step, logits, experts)``
+    as the router's hooks leave it (after the bias's)."""
+
+    def __init__(self, module: MoELM) -> None:
+        self.gates, self.bias, self.calls = gates(module), [], []
+        self.step = -1
+        for name, gate in self.gates.items():
+            gate.register_forward_hook(self._hook(name))
+
+    def _hook(self, name: str) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if module.training and torch.is_grad_enabled():
+                self.calls.append((self.step, name, output[0].detach().clone(), output[1].detach().clone(), output[2]))
+
+        return hook
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.step = trainer.global_step
+        self.bias.append({name: gate.balance_bias.clone() for name, gate in self.gates.items()})
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe"])
+def test_the_experts_chosen_are_the_top_k_of_the_scores_plus_the_bias(family: str) -> None:
+    """By hand, at every step: the experts chosen equal ``topk(softmax(logits) + bias)``, the weights the chosen
+    scores normalized; the bias moves by ``u * sign(mean load - load)`` of the step's choice."""
+    rate = 0.05  # large, so that the bias changes the choice within a few steps
+    module = MoELM(family, batches=6)
+    seen = BiasSeen(module)
+    quiet_trainer(max_steps=6, callbacks=[RouterHealthMonitor(balance_bias=rate), seen]).fit(module)
+    assert torch.equal(torch.stack(list(seen.bias[0].values())), torch.zeros(2, 4))
+    moved = 0
+    for step, name, logits, weights, experts in seen.calls:
+        bias = seen.bias[step][name]
+        scores = torch.softmax(logits.float(), dim=-1)
+        chosen = torch.topk(scores + bias, 2, dim=-1).indices
+        assert torch.equal(experts, chosen)
+        moved += int(not torch.equal(experts.sort(-1).values, scores.topk(2).indices.sort(-1).values))
+        mixed = scores.gather(-1, chosen)
+        if family == "mixtral" or gates(module)[name].norm_topk_prob:
+            mixed = mixed / mixed.sum(-1, keepdim=True)
+        torch.testing.assert_close(weights, mixed.to(weights.dtype), rtol=0, atol=0)
+    assert moved > 0  # the bias changed the choice of some tokens
+    for step in range(5):
+        for name in seen.gates:
+            load = torch.cat([e.reshape(-1) for s, n, _, _, e in seen.calls if s == step and n == name]).bincount(
+                minlength=4
+            )
+            expected = seen.bias[step][name] + rate * torch.sign(load.float().mean() - load.float())
+            assert torch.equal(seen.bias[step + 1][name], expected)
+
+
+def test_with_a_zero_bias_the_routing_is_the_router_s_own() -> None:
+    torch.manual_seed(0)
+    model = build("mixtral")
+    x = torch.randint(32, (2, 8))
+    plain = model(input_ids=x).logits
+    monitor = RouterHealthMonitor(balance_bias=1e-3)
+    from lightning_stability.moe.routers import RouterHooks
+
+    monitor._add_bias(RouterHooks(model, monitor.window))
+    assert torch.equal(model(input_ids=x).logits, plain)
+
+
+def _run_with_bias(root: Path, ckpt: Path | None, save: bool) -> tuple[MoELM, RouterHealthMonitor]:
+    module = MoELM("mixtral", batches=2)  # the checkpoint at step 2 is at an epoch's end: the data go on alike
+    monitor = RouterHealthMonitor(balance_bias=0.05)
+    callbacks: list[pl.Callback] = [monitor]
+    if save:
+        callbacks.append(ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=-1, save_last=False))
+    quiet_trainer(max_steps=6, callbacks=callbacks, enable_checkpointing=save).fit(module, ckpt_path=ckpt)
+    return module, monitor
+
+
+def test_a_resume_with_the_bias_on_is_bit_exact(tmp_path: Path) -> None:
+    straight, straight_monitor = _run_with_bias(tmp_path, None, save=True)
+    ckpt = tmp_path / "epoch=0-step=2.ckpt"
+    saved = [s for s in torch.load(ckpt, weights_only=False)["callbacks"].values() if "balance_bias" in s]
+    assert len(saved) == 1 and any(any(v) for v in saved[0]["balance_bias"].values())  # moved in two steps
+    resumed, resumed_monitor = _run_with_bias(tmp_path / "r", ckpt, save=False)
+    assert resumed_monitor.bias_values() == straight_monitor.bias_values()
+    for (name, a), (_, b) in zip(straight.named_parameters(), resumed.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_the_bias_is_in_the_callback_s_state_and_survives_a_pickle() -> None:
+    monitor = RouterHealthMonitor(balance_bias=0.05)
+    quiet_trainer(max_steps=2, callbacks=[monitor]).fit(MoELM("mixtral"))
+    state = monitor.state_dict()
+    assert set(state["balance_bias"]) == set(monitor.routers) and len(state["balance_bias"][monitor.routers[0]]) == 4
+    other = RouterHealthMonitor(balance_bias=0.05)
+    other.load_state_dict(pickle.loads(pickle.dumps(state)))
+    assert other.state_dict()["balance_bias"] == state["balance_bias"]  # kept until a setup puts it in the routers
+    copied = pickle.loads(pickle.dumps(monitor))
+    assert copied._bias_handles == [] and copied._hooks is None
+    assert copied.state_dict()["balance_bias"] == state["balance_bias"]
+
+
+def test_a_router_it_cannot_re_choose_for_is_refused_for_the_bias() -> None:
+    module = MoELM("deepseek_v3")
+    with pytest.raises(StabilityConfigError, match=r"balance_bias=0\.001.*DeepseekV3TopkRouter.*Fix"):
+        quiet_trainer(max_steps=1, callbacks=[RouterHealthMonitor(balance_bias=1e-3)]).fit(module)
