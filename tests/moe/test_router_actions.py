@@ -360,3 +360,43 @@ def test_a_router_it_cannot_re_choose_for_is_refused_for_the_bias() -> None:
     module = MoELM("deepseek_v3")
     with pytest.raises(StabilityConfigError, match=r"balance_bias=0\.001.*DeepseekV3TopkRouter.*Fix"):
         quiet_trainer(max_steps=1, callbacks=[RouterHealthMonitor(balance_bias=1e-3)]).fit(module)
+
+
+def test_a_rollback_s_snapshot_holds_the_bias() -> None:
+    """The bias is a buffer of each router: ``TrainingHealthMonitor``'s snapshot (parameters and buffers) takes it
+    and its rollback puts it back."""
+    from lightning_stability.health.rollback import Snapshot
+    from lightning_stability.moe.routers import RouterHooks
+
+    model = build("mixtral")
+    monitor = RouterHealthMonitor(balance_bias=1e-3)
+    monitor._add_bias(RouterHooks(model, monitor.window))
+    biases = [gate.balance_bias for gate in gates(model).values()]
+    biases[0].fill_(0.25)
+    snapshot = Snapshot(model, [], step=0)
+    for bias in biases:
+        bias.add_(1.0)
+    snapshot.restore(model, [])
+    assert biases[0].tolist() == [0.25] * 4 and biases[1].tolist() == [0.0] * 4
+
+
+def test_a_replayed_step_moves_the_bias_once(tmp_path: Path) -> None:
+    """A step StepReplay runs again (row 3b) moves the bias once, from its first run's load: the bias and the weights
+    equal the fault-free run's."""
+    from lightning_stability import TrainingHealthMonitor
+    from lightning_stability.replay import BitFlip, StepReplay
+
+    def run(fault: bool) -> tuple[MoELM, RouterHealthMonitor]:
+        module = MoELM(batches=8, lr=1e-2)
+        flip = BitFlip(module, "model.lm_head", step=6 if fault else 100)
+        health = TrainingHealthMonitor(response="skip", warmup_steps=3, report=False)
+        replay = StepReplay(quarantine_file=None)
+        monitor = RouterHealthMonitor(balance_bias=0.05)
+        quiet_trainer(max_steps=8, callbacks=[health, replay, monitor], default_root_dir=tmp_path).fit(module)
+        assert bool(flip.flipped) == fault and replay.counts["replays"] == int(fault)
+        return module, monitor
+
+    (faulty, faulty_monitor), (clean, clean_monitor) = run(fault=True), run(fault=False)
+    assert faulty_monitor.bias_values() == clean_monitor.bias_values()
+    for (name, a), (_, b) in zip(faulty.named_parameters(), clean.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
