@@ -400,3 +400,18 @@ def test_a_replayed_step_moves_the_bias_once(tmp_path: Path) -> None:
     assert faulty_monitor.bias_values() == clean_monitor.bias_values()
     for (name, a), (_, b) in zip(faulty.named_parameters(), clean.named_parameters(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_the_actions_add_no_host_sync_and_no_tensor_from_host_data_to_any_step() -> None:
+    """Every action on, against the monitor alone (a GradientNormMonitor in both: logging steps transfer in both)."""
+    from lightning_stability import GradientNormMonitor
+    from tests.helpers import count_host_data_per_step, count_syncs_per_step
+
+    runs = {}
+    for actions in ({}, dict(z_loss=1e-2, logit_clip=0.3, balance_bias=1e-2)):
+        for count in (count_syncs_per_step, count_host_data_per_step):
+            callbacks: list[pl.Callback] = [GradientNormMonitor(), RouterHealthMonitor(**actions)]
+            trainer = quiet_trainer(max_steps=8, log_every_n_steps=4, callbacks=callbacks)
+            runs[bool(actions), count.__name__] = count(trainer, MoELM("mixtral", batches=8))
+    assert runs[True, "count_syncs_per_step"] == runs[False, "count_syncs_per_step"]
+    assert runs[True, "count_host_data_per_step"] == runs[False, "count_host_data_per_step"]
