@@ -57,8 +57,9 @@ class Stage(Enum):
     UPDATE = ("9", frozenset({WEIGHTS, OPTIMIZER_STATE}), False)
     OUTCOME = ("10", frozenset({LR}), False)
     #: edits right after the update, applied or skipped (``ledger.outcome`` says which): ``fn(ledger)``
-    #: (PrecursorMonitor's update clipping, QK-clip, moment reset)
-    AFTER_UPDATE = ("11", frozenset({WEIGHTS, OPTIMIZER_STATE}), True)
+    #: (PrecursorMonitor's update clipping, QK-clip, moment reset; RouterHealthMonitor's router-logit clip and its
+    #: balancing bias, a buffer of each router)
+    AFTER_UPDATE = ("11", frozenset({WEIGHTS, OPTIMIZER_STATE, BUFFERS}), True)
     MEASURE_UPDATE = ("12", NOTHING, False)
     #: once the step closed: ``fn(ledger)``, each ``LedgerCallback``'s ``after_step`` (the LR schedule's next LR)
     AFTER_STEP = ("13", frozenset({LR}), True)

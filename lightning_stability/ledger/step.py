@@ -8,8 +8,9 @@ buffers or the LR outside the optimizer's own update registers at its row with `
  #   what happens                                  where
 ===  ============================================  ==============================================================
  1   ``BACKWARD``: forward, backward of each       Lightning's loop; ``LedgerCallback.on_before_backward`` runs the
-     micro-batch; the loss kept if a callback      functions at ``Stage.BACKWARD`` (a gradient hook for a loss term)
-     ``needs_loss``                                and keeps the loss (``step_ledger.StepLoss``: Lightning's
+     micro-batch; the loss kept if a callback      functions at ``Stage.BACKWARD`` (``RouterHealthMonitor``'s
+     ``needs_loss``                                router z-loss, a gradient hook; a rerun at 3b runs them too)
+                                                   and keeps the loss (``step_ledger.StepLoss``: Lightning's
                                                    divisor, fp16 scale undone)
  2   ``UNSCALE``: fp16: the scaler unscales a      ``MixedPrecision`` / ``StableFSDPPrecision.optimizer_step``;
      non-fused optimizer, one flag per device      ``amp/scaler.py`` max-reduces the flag over the ranks
@@ -51,8 +52,8 @@ buffers or the LR outside the optimizer's own update registers at its row with `
      :class:`Outcome`; each group's LR put back    ``on_train_batch_end`` when the scaler skipped the call), via
                                                    ``StepLedger.close_step``
 11   ``AFTER_UPDATE``: **edits after the           the functions at ``Stage.AFTER_UPDATE``: ``PrecursorMonitor``'s
-     update**, applied or skipped: weights and     update clipping (Adam/AdamW), QK-clip, moment reset
-     optimizer state
+     update**, applied or skipped: weights,        update clipping (Adam/AdamW), QK-clip, moment reset;
+     optimizer state and buffers                   ``RouterHealthMonitor``'s router-logit clip, balancing bias
 12   ``MEASURE_UPDATE``: **the update measured**   :meth:`OptimizerStep.finish_update` -> ``update.UpdateSize``
      (when asked): ``||Δθ||``, ``||θ||`` per       (asked for with :meth:`OptimizerStep.measure_update`; read by
      tensor                                        ``TrainingHealthMonitor`` and ``PrecursorMonitor``)

@@ -90,6 +90,7 @@ class StepLedger:
         self._check = StageCheck() if StageCheck.enabled() else None  # the debug check of the stages' writes
         self._queue = MetricQueue()
         self._loss = StepLoss()
+        self._rerun_factor: float | None = None  # backward_factor() inside run_backward_stage
         # id(optimizer) -> (weak reference, record index, hook handles); the reference tells a reused id apart
         self._hooked: dict[int, tuple[weakref.ref[Optimizer], int, tuple[Any, Any]]] = {}
 
@@ -277,6 +278,17 @@ class StepLedger:
         if normalize is not None:
             self._loss.add(loss, scale, normalize)
 
+    def run_backward_stage(self, factor: float) -> None:
+        """Row 1's functions (``Stage.BACKWARD``) before a backward Lightning does not announce with
+        ``on_before_backward``: a step run again (``replay/rerun.py`` calls the precision's ``backward`` directly),
+        with :meth:`backward_factor` returning ``factor``, what that backward's loss was multiplied by. No loss is
+        recorded."""
+        self._rerun_factor = factor
+        try:
+            self._run(Stage.BACKWARD)
+        finally:
+            self._rerun_factor = None
+
     def _loss_factors(self) -> tuple[Tensor | None, int | None]:
         """The fp16 loss scale (``None`` without one) and Lightning's divisor of the coming backward's loss (the
         accumulation factor under automatic optimization, else 1; ``None`` without a trainer)."""
@@ -293,6 +305,8 @@ class StepLedger:
         tensor, read without a sync) over Lightning's accumulation divisor; 1.0 without either. A gradient that a
         ``Stage.BACKWARD`` function adds through a tensor hook is multiplied by it, to land as if its term were part
         of the loss."""
+        if self._rerun_factor is not None:
+            return self._rerun_factor
         scale, normalize = self._loss_factors()
         factor: Tensor | float = 1.0 / (normalize or 1)
         return factor if scale is None else scale * factor

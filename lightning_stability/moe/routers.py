@@ -104,7 +104,9 @@ def register_router(cls: type[nn.Module], routing: RoutingFn | None = None, spec
         cls: the router's class (the module whose forward produces the routing logits); subclasses match too (the
             nearest registered class wins).
         routing: ``routing(module, args, kwargs, output) -> Routing`` (or ``None`` to skip a call), called in a
-            forward hook under ``no_grad``. Default: the forward returns ``(logits, weights, experts)``.
+            forward hook. Default: the forward returns ``(logits, weights, experts)``. For the router z-loss
+            (``RouterHealthMonitor(z_loss=...)``) its ``logits`` must be the tensor the routing weights are
+            computed from, in the autograd graph (not a detached copy): the z-loss's gradient is added there.
         spec: ``spec(module) -> RouterSpec``, read once at setup. Default: ``module.num_experts``,
             ``module.top_k``, softmax scores.
 
@@ -226,7 +228,9 @@ class RouterHooks:
 
     The hooks count while :attr:`active` (the monitor turns it on as a training step's micro-batches begin and off
     as the step opens, so a validation forward or a replayed one is not counted) and skip a forward run inside
-    backward (activation checkpointing's recomputation of a forward already counted). No host read.
+    backward (activation checkpointing's recomputation of a forward already counted). No host read. For the
+    router's actions they also keep, when asked, each forward's logits in the graph (:attr:`grad_logits`) and each
+    router's logit max and load in the step (:attr:`step_max`, :attr:`step_counts`).
 
     Args:
         model: the model; every router of it is hooked (:func:`find_routers`, which raises when there is none).
@@ -247,18 +251,51 @@ class RouterHooks:
         for router in self.routers:
             window.add_layer(router.name, router.spec.num_experts, router.spec.top_k, router.spec.scores)
         self.active = False
+        #: when a list: the logits of every forward run with gradients (a training forward, or ``StepReplay``'s
+        #: rerun of one), in the autograd graph, until the coming backward takes them (the router z-loss)
+        self.grad_logits: list[Tensor] | None = None
+        #: when a dict: each router's largest logit over the counted forwards since the last clear (0-dim fp32)
+        self.step_max: dict[str, Tensor] | None = None
+        #: when a dict: each router's tokens routed to each expert over the counted forwards since the last clear
+        #: (``(E,)`` int64)
+        self.step_counts: dict[str, Tensor] | None = None
+        #: the routers whose logits a training-mode forward returned without a gradient (a frozen router, or the
+        #: first forward of reentrant activation checkpointing, run under ``no_grad``): the z-loss cannot reach them
+        self.no_grad_logits: set[str] = set()
         self._handles = [r.module.register_forward_hook(self._hook(r), with_kwargs=True) for r in self.routers]
 
     def _hook(self, router: Router) -> Callable[..., None]:
         name, read = router.name, router.routing
 
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if not self.active or _compat.in_backward():
+            if _compat.in_backward():
                 return
-            with torch.no_grad():
-                routing = read(module, args, kwargs, output)
-                if routing is not None:
+            kept = self.grad_logits if torch.is_grad_enabled() else None
+            if self.grad_logits is not None and kept is None and module.training:
+                self.no_grad_logits.add(name)  # reentrant checkpointing's first forward: no graph to hook
+            if not self.active and kept is None:
+                return
+            routing = read(module, args, kwargs, output)
+            if routing is None:
+                return
+            if kept is not None:
+                if routing.logits.requires_grad:
+                    kept.append(routing.logits)
+                else:
+                    self.no_grad_logits.add(name)
+            if self.active:
+                with torch.no_grad():
                     self.window.add(name, routing.logits, routing.experts)
+                    if self.step_counts is not None:
+                        chosen = routing.experts.detach().reshape(-1).long()
+                        counts = self.step_counts.get(name)
+                        if counts is None:
+                            counts = torch.zeros(router.spec.num_experts, dtype=torch.int64, device=chosen.device)
+                        self.step_counts[name] = counts.scatter_add_(0, chosen, torch.ones_like(chosen))
+                    if self.step_max is not None:
+                        top = routing.logits.detach().float().amax()
+                        seen = self.step_max.get(name)
+                        self.step_max[name] = top if seen is None else torch.maximum(seen, top)
 
         return hook
 

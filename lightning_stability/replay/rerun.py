@@ -16,7 +16,8 @@ the optimizer state, which the step has not touched yet when the replay runs (be
 
 :func:`rerun` then puts the buffers back and runs each micro-batch again as Lightning's loop runs it: the RNG states
 put back, ``training_step`` through the strategy (DDP's or FSDP's forward, the precision's autocast), the loss
-divided by the accumulation factor, backward through the precision plugin, the gradient sync of data parallelism
+divided by the accumulation factor, the functions of row 1 of the step table (``Stage.BACKWARD``: a router
+z-loss's gradient hook), backward through the precision plugin, the gradient sync of data parallelism
 held back on all but the last micro-batch. What the training step logs is dropped. Afterwards the gradients, the
 buffers and the RNG states are those of the replayed step, as a fault-free run leaves them.
 
@@ -43,6 +44,7 @@ from torch.optim import Optimizer
 from lightning_stability import _compat
 from lightning_stability.checkpoint import rng
 from lightning_stability.ledger.forward_state import ForwardState
+from lightning_stability.ledger.step_ledger import StepLedger
 from lightning_stability.norms import local_tensor
 
 
@@ -146,6 +148,7 @@ def rerun(
                 losses.append(None)
                 continue
             loss = loss / normalize
+            StepLedger.of(trainer).run_backward_stage(1.0 / normalize)  # row 1 (a router z-loss's hook)
             trainer.precision_plugin.backward(loss, module, optimizer)
         losses.append(loss.detach())
     return losses

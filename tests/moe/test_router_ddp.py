@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.helpers import torchrun
 from tests.moe import router_ddp_run as run
@@ -47,3 +48,17 @@ def test_the_open_window_holds_the_rank_s_own_tokens(ranks: list[dict[str, Any]]
         halves = [rank["state"]["window"]["layers"][name]["counts"] for rank in ranks]
         assert [a + b for a, b in zip(*halves, strict=True)] == layer["counts"]
         assert all(sum(h) == sum(layer["counts"]) // 2 for h in halves)
+
+
+def test_with_every_action_on_every_rank_acts_as_one_process(tmp_path: Path) -> None:
+    """The z-loss (a mean over each rank's tokens, averaged by DDP), the clip (the max over ranks) and the bias (the
+    load over ranks): every rank's routers and bias equal one process's on the same global batches."""
+    acting = torchrun(Path(run.__file__), run.WORLD, tmp_path, "actions", timeout=300)
+    alone = run.fit(1, actions=True)
+    assert any(any(b) for b in alone["bias"].values())  # the bias moved
+    for rank in acting:
+        assert rank["bias"] == alone["bias"]  # steps of +-u from the same counts: exact
+        assert rank["routers"] == acting[0]["routers"]  # DDP: every rank alike
+        for name, weight in alone["routers"].items():
+            got, expected = torch.tensor(rank["routers"][name]), torch.tensor(weight)
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6, msg=name)
