@@ -212,7 +212,16 @@ ENTRIES: dict[str, Entry] = {
     ),
     "LedgerCallback": (ls.LedgerCallback, {"log_every_n_steps": [0, -1]}),
     "StepLedger": (ls.StepLedger, {"trainer": [3]}),
-    "RouterHealthMonitor": (ls.RouterHealthMonitor, {"expert_shares": [1, "yes"], "log_every_n_steps": [0]}),
+    "RouterHealthMonitor": (
+        ls.RouterHealthMonitor,
+        {
+            "expert_shares": [1, "yes"],
+            "log_every_n_steps": [0],
+            "z_loss": [-1.0, "1e-3"],
+            "logit_clip": [-1.0, "30"],
+            "balance_bias": [-1.0, "1e-3"],
+        },
+    ),
     "register_router": (call(ls.register_router, cls=_NotARouter), {"cls": [3, int], "routing": [3], "spec": [3]}),
     "check_training_status": (call(ls.check_training_status, model=nn.Linear(2, 2)), {"model": [3], "verbose": [1]}),
     "PreemptionCheckpoint": (ls.PreemptionCheckpoint, {"signals": [["TERM"], "SIGTERM", [signal.SIGKILL]]}),
