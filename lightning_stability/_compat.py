@@ -428,8 +428,8 @@ def activation_checkpoint(module: nn.Module) -> None:
 def cpu_amx_dtypes() -> frozenset[torch.dtype]:
     """The half-precision dtypes this CPU multiplies on AMX tiles, the only CPU units that run them faster than
     fp32: ``torch.bfloat16`` (AMX-BF16), ``torch.float16`` (AMX-FP16). Empty without AMX (AVX512-BF16 alone does not
-    count: its bf16 matmuls ran slower than fp32's, see ``benchmarks/README.md``) or where the operating system
-    refuses this process the tiles.
+    count: a bf16 step on it took 2.4x an fp32 one, ``benchmarks/README.md``'s ``preset_precision``) or where the
+    operating system refuses this process the tiles.
 
     The flags are torch's public ``torch.cpu.get_capabilities()``; ``torch.cpu._init_amx()`` (private) asks the
     kernel for the tile state, as torch's own CPU code generation does before it uses AMX. Asked once a process.

@@ -137,3 +137,13 @@ def test_auto_on_a_machine_with_mps_is_not_a_cpu_run(monkeypatch: pytest.MonkeyP
     assert _cpu_fast("auto") is None
     cpu_with(monkeypatch, BOTH)
     assert _cpu_fast("cpu") == {"bf16-mixed", "16-mixed"}
+
+
+def test_the_benchmark_runs_and_names_the_precision_each_arm_ran(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import preset_precision
+
+    preset_precision.main(["--steps", "1", "--warmup", "0", "--repeats", "1", "--configs", "gpt", "gpt bf16"])
+    table = capsys.readouterr().out.splitlines()[-3:]  # config (12 wide), precision (11 wide), figures
+    rows = {line[:12].strip(): line[13:24].strip() for line in table}
+    gpt = "bf16-mixed" if torch.bfloat16 in _compat.cpu_amx_dtypes() else "32-true"
+    assert rows == {"plain fp32": "32-true", "gpt": gpt, "gpt bf16": "bf16-mixed"}
