@@ -51,6 +51,7 @@ import torch
 from lightning.pytorch.plugins import MixedPrecision
 from torch.utils.data import DataLoader
 
+from benchmarks.overhead import StepTimer
 from lightning_stability import StableTrainer, _compat
 from lightning_stability.demo.model import CharGPT, CorpusWindows, load_corpus
 
@@ -58,21 +59,6 @@ BATCH, CONTEXT, LAYERS = 16, 64, 6
 
 
 CLOCKS: dict[str, Callable[[], float]] = {"process": time.process_time, "wall": time.perf_counter}
-
-
-class StepTimer(pl.Callback):
-    """``clock()`` at every batch start; ``times[i]`` is batch ``i``'s start to batch ``i + 1``'s."""
-
-    def __init__(self, clock: Callable[[], float]) -> None:
-        self.clock = clock
-        self.marks: list[float] = []
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
-        self.marks.append(self.clock())
-
-    @property
-    def times(self) -> list[float]:
-        return [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)]
 
 
 def _plain(**kwargs: Any) -> Callable[[dict[str, Any]], pl.Trainer]:
