@@ -58,6 +58,7 @@ import statistics
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -176,13 +177,15 @@ def bigram_tokens(size: Size, steps: int, seed: int = 0) -> Tensor:
 
 
 class StepTimer(pl.Callback):
-    """``perf_counter`` at every batch start; ``times[i]`` is batch ``i``'s start to batch ``i + 1``'s."""
+    """``clock()`` (``perf_counter``: wall time) at every batch start; ``times[i]`` is batch ``i``'s start to batch
+    ``i + 1``'s."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
         self.marks: list[float] = []
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
-        self.marks.append(time.perf_counter())
+        self.marks.append(self.clock())
 
     @property
     def times(self) -> list[float]:

@@ -424,6 +424,23 @@ def activation_checkpoint(module: nn.Module) -> None:
     _private("torch.distributed._composable", "checkpoint")(module)
 
 
+@functools.cache
+def cpu_amx_dtypes() -> frozenset[torch.dtype]:
+    """The half-precision dtypes this CPU multiplies on AMX tiles, the only CPU units that run them faster than
+    fp32: ``torch.bfloat16`` (AMX-BF16), ``torch.float16`` (AMX-FP16). Empty without AMX (AVX512-BF16 alone does not
+    count: a bf16 step on it took 2.4x an fp32 one, ``benchmarks/README.md``'s ``preset_precision``) or where the
+    operating system refuses this process the tiles.
+
+    The flags are torch's public ``torch.cpu.get_capabilities()``; ``torch.cpu._init_amx()`` (private) asks the
+    kernel for the tile state, as torch's own CPU code generation does before it uses AMX. Asked once a process.
+    """
+    flags = torch.cpu.get_capabilities()
+    found = {dtype for key, dtype in (("amx_bf16", torch.bfloat16), ("amx_fp16", torch.float16)) if flags.get(key)}
+    if not found or not flags.get("amx_tile") or not _private("torch.cpu", "_init_amx")():
+        return frozenset()
+    return frozenset(found)
+
+
 #: the file ``torch.distributed.checkpoint``'s ``FileSystemWriter`` writes last into a checkpoint directory
 #: (torch's private ``torch.distributed.checkpoint.filesystem._metadata_fn``; checked at strategy setup)
 DCP_METADATA_FILE = ".metadata"

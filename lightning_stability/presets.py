@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
@@ -47,7 +48,8 @@ class Preset:
         lr_schedule: attach ``WarmupConstantCosineLR``; ``False``: none (e.g. to keep the scheduler
             ``configure_optimizers`` returns).
         precision: ``"16-mixed"``, ``"bf16-mixed"`` or ``"32-true"``; ``"bf16-mixed"`` becomes ``"16-mixed"`` with
-            a loss scaler on a GPU without bf16.
+            a loss scaler on a GPU without bf16, and a mixed precision ``"32-true"`` on a CPU that does not run it
+            faster than fp32 (no AMX tiles for it); a ``precision=`` you pass is kept.
         init_scale: ``LossScaleTuner(init_scale=...)`` (fp16 only).
         hysteresis: ``LossScaleTuner(hysteresis=...)`` (fp16 only).
         accumulation: ``GradientAccumulation(steps=...)``; 1: none.
@@ -206,7 +208,8 @@ _BASE = Preset(
         "max_norm": "a common recipe: BERT-like models clip the gradient norm at 1.0",
         "warmup": "a common recipe: linear warmup over the first 5% of the run (5-10% is usual)",
         "decay": "a common recipe for large models: constant after warmup, cosine decay over the last 20%",
-        "precision": "bf16 where the accelerator has it (PyTorch's recommendation on Ampere+): no loss scaling",
+        "precision": "bf16 where the accelerator has it (PyTorch's recommendation on Ampere+): no loss scaling; "
+        "fp32 on a CPU without AMX-BF16, where bf16 autocast is slower (benchmarks/preset_precision.py)",
         "init_scale": "torch GradScaler's default init_scale (65536 = 2**16)",
         "hysteresis": "Megatron-LM's hysteresis=2",
         "health": "OLMo-core's skip-step optimizer; benchmarks/spikes.py (skip ends closest to clean runs)",
@@ -346,14 +349,18 @@ def layout(
     devices_per_node: int,
     gpu: bool,
     bf16: bool = True,
+    cpu_fast: Collection[str] | None = None,
     own_strategy: bool = False,
     own_precision: bool = False,
 ) -> Layout:
     """The preset's sharding, activation checkpointing, tensor parallelism and precision on ``world_size``
     devices (``devices_per_node`` per machine; ``gpu``: CUDA, ``bf16``: the GPU computes in bf16).
 
-    ``own_strategy``/``own_precision``: the user passed ``strategy=``/``precision=`` (or a precision plugin):
-    the preset's strategy (sharding, checkpointing, TP) is not built / the precision is not adapted.
+    ``cpu_fast``: the run is on CPUs, which run these mixed precisions (``"bf16-mixed"``, ``"16-mixed"``) faster
+    than fp32 (on AMX tiles: ``_compat.cpu_amx_dtypes``); a preset's other mixed precision becomes ``"32-true"``.
+    ``None``: not a CPU run. ``own_strategy``/``own_precision``: the user passed ``strategy=``/``precision=`` (or a
+    precision plugin): the preset's strategy (sharding, checkpointing, TP) is not built / the precision is not
+    adapted.
     """
     notes: list[str] = []
     fsdp = preset.fsdp and not own_strategy
@@ -378,7 +385,26 @@ def layout(
     if precision == "bf16-mixed" and gpu and not bf16 and not own_precision:
         precision = "16-mixed"
         notes.append("bf16-mixed -> 16-mixed with a loss scaler (this GPU has no bf16; precision='32-true' keeps fp32)")
+    elif precision in CPU_UNITS and cpu_fast is not None and not own_precision:
+        precision, note = cpu_precision(precision, precision in cpu_fast)
+        notes.append(note)
     return Layout(fsdp, checkpointing, tensor_parallel, precision, tuple(notes))
+
+
+#: a mixed precision -> its format and the CPU unit that runs it faster than fp32
+CPU_UNITS: dict[Precision, tuple[str, str]] = {"bf16-mixed": ("bf16", "AMX-BF16"), "16-mixed": ("fp16", "AMX-FP16")}
+
+
+def cpu_precision(precision: Precision, fast: bool) -> tuple[Precision, str]:
+    """A preset's mixed ``precision`` on a CPU, and the note that says which and why: kept where the CPU runs it
+    faster than fp32 (``fast``: on AMX tiles), else ``"32-true"``, with the override that keeps it."""
+    kind, unit = CPU_UNITS[precision]
+    if fast:
+        return precision, f"{precision} kept on this CPU ({unit}: {kind} matmuls run faster than fp32)"
+    keep = f"precision={precision!r} keeps {kind}" + (" with a loss scaler" if kind == "fp16" else "")
+    return "32-true", (
+        f"{precision} -> 32-true (this CPU has no {unit}: {kind} autocast runs slower than fp32 without it; {keep})"
+    )
 
 
 def batch_mismatch(

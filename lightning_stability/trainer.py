@@ -2,8 +2,9 @@
 
 ``StableTrainer.from_preset("175b", **overrides)`` takes the recipe's numbers and applies them on the user's
 hardware: what cannot apply there (8 nodes on one machine, FSDP on one device, tensor parallelism on one device
-or wider than a node, fp16 on a CPU, which needs an explicit loss-scaler plugin) is adapted and said in one info
-line. Overrides are any preset field or any ``Trainer`` argument; anything else is an error naming it.
+or wider than a node, bf16 or fp16 on a CPU that runs them slower than fp32, fp16 on a CPU, which needs an explicit
+loss-scaler plugin) is adapted and said in one info line. Overrides are any preset field or any ``Trainer``
+argument; anything else is an error naming it.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.accelerators import CPUAccelerator, MPSAccelerator, XLAAccelerator
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lightning_stability import _compat
 from lightning_stability.accumulation.callback import GradientAccumulation
 from lightning_stability.amp.callback import LossScaleTuner
 from lightning_stability.checkpoint.callback import StableCheckpoint
@@ -216,6 +219,7 @@ def _hardware(preset: Preset, args: dict[str, Any], notes: list[str], chosen: bo
         devices_per_node=per_node,
         gpu=gpu,
         bf16=gpu and torch.cuda.is_bf16_supported(),
+        cpu_fast=_cpu_fast(accelerator) if not gpu else None,
         own_strategy="strategy" in args,
         own_precision=chosen or own_plugin,
     )
@@ -243,6 +247,21 @@ def _hardware(preset: Preset, args: dict[str, Any], notes: list[str], chosen: bo
     else:
         out["precision"] = preset.precision
     return preset, out
+
+
+def _cpu_fast(accelerator: Any) -> frozenset[str] | None:
+    """The mixed precisions this run's CPU runs faster than fp32 (on AMX tiles); ``None`` when the run is not on
+    the CPU (``accelerator="auto"`` picks MPS or a TPU where there is one: their precision is left as it is)."""
+    on_cpu = str(accelerator) == "cpu" or isinstance(accelerator, CPUAccelerator)
+    if str(accelerator) == "auto":
+        on_cpu = not (MPSAccelerator.is_available() or XLAAccelerator.is_available())
+    if not on_cpu:
+        return None
+    dtypes = _compat.cpu_amx_dtypes()
+    return frozenset(name for name, dtype in _CPU_DTYPES.items() if dtype in dtypes)
+
+
+_CPU_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
 def _watchdog(preset: Preset, world: int, fsdp: bool, notes: list[str]) -> WatchdogSettings | None:

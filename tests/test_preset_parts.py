@@ -33,6 +33,7 @@ from lightning_stability import (
     StepReplay,
     TrainingHealthMonitor,
     WarmupConstantCosineSchedule,
+    _compat,
 )
 from lightning_stability.cli import main
 from lightning_stability.planner import plan_memory
@@ -41,6 +42,11 @@ from lightning_stability.presets import FIELDS, PRESETS, batch_mismatch, get_pre
 from lightning_stability.trainer import EffectiveBatchCheck
 from tests.helpers import QUIET, TinyModule, count_syncs_per_step
 from tests.precursors.tiny_lm import TinyLM
+
+
+def amx_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This CPU as one with AMX-BF16 and AMX-FP16: a preset keeps its mixed precision on it."""
+    monkeypatch.setattr(_compat, "cpu_amx_dtypes", lambda: frozenset({torch.bfloat16, torch.float16}))
 
 
 def one(trainer: pl.Trainer, kind: type) -> Any:
@@ -258,6 +264,7 @@ def test_the_table_covers_every_field() -> None:
 def test_every_field_overridden_reaches_what_it_configures(
     field: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
+    amx_cpu(monkeypatch)  # the presets' own precisions run here, as on a GPU with bf16
     name, value, extra, probe = REACHES[field]
     extra = dict(extra)
     for key, setting in extra.pop("env", {}).items():
@@ -511,8 +518,9 @@ def runs(trainer: pl.Trainer) -> dict[str, str]:
 @pytest.mark.parametrize("devices", [1, 2])
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_the_planners_plan_for_a_preset_is_what_from_preset_builds(
-    name: str, devices: int, capsys: pytest.CaptureFixture[str]
+    name: str, devices: int, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    amx_cpu(monkeypatch)  # the plan is for GPUs with bf16: a CPU with AMX runs the same precisions
     argv = ["plan", "--preset", name, "--params", "1.3e9", "--nodes", "1", "--gpus-per-node", str(devices)]
     trainer = StableTrainer.from_preset(name, accelerator="cpu", devices=devices, num_nodes=1, **QUIET)
     assert planned(capsys, argv) == runs(trainer)

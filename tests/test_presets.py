@@ -8,6 +8,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks import LearningRateMonitor
 
 from lightning_stability import (
@@ -18,6 +19,7 @@ from lightning_stability import (
     StableTrainer,
     TrainingHealthMonitor,
     WarmupConstantCosineLR,
+    _compat,
     describe_preset,
     list_presets,
 )
@@ -90,8 +92,14 @@ def test_unknown_overrides_and_duplicate_callbacks_are_errors_that_say_what_to_d
 
 def test_175b_on_one_cpu_adapts_and_says_so_in_one_line(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     with caplog.at_level(logging.INFO):
-        trainer = StableTrainer.from_preset(
-            "175b", accelerator="cpu", devices=1, max_steps=2, default_root_dir=tmp_path, **quiet()
+        trainer = StableTrainer.from_preset(  # fp16 on a CPU without AMX-FP16 is asked for: the loss-scale path
+            "175b",
+            accelerator="cpu",
+            devices=1,
+            precision="16-mixed",
+            max_steps=2,
+            default_root_dir=tmp_path,
+            **quiet(),
         )
     notes = [r.getMessage() for r in caplog.records if "StableTrainer preset" in r.getMessage()]
     assert len(notes) == 1
@@ -114,7 +122,9 @@ def test_175b_on_two_cpu_processes_shards_with_fsdp_and_trains(tmp_path: Path) -
     assert rank0["precursors"]["backoff_on"] and rank0["precursors"] == rank1["precursors"]
 
 
-def test_preset_fields_are_checked_and_lightnings_short_precisions_accepted() -> None:
+def test_preset_fields_are_checked_and_lightnings_short_precisions_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a CPU that runs bf16 fast: the recipe's bf16 holds on it, so that precision=None is seen not to replace it
+    monkeypatch.setattr(_compat, "cpu_amx_dtypes", lambda: frozenset({torch.bfloat16, torch.float16}))
     with pytest.raises(StabilityConfigError, match=r"`precision='fp8'` is not a preset precision"):
         StableTrainer.from_preset("gpt", precision="fp8")
     with pytest.raises(StabilityConfigError, match=r"`accumulation=0` must be an int >= 1"):

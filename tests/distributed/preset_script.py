@@ -1,4 +1,5 @@
-"""torchrun script: StableTrainer.from_preset("175b", accelerator="cpu", devices=2) trains a tiny model."""
+"""torchrun script: StableTrainer.from_preset("175b", accelerator="cpu", devices=2, precision="16-mixed") trains a
+tiny model."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ trainer = StableTrainer.from_preset(
     "175b",
     accelerator="cpu",
     devices=2,
+    precision="16-mixed",  # the recipe's fp16, asked for: a CPU without AMX-FP16 would run fp32
     max_steps=2,
     logger=False,
     enable_progress_bar=False,

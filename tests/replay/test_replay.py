@@ -473,6 +473,7 @@ def test_a_preset_with_replay_applies_a_transient_fault_as_replayed(tmp_path: Pa
             "gpt",
             replay=True,
             accelerator="cpu",
+            precision="bf16-mixed",  # asked for: a CPU without AMX-BF16 would run the preset in fp32
             max_steps=24,
             logger=False,
             enable_checkpointing=False,
