@@ -73,18 +73,18 @@ class RouterHealthMonitor(LedgerCallback):
 
     Metrics (on logging steps; ``<module>`` is the router's name in ``named_modules``):
 
-    ====================================================  ========================================================
-    key                                                   value
-    ====================================================  ========================================================
-    ``stability/router/max_vio``                          MaxVio, the largest over the layers
-    ``stability/router/dead_experts``                     experts no token was routed to, summed over the layers
-    ``stability/router/entropy``                          the mean routing entropy (nats), mean over the layers
-    ``stability/router/logit_max``                        the largest router logit, over the layers
-    ``stability/router/z_loss``                           the router z-loss (ST-MoE), mean over the layers
-    ``stability/router/<figure>_by_module/<module>``      each of the five, per layer
-    ``stability/router/load_share_by_module/<module>/     the share of the layer's routed tokens that went to
-    expert<e>``                                           expert ``e`` (``expert_shares=True``)
-    ====================================================  ========================================================
+    ==============================================================  ====================================================
+    key                                                             value
+    ==============================================================  ====================================================
+    ``stability/router/max_vio``                                    MaxVio, the largest over the layers
+    ``stability/router/dead_experts``                               dead experts, summed over the layers
+    ``stability/router/entropy``                                    mean routing entropy (nats) over the layers
+    ``stability/router/logit_max``                                  the largest router logit, over the layers
+    ``stability/router/z_loss``                                     the router z-loss (ST-MoE), mean over layers
+    ``stability/router/<figure>_by_module/<module>``                each of the five, per layer
+    ``stability/router/load_share_by_module/<module>/expert<e>``    expert ``e``'s share of the layer's tokens
+                                                                    (``expert_shares=True``)
+    ==============================================================  ====================================================
 
     Example::
 
