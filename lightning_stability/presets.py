@@ -83,6 +83,8 @@ class Preset:
         replay: attach ``StepReplay``: each step the health monitor flags is run again before its update and
             attributed (a transient fault is applied as replayed, bad data skipped and quarantined, a failing device
             named). Needs ``health``; refused under fp16 loss scaling.
+        router: attach ``RouterHealthMonitor`` (each MoE layer's load, MaxVio, dead experts, routing entropy, router
+            logits and z on logging steps); it refuses, at setup, a model with no router it can read.
         checkpoint: attach ``StableCheckpoint`` and ``AtomicCheckpointIO``; ``False``: neither (Lightning's
             ``ModelCheckpoint`` applies unless ``enable_checkpointing=False``).
         watchdog: with several processes, set the NCCL watchdog variables you have not set and a 10-minute
@@ -123,6 +125,7 @@ class Preset:
     lr_backoff: float | None = 0.02
     per_layer: bool | int = False
     replay: bool = False
+    router: bool = False
     checkpoint: bool = True
     watchdog: bool = True
     sources: dict[str, str] = field(default_factory=dict, compare=False)
@@ -162,7 +165,7 @@ class Preset:
             check_int(key, getattr(self, key), 1, example)
         if self.effective_batch is not None:
             check_int("effective_batch", self.effective_batch, 1, "effective_batch=2048 (or None)")
-        for key in ("lr_schedule", "fsdp", "activation_checkpointing", "replay", "checkpoint", "watchdog"):
+        for key in ("lr_schedule", "fsdp", "activation_checkpointing", "replay", "router", "checkpoint", "watchdog"):
             check_bool(key, getattr(self, key))
         if self.replay and self.health is None:
             raise config_error(
@@ -225,6 +228,7 @@ _BASE = Preset(
         "replay": "off: a flagged step is skipped whatever its cause; replay=True adds StepReplay (a flagged step run "
         "again: a transient fault applied as replayed, bad data quarantined; one host read a step, not under fp16)",
         "lr_schedule": "on: the recipe's schedule (lr_schedule=False keeps your configure_optimizers' scheduler)",
+        "router": "off: a dense model has no router (moe: on)",
         "checkpoint": "on: StableCheckpoint with atomic saves (checkpoint=False: Lightning's own checkpointing)",
         "watchdog": "on: PyTorch's NCCL watchdog variables and a 10-minute timeout (watchdog=False: yours as set)",
         "min_lr_ratio": "0: decay to zero, as transformers' linear and cosine schedules do",
@@ -256,7 +260,17 @@ def _table() -> dict[str, Preset]:
     clip = "a common recipe: clip at 1.0 for BERT-like, 0.5 for GPT-like, 2.0 for mixture-of-experts models"
     bert = _BASE.derive("bert", "BERT-like encoders", {"max_norm": clip}, max_norm=1.0)
     gpt = _BASE.derive("gpt", "GPT-like decoders", {"max_norm": clip}, max_norm=0.5)
-    moe = _BASE.derive("moe", "mixture-of-experts models", {"max_norm": clip}, max_norm=2.0)
+    moe = _BASE.derive(
+        "moe",
+        "mixture-of-experts models",
+        {
+            "max_norm": clip,
+            "router": "on: the routers' load and logits (RouterHealthMonitor, monitor only: no benchmark supports an "
+            "action on the router for every MoE yet)",
+        },
+        max_norm=2.0,
+        router=True,
+    )
     size = "a common recipe by model size (<1B: 2-4 steps, batch 256-512; 1-10B: 8-16, 1024-2048; >10B: 32-64, 4096-8k)"
     under_1b = _BASE.derive(
         "under-1b",

@@ -33,6 +33,7 @@ from lightning_stability.errors import StabilityConfigError, check_instance, con
 from lightning_stability.grad_norm import GradientNormMonitor
 from lightning_stability.health.callback import TrainingHealthMonitor
 from lightning_stability.ledger.callback import LedgerCallback
+from lightning_stability.moe.callback import RouterHealthMonitor
 from lightning_stability.precursors.callback import LRBackoff, PrecursorMonitor
 from lightning_stability.presets import FIELDS, PRESETS, Preset, batch_mismatch, get_preset, layout
 from lightning_stability.progress import stability_progress_bar
@@ -417,6 +418,12 @@ _PARTS = (
         ),
         "lr_backoff",
         "lr_backoff=None",
+    ),
+    _Part(
+        RouterHealthMonitor,
+        lambda p, a: RouterHealthMonitor() if p.router else None,
+        "router",
+        "router=False",
     ),
     _Part(
         EffectiveBatchCheck,

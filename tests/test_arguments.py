@@ -308,6 +308,7 @@ ENTRIES: dict[str, Entry] = {
             "lr_backoff": [0, -0.1, float("nan"), "0.02"],
             "per_layer": [0, "all"],
             "replay": [1],
+            "router": [1],
             "checkpoint": [None],
             "watchdog": [1],
             "sources": [3],

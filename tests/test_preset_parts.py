@@ -25,6 +25,7 @@ from lightning_stability import (
     GradientAccumulation,
     GradientNormMonitor,
     LossScaleTuner,
+    RouterHealthMonitor,
     ScheduledLR,
     StabilityConfigError,
     StableCheckpoint,
@@ -92,10 +93,11 @@ class AppliedLR(Callback):
 def test_a_module_with_its_own_scheduler_trains_under_every_preset(name: str, tmp_path: Any) -> None:
     steps, lr = 4, 0.01
     accumulation = get_preset(name).accumulation
+    dense = {"router": False} if get_preset(name).router else {}  # OwnSchedule has no experts
     module = OwnSchedule(lr=lr, batch_size=2, n=2 * accumulation * steps)
     with pytest.raises(StabilityConfigError, match=r"from_preset\(\.\.\., lr_schedule=False\) keeps your scheduler"):
         StableTrainer.from_preset(
-            name, accelerator="cpu", devices=1, max_steps=1, default_root_dir=tmp_path, **QUIET
+            name, accelerator="cpu", devices=1, max_steps=1, default_root_dir=tmp_path, **dense, **QUIET
         ).fit(OwnSchedule())
     applied = AppliedLR()
     trainer = StableTrainer.from_preset(
@@ -106,6 +108,7 @@ def test_a_module_with_its_own_scheduler_trains_under_every_preset(name: str, tm
         max_steps=steps,
         default_root_dir=tmp_path,
         callbacks=[applied],
+        **dense,
         **QUIET,
     )
     assert one(trainer, ScheduledLR) is None
@@ -251,6 +254,7 @@ REACHES: dict[str, tuple[str, Any, dict[str, Any], Callable[[pl.Trainer], Any]]]
     "lr_backoff": ("gpt", 0.05, {}, lambda t: getattr(attr(PrecursorMonitor, "lr_backoff")(t), "threshold", None)),
     "per_layer": ("gpt", 3, {}, attr(GradientNormMonitor, "per_layer")),
     "replay": ("gpt", True, {}, lambda t: one(t, StepReplay) is not None),
+    "router": ("moe", False, {}, lambda t: one(t, RouterHealthMonitor) is not None),
     "checkpoint": ("gpt", False, {}, lambda t: one(t, StableCheckpoint) is not None),
     "watchdog": ("175b", False, {"devices": 2}, lambda t: t.strategy._timeout != default_pg_timeout),
 }
@@ -346,6 +350,7 @@ def test_per_layer_k_logs_the_k_largest_of_each_and_false_no_gradient_norm_per_m
         ("lr_schedule", "no"),
         ("checkpoint", None),
         ("watchdog", 1),
+        ("router", "yes"),
         ("health", "panic"),
         ("skip_on", "grad"),
         ("lr_backoff", 0),
@@ -624,3 +629,11 @@ def test_a_run_that_misses_the_presets_global_batch_is_told_once_at_fit_start(tm
 def test_the_batch_mismatch_message(batch_size: int, accumulation: int, data_parallel: int, said: str | None) -> None:
     message = batch_mismatch("under-1b", 512, batch_size, accumulation, data_parallel)
     assert message is None if said is None else said in message, message
+
+
+def test_the_moe_preset_refuses_a_dense_model_naming_the_field(tmp_path: Any) -> None:
+    trainer = StableTrainer.from_preset(
+        "moe", accelerator="cpu", devices=1, max_steps=1, default_root_dir=tmp_path, **QUIET
+    )
+    with pytest.raises(StabilityConfigError, match=r"has no router RouterHealthMonitor knows.*a preset: router=False"):
+        trainer.fit(OwnSchedule())

@@ -188,7 +188,7 @@ def find_routers(model: nn.Module) -> list[Router]:
             f"{type(model).__name__} has no router RouterHealthMonitor knows (Hugging Face transformers 5's "
             "Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3). Fix: register the module that produces the "
             "routing logits with lightning_stability.moe.register_router(YourRouter, routing=..., spec=...), or "
-            "leave RouterHealthMonitor out for a model without experts."
+            "leave RouterHealthMonitor out for a model without experts (a preset: router=False, or the 'gpt' preset)."
         )
     return found
 
