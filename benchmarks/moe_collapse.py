@@ -16,9 +16,9 @@ hold in its embeddings alone. Training: ``--steps`` steps of AdamW (``--lr``, to
 sequences a step, clusters in turn; the held-out loss is on 64 other sequences of the same clusters.
 
 What makes it collapse: the skewed start plus top-1 routing with nothing that pulls the load back (no auxiliary
-loss). At initialisation the skew sends 50-65% of the held-out tokens to expert 0 (MaxVio 3.7-4.2); the loss's own
+loss). At initialisation the skew sends 59-65% of the held-out tokens to expert 0 (MaxVio 3.7-4.2); the loss's own
 gradient on the router pulls that back only part of the way (MaxVio about 2.6 after 300 steps, the two busiest
-experts of eight taking about 60% of the tokens). With ``--skew 0`` the same model and data start at MaxVio 0.3-0.6
+experts of eight taking about 60% of the tokens). With ``--skew 0`` the same model and data start at MaxVio 0.34-0.64
 and end near 1.1 (the two busiest: about 46%). A top-1 Mixtral would not do here: its router normalizes the chosen
 expert's weight to 1, so the loss gives its router no gradient at all (only float rounding, about 1e-11).
 
