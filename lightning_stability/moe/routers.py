@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from lightning_stability import _compat
 from lightning_stability.errors import StabilityConfigError, config_error
+from lightning_stability.known_modules import lookup
 from lightning_stability.moe.load import RouterWindow
 
 Scores = Literal["softmax", "sigmoid"]
@@ -137,12 +138,7 @@ def register_router(cls: type[nn.Module], routing: RoutingFn | None = None, spec
 
 
 def _known(module: nn.Module) -> tuple[RoutingFn, SpecFn] | None:
-    for cls in type(module).__mro__:
-        if cls in _REGISTRY:
-            return _REGISTRY[cls]
-        if cls.__module__.startswith("transformers.") and cls.__name__ in _HF_BY_NAME:
-            return _HF_BY_NAME[cls.__name__]
-    return None
+    return lookup(module, _REGISTRY, _HF_BY_NAME)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_stability.errors import StabilityConfigError, config_error
+from lightning_stability.known_modules import lookup
 
 
 @dataclass
@@ -134,12 +135,7 @@ def registered_projection(module: nn.Module) -> ProjectionFn | None:
 
 def query_key_fn(module: nn.Module) -> QueryKeyFn | None:
     """The function that reads ``module``'s queries and keys, or ``None`` if it is not a known attention."""
-    for cls in type(module).__mro__:
-        if cls in _REGISTRY:
-            return _REGISTRY[cls]
-        if cls.__module__.startswith("transformers.") and cls.__name__ in _HF_BY_NAME:
-            return _HF_BY_NAME[cls.__name__]
-    return None
+    return lookup(module, _REGISTRY, _HF_BY_NAME)
 
 
 def attention_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
