@@ -188,6 +188,8 @@ class LedgerCallback(Callback):
         ledger = self._ledger = StepLedger.of(trainer)
         if self.needs_loss:
             ledger._want_loss()
+        if self._has_after_step:  # row 13 of the step table, in the order of the callbacks' names
+            ledger.at(Stage.AFTER_STEP, self.kind().__name__, self._after_step)
         self._host_hooked = set()
         forget_layouts()
         self.on_setup(trainer, pl_module)
@@ -199,8 +201,6 @@ class LedgerCallback(Callback):
         ledger.open_step(optimizer)
         self._logging = ledger.is_logging_step(self._every_n)
         self.on_step(trainer, ledger, optimizer)
-        if self._has_after_step:  # row 13 of the step table, in the order of the callbacks' names
-            ledger.at(Stage.AFTER_STEP, self.kind().__name__, self._after_step)
 
     def _after_step(self, ledger: StepLedger) -> None:
         trainer = ledger.trainer

@@ -239,20 +239,19 @@ class StepLedger:
                 f"StepLedger.at: Stage.REPLAY runs one function ({next(iter(hooks))!r}); {name!r} would be a second"
             )
         hooks[name] = weakref.WeakMethod(fn) if inspect.ismethod(fn) else fn
+        self._at[stage] = dict(sorted(hooks.items()))  # run in the order of their names
 
     def _run(self, stage: Stage) -> None:
         hooks = self._at.get(stage)
         if not hooks:
             return
-        for name in sorted(hooks):
-            fn = hooks.get(name)
+        for name, fn in list(hooks.items()):
             if isinstance(fn, weakref.WeakMethod):
                 fn = fn()
                 if fn is None:  # its callback is gone
                     del hooks[name]
                     continue
-            if fn is not None:
-                fn(self)
+            fn(self)
 
     def _params(self) -> list[Tensor]:
         optimizer = self._open
@@ -424,9 +423,9 @@ class StepLedger:
         if measured is not None:  # the step's figure, whichever callbacks asked for it
             self._log((("stability/update_ratio", measured[0]),), to_loggers=measured[1])
         self.record_of().count(outcome)
-        self._open = None
         check = self._check
-        params = [p for g in optimizer.param_groups for p in g["params"]] if check is not None else []
+        params = self._params() if check is not None else []
+        self._open = None
         if check is not None:
             check.mark(Stage.AFTER_STEP, params)
         self._run(Stage.AFTER_STEP)  # 13. each callback's after_step: the LR schedule's next LR, the monitors

@@ -23,6 +23,14 @@ class Outcome(IntEnum):
     SKIPPED_QUARANTINED = 5  # a micro-batch of the step has no sample left that is not quarantined (StepReplay)
 
 
+def applied_flag(outcome: Outcome | Tensor, device: torch.device) -> Tensor:
+    """0-dim bool on ``device``: a step of this ``outcome`` (``ledger.outcome``: an :class:`Outcome`, or a tensor when
+    decided on the device) applied its update. No host read."""
+    if isinstance(outcome, Tensor):
+        return (outcome == int(Outcome.APPLIED)).to(device)
+    return torch.full((), outcome == Outcome.APPLIED, dtype=torch.bool, device=device)
+
+
 def device_of(optimizer: Optimizer) -> torch.device:
     """The device of the optimizer's first parameter (its local shard's, for a sharded one)."""
     for group in optimizer.param_groups:

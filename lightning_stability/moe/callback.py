@@ -44,6 +44,7 @@ from torch.optim import Optimizer
 from lightning_stability import ranks
 from lightning_stability.errors import StabilityConfigError, check_bool, check_number
 from lightning_stability.ledger import LedgerCallback, Outcome, Stage, StepLedger
+from lightning_stability.ledger.track import applied_flag
 from lightning_stability.moe.actions import BIASABLE, balance_bias_delta, biased_routing, clip_routers_, z_loss_grad
 from lightning_stability.moe.load import LayerFigures, RouterWindow
 from lightning_stability.moe.routers import Router, RouterHooks
@@ -242,11 +243,7 @@ class RouterHealthMonitor(LedgerCallback):
         assert hooks.step_counts is not None and self.balance_bias is not None
         routers = [r for r in hooks.routers if r.name in hooks.step_counts]
         counts = ranks.mean(torch.stack([hooks.step_counts[r.name].double() for r in routers]))
-        device = counts.device
-        if isinstance(outcome, Tensor):
-            applied = (outcome == int(Outcome.APPLIED)).to(device)
-        else:
-            applied = torch.full((), outcome == Outcome.APPLIED, device=device)
+        applied = applied_flag(outcome, counts.device)
         with torch.no_grad():
             for router, load in zip(routers, counts.unbind(), strict=True):
                 bias: Tensor = router.module.balance_bias  # type: ignore[assignment]

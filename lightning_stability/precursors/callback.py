@@ -55,7 +55,7 @@ from torch.optim import Optimizer
 from lightning_stability import _compat, ranks
 from lightning_stability.errors import StabilityConfigError, check_bool, check_int, check_number, config_error
 from lightning_stability.ledger import LedgerCallback, OnHost, OptimizerRecord, OptimizerStep, Stage, StepLedger
-from lightning_stability.ledger.track import Outcome
+from lightning_stability.ledger.track import applied_flag
 from lightning_stability.ledger.update import UpdateSize
 from lightning_stability.norms import is_dtensor, per_tensor_norms
 from lightning_stability.precursors.actions import (
@@ -449,7 +449,7 @@ class PrecursorMonitor(LedgerCallback):
         if open_step is None:
             return
         optimizer = step.optimizer
-        applied = _applied(outcome, step.device)
+        applied = applied_flag(outcome, step.device)
         if open_step.clip_coef is not None and step.update is not None:
             self._clip_update(step, step.update, open_step.params, torch.where(applied, open_step.clip_coef, 1.0))
         health = self._ledger.health if self._ledger is not None else None
@@ -520,7 +520,7 @@ class PrecursorMonitor(LedgerCallback):
         reads, self._reads = self._reads or self.is_logging_step, False
         if open_step is None:
             return
-        applied = _applied(ledger.outcome, self._device(trainer))
+        applied = applied_flag(ledger.outcome, self._device(trainer))
         size = ledger.step.update if open_step.measured else None
         maxima = open_step.maxima if open_step.maxima is not None else self._attention_maxima()
         log_z = self._log_z.end_step() if self._log_z is not None else None
@@ -714,10 +714,3 @@ def _tensor_parallel(module: pl.LightningModule) -> str | None:
             if tp or not (isinstance(placement, Shard) and placement.dim == 0):
                 return f"parameter {name!r} is split as {placement} over mesh dim {dim} of {mesh}"
     return None
-
-
-def _applied(outcome: Outcome | Tensor, device: torch.device) -> Tensor:
-    """0-dim bool on ``device``: the step's update was applied."""
-    if isinstance(outcome, Tensor):
-        return (outcome == int(Outcome.APPLIED)).to(device)
-    return torch.full((), outcome == Outcome.APPLIED, dtype=torch.bool, device=device)
