@@ -14,7 +14,8 @@ from lightning_stability.critical_batch.noise_scale import critical_batch, ema_u
 
 
 class Windows(Callback):
-    """Per optimizer step: the weights at its window's start, its micro-batches, its LR and beta2."""
+    """Per optimizer step: the weights of a TinyModule's net at its window's start, its micro-batches, its LR and
+    beta2."""
 
     def __init__(self) -> None:
         self.starts: list[dict[str, torch.Tensor]] = []
@@ -25,7 +26,7 @@ class Windows(Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if not self._current:
-            self.starts.append({k: v.detach().clone() for k, v in pl_module.state_dict().items()})
+            self.starts.append({k: v.detach().clone() for k, v in pl_module.net.state_dict().items()})
         self._current.append([t.clone() for t in batch])
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
@@ -41,7 +42,7 @@ class Windows(Callback):
 
 
 def squared_norm_of_gradient(module: nn.Module, weights: dict[str, torch.Tensor], batches: list[Any]) -> torch.Tensor:
-    """|mean over ``batches`` of each one's mean-loss gradient|^2 at ``weights``."""
+    """|mean over ``batches`` of each one's mean-loss gradient|^2 at ``weights`` (``module``: a TinyModule's net)."""
     model = copy.deepcopy(module)
     model.load_state_dict(weights)
     model.zero_grad(set_to_none=True)

@@ -45,7 +45,7 @@ def test_estimate_is_the_by_hand_computation_on_the_same_micro_batches() -> None
     trainer = _fit([GradientAccumulation(steps={0: 3, 4: 2}), monitor, windows], module, max_epochs=1)
     assert windows.sizes[:4] == [3, 3, 3, 3] and windows.sizes[4] == 2
     steps = [(w, [b]) for w, b in zip(windows.starts, windows.batches, strict=True)]
-    value, stderr = by_hand(module, steps, micro=4, decay=0.8)
+    value, stderr = by_hand(module.net, steps, micro=4, decay=0.8)
     logged = trainer.callback_metrics
     torch.testing.assert_close(logged["stability/critical_batch"], value, rtol=1e-4, atol=0)
     torch.testing.assert_close(logged["stability/critical_batch_stderr"], stderr, rtol=1e-3, atol=0)
