@@ -20,9 +20,11 @@ from lightning_stability import (
     CriticalBatchMonitor,
     GradientAccumulation,
     StabilityConfigError,
+    TrainingHealthMonitor,
     WarmupConstantCosineLR,
 )
 from lightning_stability.checkpoint.exact_resume import ExactResume
+from lightning_stability.health import load_report
 from lightning_stability.ledger import StepLedger
 from lightning_stability.ledger.stages import Stage
 from lightning_stability.schedules.specs import WarmupConstantCosineSchedule
@@ -80,7 +82,9 @@ def test_a_run_whose_critical_batch_stays_small_never_ramps() -> None:
 
 
 # ------------------------------------------------------------------ the ramp
-def _ramp_run(root: Path, ckpt: Path | None = None, every: int = 5) -> tuple[Windows, GradientAccumulation, Any]:
+def _ramp_run(
+    root: Path, ckpt: Path | None = None, every: int = 5, extra: tuple[Any, ...] = ()
+) -> tuple[Windows, GradientAccumulation, Any]:
     windows = Windows()
     accumulation = GradientAccumulation(steps=2, lr_scaling="sqrt")
     callbacks = [
@@ -90,6 +94,7 @@ def _ramp_run(root: Path, ckpt: Path | None = None, every: int = 5) -> tuple[Win
         windows,
         ExactResume(),
         ModelCheckpoint(dirpath=root, every_n_train_steps=every, save_top_k=-1),
+        *extra,
     ]
     pl.seed_everything(0)
     module = TinyModule(n=320, batch_size=4)  # 80 micro-batches per epoch
@@ -99,7 +104,7 @@ def _ramp_run(root: Path, ckpt: Path | None = None, every: int = 5) -> tuple[Win
 
 
 def test_the_ramp_grows_the_batch_with_its_lr_beta2_and_sample_clock(tmp_path: Path) -> None:
-    windows, accumulation, (trainer, _) = _ramp_run(tmp_path)
+    windows, accumulation, (trainer, _) = _ramp_run(tmp_path, extra=(TrainingHealthMonitor(report_dir=tmp_path),))
     sizes = windows.sizes
     grown = sorted(accumulation.state_dict()["grown"])
     assert grown and [f for _, f in grown] == [4, 8][: len(grown)]  # doubles, never past max_factor
@@ -121,6 +126,8 @@ def test_the_ramp_grows_the_batch_with_its_lr_beta2_and_sample_clock(tmp_path: P
     assert len(ramps) == len(grown) and "accumulation 2 -> 4" in ramps[0]["action"]
     assert "beta2 0.999 -> 0.998001" in ramps[0]["detail"] and "LR x1.414" in ramps[0]["detail"]
     assert [e["kind"] for e in StepLedger.of(trainer).events].count("batch_ramp") == len(grown)
+    report = load_report(tmp_path / "stability_report.json")
+    assert [i["action"] for i in report["incidents"] if i["kind"] == "batch_ramp"] == [i["action"] for i in ramps]
 
 
 def test_resume_after_a_change_is_exact(tmp_path: Path) -> None:
