@@ -205,3 +205,13 @@ def test_pickling_and_state() -> None:
     fresh = BatchRamp(max_factor=4)
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state
+
+
+def test_the_preset_field_is_off_by_default_and_checked() -> None:
+    from lightning_stability.presets import PRESETS, get_preset
+
+    assert all(get_preset(name).batch_ramp is None for name in PRESETS)
+    with pytest.raises(StabilityConfigError, match=r"`batch_ramp=8` grows the accumulation from 1 .* Fix: pass e\.g\."):
+        get_preset("gpt").derive("ramped", "gpt with a ramp", batch_ramp=8)
+    ramped = get_preset("gpt").derive("ramped", "gpt with a ramp", accumulation=2, lr_scaling="sqrt", batch_ramp=8)
+    assert ramped.batch_ramp == 8
