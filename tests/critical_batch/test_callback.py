@@ -29,7 +29,7 @@ from lightning_stability.ledger import StepLedger
 from lightning_stability.ledger.stages import Stage
 from lightning_stability.schedules.specs import WarmupConstantCosineSchedule
 from tests.critical_batch.helpers import Windows, by_hand
-from tests.helpers import TinyModule, count_syncs_per_step, quiet_trainer
+from tests.helpers import TinyModule, count_host_data_per_step, count_syncs_per_step, quiet_trainer
 
 
 def _fit(callbacks: list[Any], module: pl.LightningModule | None = None, **kwargs: Any) -> pl.Trainer:
@@ -54,11 +54,14 @@ def test_estimate_is_the_by_hand_computation_on_the_same_micro_batches() -> None
     assert monitor.critical_batch == pytest.approx(value.item(), rel=1e-4)  # read on the host on logging steps
 
 
-def test_no_host_sync_off_logging_steps() -> None:
+@pytest.mark.parametrize("counter", [count_syncs_per_step, count_host_data_per_step])
+def test_no_host_sync_off_logging_steps(counter: Any) -> None:
+    """Neither a host read nor a tensor made from host data (a blocking copy on a GPU) is added to a step."""
+
     def run(extra: list[Any]) -> list[int]:
         pl.seed_everything(0)
         trainer = quiet_trainer(max_steps=6, log_every_n_steps=50, callbacks=[GradientAccumulation(2), *extra])
-        return count_syncs_per_step(trainer, TinyModule(n=128, batch_size=4))
+        return counter(trainer, TinyModule(n=128, batch_size=4))  # type: ignore[no-any-return]
 
     assert run([CriticalBatchMonitor()]) == run([])
 
