@@ -19,6 +19,7 @@ from lightning_stability import (
     BatchRamp,
     CriticalBatchMonitor,
     GradientAccumulation,
+    GradientNormMonitor,
     StabilityConfigError,
     TrainingHealthMonitor,
     WarmupConstantCosineLR,
@@ -86,7 +87,7 @@ def test_a_run_whose_critical_batch_stays_small_never_ramps() -> None:
 
 # ------------------------------------------------------------------ the ramp
 def _ramp_run(
-    root: Path, ckpt: Path | None = None, every: int = 5, extra: tuple[Any, ...] = ()
+    root: Path, ckpt: Path | None = None, every: int = 5, extra: tuple[Any, ...] = (), optimizer: str = "adamw"
 ) -> tuple[Windows, GradientAccumulation, Any]:
     windows = Windows()
     accumulation = GradientAccumulation(steps=2, lr_scaling="sqrt")
@@ -100,14 +101,19 @@ def _ramp_run(
         *extra,
     ]
     pl.seed_everything(0)
-    module = TinyModule(n=320, batch_size=4)  # 80 micro-batches per epoch
+    module = TinyModule(n=320, batch_size=4, optimizer=optimizer)  # 80 micro-batches per epoch
     trainer = quiet_trainer(max_epochs=2, enable_checkpointing=True, default_root_dir=root, callbacks=callbacks)
     trainer.fit(module, ckpt_path=ckpt)
     return windows, accumulation, (trainer, module)
 
 
-def test_the_ramp_grows_the_batch_with_its_lr_beta2_and_sample_clock(tmp_path: Path) -> None:
-    windows, accumulation, (trainer, _) = _ramp_run(tmp_path, extra=(TrainingHealthMonitor(report_dir=tmp_path),))
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])
+def test_the_ramp_grows_the_batch_with_its_lr_beta2_and_sample_clock(tmp_path: Path, optimizer: str) -> None:
+    """With AdamW the counts stay on the host; with a fused AdamW and a skip vote they are decided on the device, and
+    ScheduledLR reads the LR from its device table, rebuilt at each change."""
+    extra = (TrainingHealthMonitor(report_dir=tmp_path), GradientNormMonitor(max_norm=10.0))
+    windows, accumulation, (trainer, _) = _ramp_run(tmp_path, extra=extra, optimizer=optimizer)
+    assert StepLedger.of(trainer).record_of().counted_on_host == (optimizer == "adamw")
     sizes = windows.sizes
     grown = sorted(accumulation.state_dict()["grown"])
     assert grown and [f for _, f in grown] == [4, 8][: len(grown)]  # doubles, never past max_factor
