@@ -21,10 +21,11 @@ Every arm trains one epoch over the same ``--samples`` (equal samples), AdamW (l
   held-out windows from the last 10%); held-out cross-entropy.
 
 **The offline check** (``--check``, the critical-batch literature's): the ramp arm of each family's first seed is
-stopped halfway and checkpointed; from that checkpoint, short branches at ``--check-factors`` x the micro-batch
-train ``--check-samples`` samples each (plain PyTorch, the checkpoint's optimizer state, LR by the square-root rule
-and beta2 by the half-life rule from the checkpoint's own), and the held-out loss each gains is fitted to
-McCandlish et al.'s model of equal samples, ``gain(B) ~ 1 / (B + B_noise)`` (:func:`noise_scale_from_branches`).
+stopped after a quarter of its samples and checkpointed; from that checkpoint, short branches at
+``--check-factors`` x the micro-batch train ``--check-samples`` samples each (plain PyTorch, the checkpoint's
+optimizer state, LR by the square-root rule and beta2 by the half-life rule from the checkpoint's own), and the
+held-out loss each gains is fitted to McCandlish et al.'s model of equal samples, ``gain(B) ~ 1 / (B + B_noise)``
+(:func:`noise_scale_from_branches`).
 The fitted ``B_noise`` is printed beside the figure the run had measured at the checkpoint: where the two disagree
 by more than a factor of two, the ramp followed a wrong figure there.
 
@@ -121,7 +122,7 @@ def gpt2_task(samples: int, seed: int) -> Task:
     torch.manual_seed(seed)
     config = GPT2Config(
         vocab_size=corpus.vocab, n_positions=64, n_embd=64, n_layer=2, n_head=4,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
     model = GPT2LMHeadModel(config)
 
@@ -169,22 +170,24 @@ def callbacks_of(arm: str, args: argparse.Namespace) -> tuple[list[Any], Any]:
 
 
 class StopAt(pl.Callback):
-    """Stops the fit after ``step`` optimizer steps, leaving the run's length (and so its LR schedule) as it was."""
+    """Stops the fit at the first step boundary after ``micro_batches`` micro-batches, leaving the run's length (and
+    so its LR schedule) as it was."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, micro_batches: int, accumulation: GradientAccumulation) -> None:
+        self.micro_batches, self.accumulation = micro_batches, accumulation
 
-    def on_train_batch_end(self, trainer: pl.Trainer, *_: Any) -> None:
-        if trainer.global_step >= self.step:
+    def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if batch_idx + 1 >= self.micro_batches and self.accumulation.micro_batch >= self.accumulation.window_size:
             trainer.should_stop = True
 
 
 def run(family: str, seed: int, arm: str, args: argparse.Namespace, stop_at: int | None = None) -> dict[str, Any]:
+    """One arm's fit (``stop_at``: stop after that many micro-batches, at a step boundary)."""
     pl.seed_everything(seed, verbose=False)
     task = TASKS[family](args.samples, seed)
     module = Module(task, args.lr, args.micro, seed)
     callbacks, extra = callbacks_of(arm, args)
-    stop = [StopAt(stop_at)] if stop_at is not None else []
+    stop = [StopAt(stop_at, callbacks[0])] if stop_at is not None else []
     trainer = pl.Trainer(
         accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[*callbacks, *stop],
@@ -204,9 +207,10 @@ def run(family: str, seed: int, arm: str, args: argparse.Namespace, stop_at: int
 
 
 def offline_check(family: str, args: argparse.Namespace, directory: Path) -> dict[str, Any]:
-    """Stop the ramp arm of seed 0 halfway, checkpoint it, branch from the checkpoint, fit ``B_noise``."""
-    full = run(family, 0, "fixed", args)
-    half = run(family, 0, "ramp", args, stop_at=max(1, full["steps"] // 4))  # the LR schedule of the whole run
+    """Stop the ramp arm of seed 0 after a quarter of its samples, checkpoint it, branch from the checkpoint, fit
+    ``B_noise``."""
+    quarter = max(1, args.samples // args.micro // 4)
+    half = run(family, 0, "ramp", args, stop_at=quarter)  # the LR schedule of the whole run
     path = directory / f"{family}-half.ckpt"
     half["trainer"].save_checkpoint(path)
     checkpoint = torch.load(path, weights_only=False)

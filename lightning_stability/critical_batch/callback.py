@@ -15,7 +15,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -336,7 +336,19 @@ class BatchRamp(CriticalBatchMonitor):
                 )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_stability.schedules.callback import ScheduledLR
+
         super().on_train_start(trainer, pl_module)
+        schedules = [cb for cb in trainer.callbacks if isinstance(cb, ScheduledLR)]  # type: ignore[attr-defined]
+        if trainer.max_steps > 0 and any(cb.total_steps is None for cb in schedules):
+            rank_zero_warn(
+                f"BatchRamp with Trainer(max_steps={trainer.max_steps}): once the batch grows the LR schedule counts "
+                f"samples, in updates of the starting batch, over the run's {trainer.max_steps} steps; the run's "
+                f"{trainer.max_steps} steps then train more samples than that, and the LR stays at the schedule's "
+                "final value from there. Fix: bound the run by max_epochs (samples), or pass the schedule "
+                "total_steps= counted in updates of the starting batch.",
+                category=UserWarning,
+            )
         if self.beta2_half_life and not self._base_beta2:
             # HOST SYNC (once) at most: a tensor beta2 is read on the host here.
             self._base_beta2 = [float(g["betas"][1]) for g in trainer.optimizers[0].param_groups]

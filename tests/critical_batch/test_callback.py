@@ -153,10 +153,11 @@ def test_resume_after_a_change_is_exact(tmp_path: Path) -> None:
 
 
 def test_the_ramp_decides_at_row_13_before_accumulation_and_the_schedule() -> None:
-    trainer = _fit(
-        [WarmupConstantCosineLR(), GradientAccumulation(2, lr_scaling="sqrt"), BatchRamp(max_factor=4)],
-        max_steps=1,
-    )
+    with pytest.warns(UserWarning, match=r"BatchRamp with Trainer\(max_steps=1\).*Fix: bound the run by max_epochs"):
+        trainer = _fit(
+            [WarmupConstantCosineLR(), GradientAccumulation(2, lr_scaling="sqrt"), BatchRamp(max_factor=4)],
+            max_steps=1,
+        )
     names = list(StepLedger.of(trainer)._at[Stage.AFTER_STEP])
     assert names.index("CriticalBatchMonitor") < names.index("GradientAccumulation") < names.index("ScheduledLR")
 
