@@ -99,7 +99,7 @@ class LRBackoff:
             Lion); with SGD it follows the gradient's norm, so pass ``None`` there or expect the back-off to act
             less.
         ceiling: with ``efficiency``, an ``update_ratio`` past which the update backs off whatever the share
-            (0.04; at least ``threshold``): the first updates at an LR far too large change the weights by several
+            (0.03; at least ``threshold``): the first updates at an LR far too large change the weights by several
             percent each, before the share has fallen. ``None``: the share decides alone.
         every: the update signals (``update_ratio``, ``update_rms_jump``) are measured on every ``every``-th
             optimizer step (and on logging steps): each costs a transient copy of the weights. The others every
@@ -113,7 +113,7 @@ class LRBackoff:
     floor: float = 0.01
     every: int = 4
     efficiency: float | None = 0.3
-    ceiling: float | None = 0.04
+    ceiling: float | None = 0.03
 
     def __post_init__(self) -> None:
         if self.signal not in SIGNALS:
@@ -139,7 +139,7 @@ class LRBackoff:
                     "pass efficiency=0.3 with 'update_ratio', or efficiency=None",
                 )
         if self.ceiling is not None:
-            check_number("ceiling", self.ceiling, example="0.04 (or None)")
+            check_number("ceiling", self.ceiling, example="0.03 (or None)")
 
     @property
     def measures_update(self) -> bool:
