@@ -50,7 +50,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -61,7 +63,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from lightning_stability import RouterHealthMonitor
+from lightning_stability import RouterHealthMonitor, StableTrainer
 
 VOCAB, LENGTH, WIDTH, BATCH, HELD_OUT = 256, 16, 32, 8, 64
 #: the arms: name -> RouterHealthMonitor's arguments (None: a plain Trainer)
@@ -69,20 +71,32 @@ ARMS: dict[str, dict[str, float] | None] = {
     "plain": None,
     "monitor": {},
     "bias": {"balance_bias": 1e-3},
+    "bias 1e-2": {"balance_bias": 1e-2},
     "z-loss": {"z_loss": 1e-3},
     "bias+z": {"balance_bias": 1e-3, "z_loss": 1e-3},
 }
+#: the preset's arms: name -> overrides of ``StableTrainer.from_preset("moe", ...)``
+PRESET_ARMS: dict[str, dict[str, Any]] = {
+    "moe preset": {},
+    "preset, monitor only": {"router_balance_bias": None, "router_z_loss": None},
+}
+
+
+def draws(clusters: int, tokens: int, count: int, seed: int) -> tuple[list[Tensor], Tensor, Tensor]:
+    """Each cluster's permutation of ``tokens`` (fixed), and for ``count`` sequences by ``seed``: whether each
+    position follows its cluster's permutation (probability 0.9), and the token drawn where it does not."""
+    tables = torch.Generator().manual_seed(1234)
+    perms = [torch.randperm(tokens, generator=tables) for _ in range(clusters)]
+    g = torch.Generator().manual_seed(seed)
+    follow = torch.rand(count, LENGTH, generator=g) < 0.9
+    return perms, follow, torch.randint(tokens, (count, LENGTH), generator=g)
 
 
 def clustered(clusters: int, count: int, seed: int) -> Tensor:
     """``count`` sequences, sequence ``i`` in cluster ``i % clusters``: each cluster's tokens follow its own random
     permutation with probability 0.9, else any token of the cluster (the permutations fixed, the draws by ``seed``)."""
     per = VOCAB // clusters
-    tables = torch.Generator().manual_seed(1234)
-    perms = [torch.randperm(per, generator=tables) for _ in range(clusters)]
-    g = torch.Generator().manual_seed(seed)
-    follow = torch.rand(count, LENGTH, generator=g) < 0.9
-    anyone = torch.randint(per, (count, LENGTH), generator=g)
+    perms, follow, anyone = draws(clusters, per, count, seed)
     out = torch.empty(count, LENGTH, dtype=torch.long)
     for i in range(count):
         cluster, token = i % clusters, int(anyone[i, 0])
@@ -90,6 +104,30 @@ def clustered(clusters: int, count: int, seed: int) -> Tensor:
             out[i, j] = cluster * per + token
             token = int(perms[cluster][token]) if follow[i, j] else int(anyone[i, j])
     return out
+
+
+def keyed(clusters: int, count: int, seed: int, pool: int = 32) -> Tensor:
+    """``count`` sequences, sequence ``i`` in cluster ``i % clusters``: its cluster's marker token (``3 + c``), then
+    tokens of a ``pool`` shared by every cluster (``3 + clusters`` on), each followed by the cluster's own random
+    permutation of the pool with probability 0.9, else by any token of the pool (the permutations fixed, the draws
+    by ``seed``). The next token depends on the token and on the marker together: a table of ``clusters x pool``
+    entries that only the experts' hidden units can hold."""
+    perms, follow, anyone = draws(clusters, pool, count, seed)
+    out = torch.empty(count, LENGTH, dtype=torch.long)
+    for i in range(count):
+        cluster, token = i % clusters, int(anyone[i, 0])
+        out[i, 0] = 3 + cluster
+        for j in range(1, LENGTH):
+            out[i, j] = 3 + clusters + token
+            token = int(perms[cluster][token]) if follow[i, j] else int(anyone[i, j])
+    return out
+
+
+def data(args: argparse.Namespace, count: int, seed: int) -> Tensor:
+    """``--data``'s sequences."""
+    if args.data == "keyed":
+        return keyed(args.clusters, count, seed, args.pool)
+    return clustered(args.clusters, count, seed)
 
 
 def gates(model: nn.Module) -> dict[str, nn.Module]:
@@ -186,33 +224,41 @@ def held_out_figures(model: nn.Module, data: Tensor, experts: int) -> tuple[floa
 
 def run(arm: str, seed: int, args: argparse.Namespace) -> Run:
     torch.manual_seed(seed)
-    probe = clustered(args.clusters, 32, 10_000 + seed)
+    probe = data(args, 32, 10_000 + seed)
     model = build(args.layers, args.experts, args.skew, probe, args.expert_size)
-    train = clustered(args.clusters, args.steps * BATCH, seed + 1)
-    held = clustered(args.clusters, HELD_OUT, 20_000 + seed)
-    options = ARMS[arm]
-    monitor = None
-    if options is not None:
-        monitor = RouterHealthMonitor(
-            expert_shares=False, z_loss=options.get("z_loss"), balance_bias=options.get("balance_bias")
-        )
-    trainer = pl.Trainer(
+    train = data(args, args.steps * BATCH, seed + 1)
+    held = data(args, HELD_OUT, 20_000 + seed)
+    common: dict[str, Any] = dict(
         max_steps=args.steps,
         accelerator="cpu",
         devices=1,
-        precision="32-true",
-        callbacks=[] if monitor is None else [monitor],
         log_every_n_steps=args.log_every,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
     )
+    if arm in PRESET_ARMS:  # the preset as users get it (its precision on this CPU is printed)
+        # its health monitor writes the stability report into default_root_dir: a temporary one
+        root = tempfile.mkdtemp(prefix="moe_collapse_")
+        common["default_root_dir"] = root
+        trainer: pl.Trainer = StableTrainer.from_preset("moe", **PRESET_ARMS[arm], **common)
+    else:
+        options = ARMS[arm]
+        monitor = None
+        if options is not None:
+            monitor = RouterHealthMonitor(
+                expert_shares=False, z_loss=options.get("z_loss"), balance_bias=options.get("balance_bias")
+            )
+        trainer = pl.Trainer(precision="32-true", callbacks=[] if monitor is None else [monitor], **common)
     module = CollapseLM(model, train, args.lr)
     trainer.fit(module)
+    if "default_root_dir" in common:
+        shutil.rmtree(common["default_root_dir"], ignore_errors=True)
     loss, vio, top2 = held_out_figures(model, held, args.experts)
     result = Run(torch.stack(module.losses), loss, vio, top2)
-    if monitor is not None:
+    result.extra["precision"] = str(trainer.precision)
+    if "stability/router/max_vio" in trainer.callback_metrics:
         result.max_vio = float(trainer.callback_metrics["stability/router/max_vio"])
         result.dead = float(trainer.callback_metrics["stability/router/dead_experts"])
     return result
@@ -228,17 +274,20 @@ def spread(values: Sequence[float | None], digits: int = 2) -> str:
 def main(argv: list[str] | None = None) -> dict[str, list[Run]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
-    add("--steps", type=int, default=300)
+    add("--data", choices=("keyed", "disjoint"), default="keyed", help="the clusters' data (see the docstring)")
+    add("--pool", type=int, default=32, help="--data keyed: the tokens the clusters share")
+    add("--steps", type=int, default=2000)
     add("--lr", type=float, default=1e-2)
     add("--seeds", type=int, nargs="+", default=[0, 1, 2])
     add("--skew", type=float, default=8.0, help="expert 0's head start on the average token, in logits")
     add("--experts", type=int, default=8)
-    add("--expert-size", type=int, default=64, help="each expert's intermediate size")
-    add("--clusters", type=int, default=4)
+    add("--expert-size", type=int, default=8, help="each expert's intermediate size")
+    add("--clusters", type=int, default=8)
     add("--layers", type=int, default=2)
     add("--log-every", type=int, default=20)
     add("--threads", type=int, default=1)
-    add("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    every = [*ARMS, *PRESET_ARMS]
+    add("--arms", nargs="+", default=every, choices=every)
     add("--quick", action="store_true", help="a smoke run: 40 steps, one seed")
     args = parser.parse_args(argv)
     if args.quick:
@@ -248,21 +297,30 @@ def main(argv: list[str] | None = None) -> dict[str, list[Run]]:
         logging.getLogger(name).setLevel(logging.ERROR)
     started = time.strftime("%a %b %d %H:%M UTC %Y", time.gmtime())
     runs: dict[str, list[Run]] = {arm: [run(arm, seed, args) for seed in args.seeds] for arm in args.arms}
+    case = f"{args.clusters} clusters" + (f" sharing {args.pool} tokens" if args.data == "keyed" else " (disjoint)")
     print(
-        f"{started}; top-1 OLMoE, {args.layers} layers, {args.experts} experts, skew {args.skew:g}, "
-        f"{args.clusters} clusters, {args.steps} steps at lr {args.lr:g}, seeds {' '.join(map(str, args.seeds))}; "
+        f"{started}; top-1 OLMoE, {args.layers} layers, {args.experts} experts of {args.expert_size}, skew "
+        f"{args.skew:g}, {case}, {args.steps} steps at lr {args.lr:g}, seeds {' '.join(map(str, args.seeds))}; "
         f"torch {torch.__version__}, lightning {pl.__version__}"
     )
+    for arm in PRESET_ARMS:
+        if arm in runs:
+            print(f"{arm}: precision {runs[arm][0].extra['precision']} (the preset's choice on this CPU)")
     if "plain" in runs and "monitor" in runs:
         equal = all(torch.equal(a.losses, b.losses) for a, b in zip(runs["plain"], runs["monitor"], strict=True))
         print(f"monitor's training loss bit-equal to plain's at every step: {'yes' if equal else 'NO'}")
-    print("mean over seeds (min-max)")
-    print(f"{'arm':<9} {'MaxVio':<18} {'dead':<18} {'held MaxVio':<18} {'top-2':<18} {'train':<18} {'held-out':<18}")
+    print("mean over seeds (min-max); vs plain: held-out minus plain's on the same seed")
+    print(
+        f"{'arm':<20} {'MaxVio':<18} {'dead':<14} {'held MaxVio':<18} {'top-2':<18} {'train':<20} {'held-out':<20} "
+        "vs plain"
+    )
     for arm, rs in runs.items():
+        paired = [r.held_out - p.held_out for r, p in zip(rs, runs["plain"], strict=True)] if "plain" in runs else []
         print(
-            f"{arm:<9} {spread([r.max_vio for r in rs]):<18} {spread([r.dead for r in rs], 1):<18} "
+            f"{arm:<20} {spread([r.max_vio for r in rs]):<18} {spread([r.dead for r in rs], 1):<14} "
             f"{spread([r.held_vio for r in rs]):<18} {spread([r.top2 for r in rs]):<18} "
-            f"{spread([float(r.losses[-20:].mean()) for r in rs], 3):<18} {spread([r.held_out for r in rs], 3):<18}"
+            f"{spread([float(r.losses[-20:].mean()) for r in rs], 3):<20} {spread([r.held_out for r in rs], 3):<20} "
+            f"{spread(paired, 3) if paired else '-'}"
         )
     return runs
 
