@@ -39,7 +39,8 @@ def z_loss_grad(logits: Tensor, coef: float) -> Tensor:
     flat = logits.detach().float()
     tokens = max(flat.numel() // max(flat.shape[-1], 1), 1)
     lse = torch.logsumexp(flat, dim=-1, keepdim=True)
-    return torch.softmax(flat, dim=-1).mul_(lse).mul_(2.0 * coef / tokens)
+    softmax = (flat - lse).exp_()  # on a CPU several times faster than torch.softmax over a few experts
+    return softmax.mul_(lse).mul_(2.0 * coef / tokens)
 
 
 def clip_routers_(params: Sequence[Sequence[Tensor]], maxima: Tensor, tau: float) -> Tensor:
