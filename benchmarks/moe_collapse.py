@@ -2,25 +2,30 @@
 actions of ``RouterHealthMonitor`` do to it.
 
 The model: a Hugging Face OLMoE built from a tiny config (``--layers`` layers of width 32, ``--experts`` experts of
-intermediate size ``--expert-size`` (64), **top-1**, ``norm_topk_prob=False`` so the chosen expert's output is
+intermediate size ``--expert-size`` (8), **top-1**, ``norm_topk_prob=False`` so the chosen expert's output is
 scaled by its softmax score and the router is trained by the loss, as in the Switch Transformer; **no auxiliary loss**:
 ``output_router_logits`` is off, so ``router_aux_loss_coef`` adds nothing). Each router starts **skewed**: after
 the usual initialisation (N(0, 0.02)), expert 0's row of every router gets ``--skew * mu / |mu|^2``, where ``mu``
 is the mean input of that router over 32 sequences of the data at initialisation, so expert 0's logit starts
 ``--skew`` above what it would be on the average token (8: about e^8 times the others' score on that token).
 
-The data: ``--clusters`` distinct clusters of the vocabulary (256 tokens, split evenly); each sequence
-(16 tokens) stays in one cluster and follows that cluster's own random permutation of its tokens with probability
-0.9 (else any token of the cluster), so each cluster is a separate table to learn, one the model's width cannot
-hold in its embeddings alone. Training: ``--steps`` steps of AdamW (``--lr``, torch's other defaults), 8
-sequences a step, clusters in turn; the held-out loss is on 64 other sequences of the same clusters.
+The data, ``--data keyed`` (the default): ``--clusters`` (8) tables on one ``--pool`` of 32 tokens. Each sequence
+(16 tokens) begins with its cluster's marker token, then walks the pool by its cluster's own random permutation with
+probability 0.9 (else to any token of the pool). The next token depends on the current token and the marker together
+(8 x 32 entries), which the embeddings cannot hold and the attention alone cannot compute: the experts' hidden units
+hold the tables, and 8 experts of 8 units hold more than one does. ``--data disjoint`` is the earlier case:
+``--clusters`` disjoint parts of the 256-token vocabulary, each sequence in one part following its permutation, a
+table the embeddings hold without the experts (so a collapse there costs no loss). Training: ``--steps`` (2000)
+steps of AdamW (``--lr`` 1e-2, torch's other defaults), 8 sequences a step, clusters in turn; the held-out loss is
+on 64 other sequences of the same clusters.
 
 What makes it collapse: the skewed start plus top-1 routing with nothing that pulls the load back (no auxiliary
-loss). At initialisation the skew sends 59-65% of the held-out tokens to expert 0 (MaxVio 3.7-4.2); the loss's own
-gradient on the router pulls that back only part of the way (MaxVio about 2.6 after 300 steps, the two busiest
-experts of eight taking about 60% of the tokens). With ``--skew 0`` the same model and data start at MaxVio 0.34-0.64
-and end near 1.1 (the two busiest: about 46%). A top-1 Mixtral would not do here: its router normalizes the chosen
-expert's weight to 1, so the loss gives its router no gradient at all (only float rounding, about 1e-11).
+loss). On the keyed data a plain Trainer ends with nearly every token on one or two experts (MaxVio about 6.3 of
+the 7 possible), the other experts dead; the loss's gradient does not pull it back. (Without the skew,
+``--skew 0``, it collapses part of the way by itself: held-out MaxVio 1.77, the two busiest experts 56% of the
+tokens, held-out loss 0.989 against 1.022 with the skew; 3 seeds.) A top-1 Mixtral would not do here: its router
+normalizes the chosen expert's weight to 1, so the loss gives its router no gradient at all (only float rounding,
+about 1e-11).
 
 Arms, each over the same seeds (``--seeds``), each seed with the same initial weights and data in every arm:
 
@@ -28,22 +33,30 @@ Arms, each over the same seeds (``--seeds``), each seed with the same initial we
 * **monitor**: the same with ``RouterHealthMonitor()`` (it observes only: its training loss is checked bit for bit
   equal to plain's at every step);
 * **bias**: ``RouterHealthMonitor(balance_bias=1e-3)`` (the auxiliary-loss-free balancing bias, DeepSeek-V3's rate);
+  **bias 1e-2**: ten times that rate;
 * **z-loss**: ``RouterHealthMonitor(z_loss=1e-3)`` (ST-MoE's router z-loss coefficient);
-* **bias+z**: both.
+* **bias+z**: both at 1e-3;
+* **moe preset**: ``StableTrainer.from_preset("moe")`` as shipped (the bias and the z-loss at 1e-3, and the rest of
+  the preset: clip 2.0, 5% warmup and a cosine over the last 20%, the health monitor skipping loss spikes, the LR
+  back-off; its precision on this CPU printed), ``enable_checkpointing=False``;
+* **preset, monitor only**: the same with ``router_balance_bias=None, router_z_loss=None``.
 
 Figures, per arm (mean over seeds, and the range):
 
 * ``MaxVio``: the monitor's ``stability/router/max_vio`` at the end (the largest over the layers, over the last
   logging window of ``--log-every`` steps); ``-`` for plain, which has no monitor (its routing is monitor's, which
-  is bit-equal);
+  is bit-equal). Under the bias this windowed figure overstates the balance (benchmarks/README.md): read
+  ``held MaxVio``;
 * ``dead``: the monitor's ``stability/router/dead_experts`` at the end (summed over the layers);
 * ``held MaxVio`` and ``top-2``: counted by hand on the held-out sequences after training (every arm, plain too;
   the model routes as trained, the bias included): the largest MaxVio over the layers, and the share of the
   tokens the two busiest experts of the worst layer take;
-* ``train``: the mean training loss of the last 20 steps; ``held-out``: the loss on the held-out sequences.
+* ``train``: the mean training loss of the last 20 steps; ``held-out``: the loss on the held-out sequences;
+  ``vs plain``: the held-out loss minus plain's on the same seed.
 
-Run: ``python -m benchmarks.moe_collapse [--steps 300] [--lr 1e-2] [--seeds 0 1 2] [--skew 8]`` (15 runs of about
-5 s each on one core); ``--quick`` for a smoke run (seconds).
+Run: ``python -m benchmarks.moe_collapse [--steps 2000] [--seeds 0 1 2] [--arms ...]`` (24 runs of about 20 s each
+on one core); the earlier case: ``--data disjoint --clusters 4 --expert-size 64 --steps 300``; ``--quick`` for a
+smoke run (seconds).
 """
 
 from __future__ import annotations
