@@ -159,8 +159,8 @@ class RouterHealthMonitor(LedgerCallback):
             raise StabilityConfigError(
                 f"RouterHealthMonitor(balance_bias={self.balance_bias}): router(s) {', '.join(unknown)} are not ones "
                 f"whose choice of experts it can redo ({', '.join(sorted(BIASABLE))}: softmax scores, top-k of them). "
-                "Fix: pass balance_bias=None, and add the bias inside your router (DeepSeek-V3's has its own, "
-                "e_score_correction_bias)."
+                "Fix: pass balance_bias=None (the moe preset: router_balance_bias=None), and add the bias inside "
+                "your router (DeepSeek-V3's has its own, e_score_correction_bias)."
             )
         for router in hooks.routers:
             module = router.module

@@ -15,7 +15,7 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.tuner import Tuner
 from torch import Tensor, nn
 
-from lightning_stability import StableTrainer
+from lightning_stability import StabilityConfigError, StableTrainer
 from lightning_stability.ledger import StepLedger
 from lightning_stability.moe import RouterHealthMonitor
 from tests.helpers import quiet_trainer
@@ -175,6 +175,25 @@ def test_the_moe_preset_s_router_actions_from_the_command_line(tmp_path: Path, m
     cli = LightningCLI(MoELM, trainer_class=StableTrainer, run=False, save_config_callback=None, args=[*args, *QUIET])
     (monitor,) = [cb for cb in cli.trainer.callbacks if isinstance(cb, RouterHealthMonitor)]  # type: ignore[attr-defined]
     assert (monitor.balance_bias, monitor.z_loss) == (1e-3, None)
+
+
+def test_the_moe_preset_on_a_router_it_cannot_bias_says_which_field_turns_the_bias_off(tmp_path: Path) -> None:
+    trainer = StableTrainer.from_preset(
+        "moe", accelerator="cpu", max_steps=1, default_root_dir=tmp_path, logger=False, enable_progress_bar=False
+    )
+    with pytest.raises(StabilityConfigError, match=r"DeepseekV3TopkRouter.*router_balance_bias=None"):
+        trainer.fit(MoELM("deepseek_v3"))
+    trainer = StableTrainer.from_preset(
+        "moe",
+        router_balance_bias=None,
+        accelerator="cpu",
+        max_steps=2,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+    )
+    trainer.fit(MoELM("deepseek_v3"))  # the z-loss alone reaches a DeepSeek-V3 router
+    assert trainer.global_step == 2
 
 
 # -------------------------------------------------------------------------------------------------------- loggers
