@@ -1,25 +1,31 @@
-"""Benchmark: does the "gpt" preset cost anything where a careful plain Trainer already trains well?
+"""Benchmark: does a preset cost anything where a plain or a careful Trainer already trains well?
 
 Models nobody here wrote, built from tiny configs of Hugging Face ``transformers``: GPT-2 (``GPT2LMHeadModel``),
 Llama (``LlamaForCausalLM``), BERT with a masked-LM head (``BertForMaskedLM``; 15% of the characters masked, the
-masks drawn per batch from a fixed seed, the held-out masks fixed), and an MoE (``Qwen2MoeForCausalLM``, 4 experts,
-2 per token), each 2 layers wide 64 with 4 heads, on the demo's character-level corpus (102 symbols; the first 90%
+masks drawn per batch from a fixed seed, the held-out masks fixed), and two MoEs: Qwen2-MoE
+(``Qwen2MoeForCausalLM``, 4 experts, 2 per token, a shared expert) and Mixtral (``MixtralForCausalLM``, 4 experts,
+2 per token); each 2 layers wide 64 with 4 heads, on the demo's character-level corpus (102 symbols; the first 90%
 for training, the last 10% held out). AdamW (weight decay 0.01), ``--steps`` updates of ``--batch`` windows of
 ``--context`` characters, the same data order and initial weights in every arm.
 
-Arms, each over an LR grid (``--lrs``):
+Arms, each over an LR grid (``--lrs``); ``clip`` is the preset's norm (0.5 for the dense models' ``gpt`` preset,
+2.0 for the MoEs' ``moe`` preset):
 
-* **plain** -- a careful plain Lightning user: ``Trainer(gradient_clip_val=0.5)`` and the same warmup-constant-cosine
-  shape the preset uses (5% warmup, cosine to 0 over the last 20%), as a ``LambdaLR`` stepped every update;
-* **preset** -- ``StableTrainer.from_preset("gpt", precision="32-true")`` as shipped (clip 0.5, the schedule,
-  ``TrainingHealthMonitor(skip_on="loss")``, ``PrecursorMonitor``'s LR back-off);
+* **plain** -- a plain Lightning user: ``Trainer(gradient_clip_val=clip)``, a constant LR;
+* **careful** -- a careful one: the same with the preset's LR shape (5% linear warmup, constant, cosine to 0 over
+  the last 20%) as a ``LambdaLR`` stepped every update;
+* **preset** -- ``StableTrainer.from_preset("gpt")`` (``"moe"`` for the MoEs) with ``precision="32-true"``, as
+  shipped (the clip, the schedule, ``TrainingHealthMonitor(skip_on="loss")``, ``PrecursorMonitor``'s LR back-off,
+  and the ``moe`` preset's ``RouterHealthMonitor``);
 * **preset-backoff** -- the same with ``lr_backoff=None``: what the back-off itself does.
 
-Printed per family and arm: the held-out loss after 60 updates and at the end, at each LR, and the verdict at the LR
-where the plain arm ends best: the preset's final held-out loss minus the plain arm's (no harm: <= +0.01 nats).
+Printed per family and arm: the held-out loss after 60 updates and at the end, at each LR; then the verdicts (no
+harm: <= +0.01 nats): at the LR where the plain arm ends best, the preset's held-out loss minus plain's, after 60
+updates and at the end; at every LR where the careful arm trains (final held-out loss finite and below the corpus's
+unigram loss), the preset's final held-out loss minus careful's.
 
-Run: ``python -m benchmarks.no_harm`` (3 LRs x 3 arms x 4 families, ~10 minutes on 2 cores);
-``--quick``: 2 LRs, 30 updates, two families (a smoke run, seconds).
+Run: ``python -m benchmarks.no_harm`` (3 LRs x 4 arms x 5 families); ``--quick``: 2 LRs, 30 updates, two families
+(a smoke run, seconds).
 """
 
 from __future__ import annotations
@@ -42,9 +48,11 @@ from torch.utils.data import DataLoader
 
 from lightning_stability import StableTrainer, WarmupConstantCosineSchedule
 from lightning_stability.demo.model import Corpus, CorpusWindows, load_corpus
+from lightning_stability.presets import get_preset
 
-FAMILIES = ("gpt2", "llama", "bert-mlm", "qwen2-moe")
-ARMS = ("plain", "preset", "preset-backoff")
+FAMILIES = ("gpt2", "llama", "bert-mlm", "qwen2-moe", "mixtral")
+MOES = ("qwen2-moe", "mixtral")
+ARMS = ("plain", "careful", "preset", "preset-backoff")
 EARLY = 60  # the held-out loss is also read after this many updates
 EVAL_WINDOWS, EVAL_SEED, MASK = 128, 10**6, 0.15
 
@@ -74,6 +82,11 @@ def build(family: str, vocab: int, context: int) -> torch.nn.Module:
             **small,
         )
         return transformers.Qwen2MoeForCausalLM(config)
+    if family == "mixtral":
+        config = transformers.MixtralConfig(
+            max_position_embeddings=context, num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2, **small
+        )
+        return transformers.MixtralForCausalLM(config)
     raise ValueError(f"family={family!r}: pass one of {', '.join(FAMILIES)}")
 
 
@@ -136,7 +149,8 @@ def run(
     family: str, arm: str, lr: float, args: argparse.Namespace, corpus: Corpus, held: Tensor
 ) -> tuple[float, float]:
     data = DataLoader(CorpusWindows(split(corpus, 0.0, 0.9), args.steps * args.batch, args.context, 0), args.batch)
-    module = HFModule(family, corpus.vocab, args.context, lr, args.steps if arm == "plain" else None)
+    module = HFModule(family, corpus.vocab, args.context, lr, args.steps if arm == "careful" else None)
+    preset = "moe" if family in MOES else "gpt"
     early = HeldOut(held)
     common: dict[str, Any] = dict(
         accelerator="cpu",
@@ -148,12 +162,13 @@ def run(
         callbacks=[early],
     )
     with tempfile.TemporaryDirectory() as root:
-        if arm == "plain":
-            trainer = pl.Trainer(gradient_clip_val=0.5, default_root_dir=root, **common)
+        if arm in ("plain", "careful"):
+            clip = get_preset(preset).max_norm
+            trainer = pl.Trainer(gradient_clip_val=clip, default_root_dir=root, **common)
         else:
             extra = {"lr_backoff": None} if arm == "preset-backoff" else {}
             trainer = StableTrainer.from_preset(
-                "gpt", precision="32-true", checkpoint=False, watchdog=False, default_root_dir=root, **common, **extra
+                preset, precision="32-true", checkpoint=False, watchdog=False, default_root_dir=root, **common, **extra
             )
             for callback in trainer.callbacks:  # type: ignore[attr-defined]
                 if hasattr(callback, "report"):
@@ -166,6 +181,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     parser.add_argument("--lrs", nargs="+", type=float, default=[1e-3, 3e-3, 1e-2])
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=64)
@@ -193,20 +209,31 @@ def main() -> None:
     verdicts = []
     for family in args.families:
         results: dict[str, dict[float, tuple[float, float]]] = {}
-        for arm in ARMS:
+        for arm in args.arms:
             results[arm] = {lr: run(family, arm, lr, args, corpus, held) for lr in args.lrs}
             cells = "  ".join(f"{lr:g}: {a:.3f} / {b:.3f}" for lr, (a, b) in results[arm].items())
             print(f"{family:<10} {arm:<15} {cells}")
+        if not {"plain", "careful"} <= set(results):
+            continue  # the verdicts need both references
         finals = {lr: b for lr, (_, b) in results["plain"].items() if math.isfinite(b)}
         best = min(finals, key=finals.__getitem__)
-        for arm in ("preset", "preset-backoff"):
+        for arm in [a for a in ("preset", "preset-backoff") if a in results]:
             delta = results[arm][best][1] - results["plain"][best][1]
             early = results[arm][best][0] - results["plain"][best][0]
+            harm = "no harm" if delta <= 0.01 and early <= 0.01 else "HARM"
             verdicts.append(
-                f"  {family} {arm}: at plain's best LR {best:g}, final {delta:+.3f} nats "
-                f"({'no harm' if delta <= 0.01 else 'HARM'}), after {EARLY} updates {early:+.3f}"
+                f"  {family} {arm}: at plain's best LR {best:g}, final {delta:+.3f} nats, after {EARLY} updates "
+                f"{early:+.3f} ({harm})"
             )
-    print("verdict (the arm's held-out loss minus plain's; no harm: final <= +0.01)")
+            trained = [lr for lr, (_, b) in results["careful"].items() if b < corpus.unigram_loss]
+            deltas = {lr: results[arm][lr][1] - results["careful"][lr][1] for lr in trained}
+            worst = max(deltas.values(), default=math.nan)
+            cells = ", ".join(f"{lr:g}: {d:+.3f}" for lr, d in deltas.items())
+            verdicts.append(
+                f"  {family} {arm}: against careful at every LR it trains ({cells}): worst {worst:+.3f} "
+                f"({'no harm' if worst <= 0.01 else 'HARM'})"
+            )
+    print("verdicts (the arm's held-out loss minus plain's or careful's; no harm: <= +0.01 nats)")
     print("\n".join(verdicts))
     print(f"wall time of the whole benchmark: {time.perf_counter() - started:.1f} s")
 

@@ -17,6 +17,8 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _EXPORTS = {
     # the callbacks
+    "BatchRamp": "lightning_stability.critical_batch.callback",
+    "CriticalBatchMonitor": "lightning_stability.critical_batch.callback",
     "GradientAccumulation": "lightning_stability.accumulation.callback",
     "GradientNormMonitor": "lightning_stability.grad_norm",
     "LossScaleTuner": "lightning_stability.amp.callback",
@@ -128,6 +130,7 @@ if TYPE_CHECKING:
     from lightning_stability.checkpoint.preemption_checkpoint import PreemptionCheckpoint
     from lightning_stability.cluster.callback import ClusterHealthMonitor
     from lightning_stability.cluster.watchdog import WatchdogSettings, watchdog_environment, watchdog_settings
+    from lightning_stability.critical_batch.callback import BatchRamp, CriticalBatchMonitor
     from lightning_stability.errors import StabilityConfigError
     from lightning_stability.grad_norm import GradientNormMonitor
     from lightning_stability.health.callback import TrainingHealthMonitor

@@ -55,6 +55,9 @@ class Preset:
         accumulation: ``GradientAccumulation(steps=...)``; 1: none.
         lr_scaling: ``GradientAccumulation(lr_scaling=...)``: ``"none"`` (the LR as configured), ``"linear"`` or
             ``"sqrt"``.
+        batch_ramp: ``BatchRamp(max_factor=...)``: the accumulation grows from ``accumulation`` up to this while the
+            measured critical batch is above the batch (needs ``accumulation >= 2`` and ``lr_scaling`` ``"sqrt"`` or
+            ``"linear"``); ``None``: no ramp.
         effective_batch: the global batch the recipe was written for: samples per optimizer step over all
             data-parallel processes. The preset sets neither your DataLoader's ``batch_size`` nor the accumulation
             from it: at fit start a warning says when ``batch_size x accumulation x data-parallel processes``
@@ -122,6 +125,7 @@ class Preset:
     hysteresis: int = 2
     accumulation: int = 1
     lr_scaling: Literal["linear", "sqrt", "none"] = "none"
+    batch_ramp: int | None = None
     effective_batch: int | None = None
     fsdp: bool = False
     activation_checkpointing: bool = False
@@ -178,6 +182,16 @@ class Preset:
             check_int(key, getattr(self, key), 1, example)
         if self.effective_batch is not None:
             check_int("effective_batch", self.effective_batch, 1, "effective_batch=2048 (or None)")
+        if self.batch_ramp is not None:
+            check_int("batch_ramp", self.batch_ramp, 2, "batch_ramp=32 (or None: no ramp)")
+            if self.accumulation < 2 or self.lr_scaling == "none" or self.batch_ramp < self.accumulation:
+                raise config_error(
+                    "batch_ramp",
+                    self.batch_ramp,
+                    f"grows the accumulation from {self.accumulation} with lr_scaling={self.lr_scaling!r}: it needs "
+                    "accumulation >= 2, an lr_scaling the LR can follow and a bound >= accumulation",
+                    "pass e.g. accumulation=2, lr_scaling='sqrt' (Adam) with batch_ramp=32, or batch_ramp=None",
+                )
         for key in ("lr_schedule", "fsdp", "activation_checkpointing", "replay", "router", "checkpoint", "watchdog"):
             check_bool(key, getattr(self, key))
         if self.replay and self.health is None:
@@ -250,6 +264,8 @@ _BASE = Preset(
         "lr_scaling": "your LR as configured; 'linear' is Goyal et al. 2017's linear scaling rule (lr * accumulation)",
         "accumulation": "1: no accumulation; the size presets (under-1b, 1b-10b, over-10b) set it",
         "effective_batch": "none: your DataLoader's batch",
+        "batch_ramp": "off: the ramp's gain at equal samples is not yet measured on these recipes "
+        "(benchmarks/batch_ramp.py); McCandlish et al. 2018's noise scale, Merrill et al. 2025's batch warmup",
         "fsdp": "off: one replica per device (DDP or one device); 1b-10b and larger shard (their model states, 16 "
         "bytes per parameter with Adam, exceed one 80 GiB GPU from 5B parameters on)",
         "activation_checkpointing": "off: 1b-10b and larger pair it with their heavy accumulation (with FSDP)",

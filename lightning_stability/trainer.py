@@ -29,6 +29,7 @@ from lightning_stability.amp.callback import LossScaleTuner
 from lightning_stability.checkpoint.callback import StableCheckpoint
 from lightning_stability.checkpoint.io import local_path
 from lightning_stability.cluster.watchdog import WatchdogSettings, watchdog_settings
+from lightning_stability.critical_batch.callback import BatchRamp
 from lightning_stability.errors import StabilityConfigError, check_instance, config_error
 from lightning_stability.grad_norm import GradientNormMonitor
 from lightning_stability.health.callback import TrainingHealthMonitor
@@ -391,6 +392,12 @@ _PARTS = (
         ),
         "accumulation, lr_scaling",
         "accumulation=1",
+    ),
+    _Part(
+        BatchRamp,
+        lambda p, a: BatchRamp(max_factor=p.batch_ramp) if p.batch_ramp is not None else None,
+        "batch_ramp",
+        "batch_ramp=None",
     ),
     _Part(
         LossScaleTuner,

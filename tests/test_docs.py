@@ -23,6 +23,7 @@ from lightning.pytorch.plugins import MixedPrecision
 
 from lightning_stability import (
     ClusterHealthMonitor,
+    CriticalBatchMonitor,
     GradientAccumulation,
     GradientNormMonitor,
     LossScaleTuner,
@@ -200,6 +201,7 @@ def test_every_key_a_trainer_with_every_callback_logs_is_on_the_page(tmp_path: P
             LossScaleTuner(),
             TrainingHealthMonitor(response="clip", warmup_steps=2, report=False),
             ClusterHealthMonitor(weight_hash_every=2),
+            CriticalBatchMonitor(),
         ],
     )
     trainer.fit(TinyModule(n=64, batch_size=4))

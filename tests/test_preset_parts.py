@@ -22,6 +22,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from lightning_stability import (
     AtomicCheckpointIO,
+    BatchRamp,
     GradientAccumulation,
     GradientNormMonitor,
     LossScaleTuner,
@@ -239,6 +240,7 @@ REACHES: dict[str, tuple[str, Any, dict[str, Any], Callable[[pl.Trainer], Any]]]
     "hysteresis": ("175b", 3, {}, lambda t: one(t, LossScaleTuner).settings.hysteresis),
     "accumulation": ("gpt", 3, {}, attr(GradientAccumulation, "steps")),
     "lr_scaling": ("under-1b", "sqrt", {}, attr(GradientAccumulation, "lr_scaling")),
+    "batch_ramp": ("under-1b", 16, {"lr_scaling": "sqrt"}, attr(BatchRamp, "max_factor")),
     "effective_batch": ("gpt", 64, {}, attr(EffectiveBatchCheck, "effective_batch")),
     "fsdp": ("gpt", True, {"devices": 2}, lambda t: isinstance(t.strategy, StableFSDPStrategy)),
     "activation_checkpointing": (

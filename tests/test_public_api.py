@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CHECKPOINT_UNITS = {"ExactResume", "PreemptionCheckpoint"}
 CALLBACKS = {
     *CHECKPOINT_UNITS,
+    "BatchRamp",
     "ClusterHealthMonitor",
+    "CriticalBatchMonitor",
     "GradientAccumulation",
     "GradientNormMonitor",
     "LossScaleTuner",

@@ -95,7 +95,8 @@ class GradientAccumulation(LedgerCallback):
         log_every_n_steps: int | None = None,
     ) -> None:
         super().__init__(log_every_n_steps)
-        self._schedule = AccumulationSchedule.parse(steps)
+        self._schedule = self._configured = AccumulationSchedule.parse(steps)
+        self._grown: dict[int, int] = {}  # the switches a ramp added (`grow`): {applied_updates: factor}
         if lr_scaling not in LR_SCALINGS:
             raise config_error("lr_scaling", lr_scaling, f"is not one of {LR_SCALINGS}", "pass e.g. 'sqrt' for AdamW")
         if lr_scaling == "adascale":
@@ -141,15 +142,68 @@ class GradientAccumulation(LedgerCallback):
     def estimated_optimizer_steps(self, trainer: pl.Trainer) -> int | None:
         """Optimizer steps of the whole run for a changing factor (``None``: use the Trainer's estimate).
 
-        Assumes no skipped updates; a skip delays every later switch by one step.
+        Assumes no skipped updates; a skip delays every later switch by one step. A ramp's switches (:meth:`grow`)
+        are left out: with them the LR schedule counts samples (:meth:`schedule_position`), and its length is the
+        run's steps as configured.
         """
-        if self.is_constant:
+        if self._configured.is_constant:
             return None
-        return self._schedule.optimizer_steps(trainer.num_training_batches, trainer.max_steps, trainer.max_epochs)
+        return self._configured.optimizer_steps(trainer.num_training_batches, trainer.max_steps, trainer.max_epochs)
+
+    # ------------------------------------------------------------------ a ramp's changes
+    @property
+    def factor(self) -> int:
+        """Micro-batches per optimizer step of the current window (of the next one, between windows)."""
+        return self._factor
+
+    @property
+    def micro_batch(self) -> int:
+        """The current micro-batch's place in its window, from 1 (0 between windows)."""
+        return self._micro
+
+    @property
+    def window_size(self) -> int:
+        """Micro-batches in the current window: the factor, or fewer at the end of an epoch."""
+        return self._size
+
+    @property
+    def revision(self) -> int:
+        """How many times :meth:`grow` changed the schedule (a cache of its values is stale when this moved)."""
+        return len(self._grown)
+
+    def grow(self, applied_steps: int, factor: int) -> None:
+        """From the update after ``applied_steps`` applied updates on, ``factor`` micro-batches per step (a batch
+        ramp's change, made at row 13 of the step table before this callback's own). Only on a constant ``steps``;
+        the factor never shrinks. Saved in checkpoints."""
+        if not self._configured.is_constant:
+            raise StabilityConfigError(
+                f"GradientAccumulation(steps={self.steps!r}) follows its own schedule; a batch ramp grows a constant "
+                "factor only. Fix: pass GradientAccumulation(steps=<the starting factor>)."
+            )
+        if factor < self._schedule.factor_at(applied_steps):
+            raise ValueError(f"grow: factor {factor} is below the current {self._schedule.factor_at(applied_steps)}")
+        self._grown[int(applied_steps)] = int(factor)
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        switches = dict(zip(self._configured.keys, self._configured.factors, strict=True))
+        switches.update(self._grown)
+        keys = sorted(switches)
+        self._schedule = AccumulationSchedule(tuple(keys), tuple(switches[k] for k in keys))
+
+    def schedule_position(self, applied_steps: int) -> int:
+        """Where an LR schedule stands after ``applied_steps`` updates: ``applied_steps``, or, once a ramp grew the
+        factor, the samples those updates trained on counted in updates of the starting batch (the schedule counts
+        samples, not steps)."""
+        if not self._grown:
+            return applied_steps
+        return self._schedule.micro_batches_before(applied_steps) // self._configured.factors[0]
 
     # ------------------------------------------------------------------ setup
     def on_setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         check_trainer(trainer, pl_module, f"GradientAccumulation(steps={self.steps!r})")
+        self._grown = {}  # a checkpoint loaded after setup brings a ramp's switches back
+        self._rebuild()
         self._lr.reset()
         self._adascale.saved_statistics = None
         if self._schedule.max_factor > 1:
@@ -347,6 +401,7 @@ class GradientAccumulation(LedgerCallback):
             "factor": self._factor,
             "base_lrs": list(self._lr.base_lrs),
             "adascale": adascale.export_statistics(self._optimizer),
+            "grown": [[k, v] for k, v in sorted(self._grown.items())],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -355,6 +410,8 @@ class GradientAccumulation(LedgerCallback):
         self._factor = int(state_dict.get("factor", self._schedule.factors[0]))
         self._lr.base_lrs = [float(x) for x in state_dict.get("base_lrs", [])]
         self._adascale.saved_statistics = state_dict.get("adascale")
+        self._grown = {int(k): int(v) for k, v in state_dict.get("grown", [])}
+        self._rebuild()
 
     def transient_state(self) -> dict[str, Any]:
         return {"_optimizer": None, "_stash": [], "_tuner": TunerSearchGuard(), "_fsdp": []}

@@ -100,6 +100,15 @@ class AccumulationSchedule:
         i = bisect.bisect_right(self.keys, applied_steps)
         return self.keys[i] if i < len(self.keys) else None
 
+    def micro_batches_before(self, applied_steps: int) -> int:
+        """Micro-batches (per rank) of the first ``applied_steps`` updates, each of its factor: the samples they
+        trained on, in micro-batches (the shorter last window of an epoch counted whole)."""
+        total = 0
+        for i, (key, factor) in enumerate(zip(self.keys, self.factors, strict=True)):
+            end = self.keys[i + 1] if i + 1 < len(self.keys) else applied_steps
+            total += max(0, min(end, applied_steps) - key) * factor
+        return total
+
     def lr_scale_at(self, applied_steps: int, scaling: str) -> float:
         """The LR factor of the update after ``applied_steps`` updates under ``scaling``."""
         return lr_scale(self.factor_at(applied_steps), scaling)

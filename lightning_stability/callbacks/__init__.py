@@ -6,6 +6,7 @@ from lightning_stability.amp.callback import LossScaleTuner
 from lightning_stability.checkpoint.exact_resume import ExactResume
 from lightning_stability.checkpoint.preemption_checkpoint import PreemptionCheckpoint
 from lightning_stability.cluster.callback import ClusterHealthMonitor
+from lightning_stability.critical_batch.callback import BatchRamp, CriticalBatchMonitor
 from lightning_stability.grad_norm import GradientNormMonitor
 from lightning_stability.health.callback import TrainingHealthMonitor
 from lightning_stability.moe.callback import RouterHealthMonitor
@@ -14,7 +15,9 @@ from lightning_stability.replay.callback import StepReplay
 from lightning_stability.schedules.callback import ScheduledLR, WarmupConstantCosineLR
 
 __all__ = [
+    "BatchRamp",
     "ClusterHealthMonitor",
+    "CriticalBatchMonitor",
     "ExactResume",
     "GradientAccumulation",
     "GradientNormMonitor",

@@ -39,6 +39,7 @@ KINDS = {
     "failing_device": "a device that computes wrong results: the run saved and stopped",
     "straggler": "a rank slower than the others",
     "replicas_differ": "weights that should be equal on every data-parallel replica differ (a faulty device)",
+    "batch_ramp": "the global batch grown to follow the measured critical batch (BatchRamp), with its LR and beta2",
 }
 
 

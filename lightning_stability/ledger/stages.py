@@ -61,7 +61,8 @@ class Stage(Enum):
     #: balancing bias, a buffer of each router)
     AFTER_UPDATE = ("11", frozenset({WEIGHTS, OPTIMIZER_STATE, BUFFERS}), True)
     MEASURE_UPDATE = ("12", NOTHING, False)
-    #: once the step closed: ``fn(ledger)``, each ``LedgerCallback``'s ``after_step`` (the LR schedule's next LR)
+    #: once the step closed: ``fn(ledger)``, each ``LedgerCallback``'s ``after_step`` (the LR schedule's next LR;
+    #: BatchRamp's next accumulation factor and, a param-group hyperparameter like the LR, Adam's beta2)
     AFTER_STEP = ("13", frozenset({LR}), True)
 
     def __init__(self, row: str, writes: frozenset[str], registers: bool) -> None:

@@ -58,10 +58,11 @@ buffers or the LR outside the optimizer's own update registers at its row with `
      (when asked): ``||Δθ||``, ``||θ||`` per       (asked for with :meth:`OptimizerStep.measure_update`; read by
      tensor                                        ``TrainingHealthMonitor`` and ``PrecursorMonitor``)
 13   ``AFTER_STEP``: callbacks' ``after_step``:    the functions at ``Stage.AFTER_STEP``, one per
-     the LR schedule's next LR, the next           ``LedgerCallback``: ``ScheduledLR`` (on the put-back LR),
-     accumulation window, the monitors             ``GradientAccumulation`` (the next window's factor; its LR with
-                                                   ``lr_scaling`` and no schedule), the back-off's factor moved on
-                                                   row 12, the health history's outcome
+     the LR schedule's next LR, the next           ``LedgerCallback``: ``BatchRamp`` (under its kind's name,
+     accumulation window, the monitors             ``CriticalBatchMonitor``: a larger factor, beta2), ``ScheduledLR``
+                                                   (on the put-back LR), ``GradientAccumulation`` (the next window's
+                                                   factor; its LR with ``lr_scaling`` and no schedule), the
+                                                   back-off's factor moved on row 12, the health history's outcome
 ===  ============================================  ==============================================================
 
 The functions of a row run in the order of their names: what a step does does not depend on the order of the

@@ -89,6 +89,18 @@ class LRBackoff:
         recovery: the multiplier per applied update once back under it, never past 1 (1.02: from 0.5 back to 1 in
             35).
         floor: the smallest multiplier (0.01).
+        efficiency: with ``update_ratio``, the run's own baseline: back off only while, besides, the update per unit
+            of LR (``update_ratio`` over the LR applied) has fallen below this share of the largest it has been in
+            the run (``stability/update_efficiency`` logs the share; 0.3). A healthy run keeps about a third or more
+            of its first updates' size per unit of LR; at an LR too large for the model the gradients turn against
+            the last ones, Adam's moving average cancels them and the weights grow, and the share falls to 0.1-0.2
+            within a few dozen updates (``benchmarks/README.md``, the no-harm section). ``None``: the threshold
+            alone. The share is meant for optimizers whose update is normalized (Adam and its kin, Adafactor,
+            Lion); with SGD it follows the gradient's norm, so pass ``None`` there or expect the back-off to act
+            less.
+        ceiling: with ``efficiency``, an ``update_ratio`` past which the update backs off whatever the share
+            (0.04; at least ``threshold``): the first updates at an LR far too large change the weights by several
+            percent each, before the share has fallen. ``None``: the share decides alone.
         every: the update signals (``update_ratio``, ``update_rms_jump``) are measured on every ``every``-th
             optimizer step (and on logging steps): each costs a transient copy of the weights. The others every
             step.
@@ -100,6 +112,8 @@ class LRBackoff:
     recovery: float = 1.02
     floor: float = 0.01
     every: int = 4
+    efficiency: float | None = 0.3
+    ceiling: float | None = 0.04
 
     def __post_init__(self) -> None:
         if self.signal not in SIGNALS:
@@ -115,6 +129,17 @@ class LRBackoff:
         if self.floor > 1:
             raise config_error("floor", self.floor, "must be <= 1", "pass floor=0.01")
         check_int("every", self.every, 1, "4")
+        if self.efficiency is not None:
+            check_number("efficiency", self.efficiency, example="0.3 (or None: the threshold alone)")
+            if self.signal != "update_ratio" or not 0 < self.efficiency < 1:
+                raise config_error(
+                    "efficiency",
+                    self.efficiency,
+                    f"must be in (0, 1) and goes with signal='update_ratio' (signal={self.signal!r})",
+                    "pass efficiency=0.3 with 'update_ratio', or efficiency=None",
+                )
+        if self.ceiling is not None:
+            check_number("ceiling", self.ceiling, example="0.04 (or None)")
 
     @property
     def measures_update(self) -> bool:
@@ -208,6 +233,8 @@ class PrecursorMonitor(LedgerCallback):
         self._log_z: LogPartition | None = None
         self._log_z_state: dict[str, Any] = {}
         self._rms_ema: Tensor | float | None = None
+        #: the largest update per unit of LR of the run (``update_ratio / lr``), the efficiency's baseline
+        self._peak_per_lr: Tensor | float | None = None
         self._open: _OpenStep | None = None
         self._fresh = True  # the next batch starts an optimizer step
         self._told = False  # the back-off's warning was given in this fit
@@ -525,10 +552,16 @@ class PrecursorMonitor(LedgerCallback):
         maxima = open_step.maxima if open_step.maxima is not None else self._attention_maxima()
         log_z = self._log_z.end_step() if self._log_z is not None else None
         signals = self._signals(size, maxima, log_z, applied, open_step.tick)
+        if size is not None and "update_ratio" in signals and self._uses_efficiency:
+            efficiency = self._efficiency(signals["update_ratio"], ledger.step.scale.lrs, applied, open_step.tick)
+            if efficiency is not None:
+                signals["update_efficiency"] = efficiency
         if self._backoff_on and open_step.tick and self.lr_backoff is not None:
-            self._move_backoff(signals.get(self.lr_backoff.signal), applied)
+            self._move_backoff(signals.get(self.lr_backoff.signal), applied, signals.get("update_efficiency"))
         if reads:  # into callback_metrics at once; to the loggers on logging steps only (no transfer otherwise)
             self._record(open_step, size, maxima, log_z)
+            if "update_efficiency" in signals:
+                self.record_metric("stability/update_efficiency", signals["update_efficiency"])
 
     def _device(self, trainer: pl.Trainer) -> torch.device:
         return trainer.lightning_module.device if trainer.lightning_module is not None else torch.device("cpu")
@@ -573,7 +606,30 @@ class PrecursorMonitor(LedgerCallback):
                     ema.copy_(torch.where(applied.to(ema.device), ema * 0.99 + 0.01 * total, ema))
         return out
 
-    def _move_backoff(self, signal: Tensor | None, applied: Tensor) -> None:
+    @property
+    def _uses_efficiency(self) -> bool:
+        return self._backoff_on and self.lr_backoff is not None and self.lr_backoff.efficiency is not None
+
+    def _efficiency(self, ratio: Tensor, lrs: list[Any] | None, applied: Tensor, tick: bool) -> Tensor | None:
+        """The update per unit of LR applied, as a share of the largest of the run (the peak moves on the
+        back-off's clock, applied updates only). ``None`` when the update's LR is 0 or unknown."""
+        lr = lrs[0] if lrs else None
+        if lr is None or (not isinstance(lr, Tensor) and lr <= 0):
+            return None
+        per_lr = ratio / (lr.to(ratio.device) if isinstance(lr, Tensor) else lr)
+        peak = self._peak_per_lr
+        if isinstance(peak, Tensor) and peak.device != per_lr.device:  # resumed: restored on the CPU
+            peak = peak.to(per_lr.device)
+        if tick:
+            moved = per_lr if not isinstance(peak, Tensor) else torch.maximum(peak, per_lr)
+            peak = moved if not isinstance(peak, Tensor) else torch.where(applied.to(moved.device), moved, peak)
+            peak = torch.nan_to_num(peak, nan=0.0, posinf=0.0)  # a non-finite update never sets the baseline
+        self._peak_per_lr = peak
+        if not isinstance(peak, Tensor):
+            return None
+        return per_lr / peak.clamp(min=torch.finfo(torch.float32).tiny)
+
+    def _move_backoff(self, signal: Tensor | None, applied: Tensor, efficiency: Tensor | None = None) -> None:
         """One tick of the back-off, on applied updates only: down by ``factor`` past the threshold, else up by
         ``recovery`` per applied update since the last tick, never past 1."""
         config = self.lr_backoff
@@ -581,6 +637,11 @@ class PrecursorMonitor(LedgerCallback):
             return
         factor = self._backoff_tensor(signal.device)  # every signal is alike on every rank (see _signals)
         past = signal > config.threshold
+        if config.efficiency is not None:  # the run's own baseline; not measured (an LR of 0): no back-off
+            low = efficiency < config.efficiency if efficiency is not None else torch.zeros_like(past)
+            past = past & low
+            if config.ceiling is not None:
+                past = past | (signal > max(config.ceiling, config.threshold))
         up = config.recovery ** (config.every if config.measures_update else 1)
         moved = torch.where(past, (factor * config.factor).clamp(min=config.floor), (factor * up).clamp(max=1.0))
         # a new tensor: the step that used the old one keeps it in its record (``step.scale``)
@@ -628,7 +689,8 @@ class PrecursorMonitor(LedgerCallback):
             config = self.lr_backoff
             rank_zero_warn(
                 f"PrecursorMonitor's LR back-off is on by step {record.steps}: {config.signal!r} passed its threshold "
-                f"{config.threshold:g}, and the updates are scaled by {factor:.3g} (stability/lr_backoff logs the "
+                f"{config.threshold:g}{_while_efficiency(config)}, and the updates are scaled by {factor:.3g} "
+                "(stability/lr_backoff logs the "
                 "factor). With Adam, the update-to-weight ratio is at most about lr / RMS(weights), where the "
                 "gradients keep their sign. If your LR is meant as it is, raise the threshold "
                 "(LRBackoff(threshold=...); in a preset lr_backoff=...) or turn the back-off off (lr_backoff=None)."
@@ -643,6 +705,7 @@ class PrecursorMonitor(LedgerCallback):
             "clipped_heads": float(self.clipped_heads),
             "moment_resets": float(self.moment_resets),
             "rms_ema": None if self._rms_ema is None else float(self._rms_ema),
+            "peak_per_lr": None if self._peak_per_lr is None else float(self._peak_per_lr),
             "log_z": {k: (None if v is None else float(v)) for k, v in log_z.items()},
         }
 
@@ -652,6 +715,8 @@ class PrecursorMonitor(LedgerCallback):
         self.moment_resets = float(state_dict.get("moment_resets", 0.0))
         rms = state_dict.get("rms_ema")
         self._rms_ema = None if rms is None else torch.tensor(float(rms))
+        peak = state_dict.get("peak_per_lr")
+        self._peak_per_lr = None if peak is None else torch.tensor(float(peak))
         ema = state_dict.get("log_z", {}).get("ema")
         self._log_z_state = {"ema": None if ema is None else torch.tensor(float(ema))}
         if self._log_z is not None:
@@ -698,6 +763,17 @@ def _agree_across_ranks(open_step: _OpenStep) -> None:
         open_step.clip_coef = chunks.pop(0)
     if open_step.hit is not None:
         open_step.hit = chunks.pop(0) < 0.5
+
+
+def _while_efficiency(config: LRBackoff) -> str:
+    """The back-off's condition beside the threshold, as the warning states it."""
+    if config.efficiency is None:
+        return ""
+    ceiling = "" if config.ceiling is None else f", or {max(config.ceiling, config.threshold):g}"
+    return (
+        f" while the update per unit of LR fell under {config.efficiency:g} of the run's largest "
+        f"(stability/update_efficiency){ceiling}"
+    )
 
 
 def _tensor_parallel(module: pl.LightningModule) -> str | None:

@@ -53,7 +53,10 @@ class ScheduledLR(LedgerCallback):
     often than its run length is warned about once, when it passes the end.
 
     With :class:`GradientAccumulation` among the callbacks, its LR scaling is folded in here:
-    ``lr = base_lr * schedule(n) * accumulation.lr_scale_at(n)`` is computed in this one place.
+    ``lr = base_lr * schedule(n) * accumulation.lr_scale_at(n)`` is computed in this one place. Once a
+    :class:`~lightning_stability.critical_batch.BatchRamp` grew the batch, ``n`` counts samples: the samples the
+    applied updates trained on, in updates of the starting batch (``GradientAccumulation.schedule_position``), so
+    the run length is the run's steps at the starting batch.
 
     No host sync is added to a training step: where skips are decided on the device (fused optimizers), the LR is
     looked up on the device in a table of the schedule (4 bytes per step) and written as a tensor ``lr``.
@@ -128,6 +131,7 @@ class ScheduledLR(LedgerCallback):
         self._source: LRScaleSource | None = None
         self._optimizers: list[Optimizer] = []
         self._tables: dict[int, Tensor] = {}
+        self._table_revision: dict[int, int] = {}
         self._warned_past_end: set[int] = set()
 
     def state_fields(self) -> dict[str, Any]:
@@ -135,12 +139,16 @@ class ScheduledLR(LedgerCallback):
 
     # ------------------------------------------------------------------ the formula
     def multiplier(self, applied_steps: int, optimizer_index: int = 0) -> float:
-        """The factor on each base LR for the update after ``applied_steps`` applied updates."""
+        """The factor on each base LR for the update after ``applied_steps`` applied updates.
+
+        The schedule stands at ``source.schedule_position(applied_steps)``: the applied count, or, once a batch
+        ramp grew the batch, the samples trained on in updates of the starting batch."""
         total = self._totals[optimizer_index] if optimizer_index < len(self._totals) else None
+        position = applied_steps if self._source is None else self._source.schedule_position(applied_steps)
         if total is not None:
             # past its end a schedule holds its final value, on the host as in the device table
-            applied_steps = min(applied_steps, total)
-        value = check_multiplier(self.schedule(applied_steps, total), applied_steps, self.schedule)
+            position = min(position, total)
+        value = check_multiplier(self.schedule(position, total), position, self.schedule)
         if self._source is not None:
             value *= self._source.lr_scale_at(applied_steps)
         return value
@@ -208,11 +216,13 @@ class ScheduledLR(LedgerCallback):
 
     def _device_table(self, index: int, device: torch.device) -> Tensor:
         table = self._tables.get(index)
-        if table is None or table.device != device:
+        revision = self._source.revision if self._source is not None else 0  # a ramp's change: new values
+        if table is None or table.device != device or self._table_revision.get(index) != revision:
             total = self._totals[index]
             assert total is not None
             values = [self.multiplier(n, index) for n in range(total + 1)]
             table = self._tables[index] = torch.tensor(values, dtype=torch.float32, device=device)
+            self._table_revision[index] = revision
         return table
 
     def after_step(self, trainer: pl.Trainer, ledger: StepLedger) -> None:
@@ -270,7 +280,7 @@ class ScheduledLR(LedgerCallback):
         self._base_lrs = [list(map(float, b)) for b in state_dict.get("base_lrs", [])]
 
     def transient_state(self) -> dict[str, Any]:
-        return {"_optimizers": [], "_tables": {}, "_source": None}
+        return {"_optimizers": [], "_tables": {}, "_table_revision": {}, "_source": None}
 
 
 class WarmupConstantCosineLR(ScheduledLR):
@@ -323,8 +333,16 @@ class LRScaleSource(Protocol):
     """A callback that contributes a factor to the learning rate (e.g. :class:`GradientAccumulation`).
 
     :class:`ScheduledLR` looks for one among the Trainer's callbacks and folds it into the one formula
-    ``lr = base_lr * schedule(applied) * source.lr_scale_at(applied)``.
+    ``lr = base_lr * schedule(source.schedule_position(applied)) * source.lr_scale_at(applied)``.
     """
+
+    #: bumped whenever the source's values change after the fact (a batch ramp's change)
+    revision: int
+
+    def schedule_position(self, applied_steps: int) -> int:
+        """Where the schedule stands after ``applied_steps`` applied updates (``applied_steps``, or a count of
+        samples in updates of the starting batch once a batch ramp changed the batch)."""
+        ...
 
     def lr_scale_at(self, applied_steps: int) -> float:
         """The LR factor for the update that follows ``applied_steps`` applied updates."""

@@ -42,7 +42,7 @@ def monitor() -> PrecursorMonitor:
     return PrecursorMonitor(
         qk_clip=0.3,
         update_clip=1.0,
-        lr_backoff=LRBackoff("update_ratio", threshold=0.005),
+        lr_backoff=LRBackoff("update_ratio", threshold=0.005, efficiency=0.9),  # acts once the share falls under 0.9
         reset_moments=True,
         log_every_n_steps=2,
     )

@@ -322,7 +322,7 @@ def main() -> None:
 
         # precursors: the update ratio and the back-off on it (a threshold low enough for it to act in 6 steps);
         # precursors_refused: update clipping, which reads partial gradients, is refused under tensor parallelism
-        backoff = LRBackoff("update_ratio", threshold=1e-3, every=1)
+        backoff = LRBackoff("update_ratio", threshold=1e-3, every=1, efficiency=None)
         monitor = PrecursorMonitor(lr_backoff=backoff, log_every_n_steps=1)
         callbacks.insert(-1, PrecursorMonitor(update_clip=1.0) if MODE == "precursors_refused" else monitor)
     common: dict[str, Any] = dict(

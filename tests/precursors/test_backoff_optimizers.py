@@ -16,7 +16,7 @@ from torch import Tensor
 
 from lightning_stability import StabilityConfigError, StableTrainer
 from lightning_stability.ledger import Outcome, StepLedger
-from lightning_stability.precursors import PrecursorMonitor
+from lightning_stability.precursors import LRBackoff, PrecursorMonitor
 from tests.precursors.tiny_lm import TinyLM
 
 QUIET = dict(enable_progress_bar=False, enable_model_summary=False, logger=False)
@@ -97,17 +97,19 @@ def _offsets(groups: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_the_gpt_preset_backs_off_every_optimizer_through_its_own_update(name: str) -> None:
-    """A threshold every update passes (1e-6), so the back-off acts from its first measurement (step 4) on."""
+    """A threshold every update passes (1e-6, without the run's baseline), so the back-off acts from its first
+    measurement (step 4) on, beside the rest of the "gpt" preset."""
     replay = Replay()
+    backoff = PrecursorMonitor(lr_backoff=LRBackoff("update_ratio", 1e-6, efficiency=None), other_optimizers="warn")
     trainer = StableTrainer.from_preset(
         "gpt",
         accelerator="cpu",
         precision="32-true",
-        lr_backoff=1e-6,
+        lr_backoff=None,
         checkpoint=False,
         watchdog=False,
         max_steps=12,
-        callbacks=[replay],
+        callbacks=[replay, backoff],
         **QUIET,
     )
     with warnings.catch_warnings():

@@ -157,7 +157,7 @@ def test_the_backoff_halves_the_lr_per_applied_update_and_the_skip_keeps_it_wher
     """A threshold every update passes, measured every step: the first update is AdamW's own, each later applied
     one uses half the LR of the one before (stability/lr logs it), and a skipped step moves neither the weights nor
     the back-off (the applied-update clock)."""
-    backoff = LRBackoff("update_ratio", threshold=1e-12, factor=0.5, floor=0.01, every=1)
+    backoff = LRBackoff("update_ratio", threshold=1e-12, factor=0.5, floor=0.01, every=1, efficiency=None)
     steps, skipped = 5, {3}
     monitored, lrs = Snapshots(), LoggedLR()
     monitor = PrecursorMonitor(attention=False, log_partition=False, lr_backoff=backoff, log_every_n_steps=1)
@@ -168,6 +168,48 @@ def test_the_backoff_halves_the_lr_per_applied_update_and_the_skip_keeps_it_wher
         torch.testing.assert_close(monitored.weights[3][name], w, rtol=0, atol=0)
     assert float(monitor.backoff) == pytest.approx(0.5**4)  # four applied updates, each past the threshold
     assert monitored.module_lr == 1e-2  # put back after every update: the optimizer's own LR is untouched
+
+
+class Efficiency(pl.Callback):
+    """Each update's ratio and LR as the step measured them, and the share the monitor recorded (tests only)."""
+
+    def __init__(self) -> None:
+        self.ratios: list[float] = []
+        self.lrs: list[float] = []
+        self.shares: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        step = StepLedger.of(trainer).step
+        assert step.update is not None and step.update.ratio is not None
+        self.ratios.append(float(step.update.ratio))
+        self.lrs.append(float(step.scale.used_lrs(step.optimizer)[0]))
+        self.shares.append(float(trainer.callback_metrics["stability/update_efficiency"]))
+
+
+def test_the_efficiency_is_the_update_per_unit_of_lr_over_the_largest_of_the_run() -> None:
+    """By hand from the step's own ratio and applied LR: ``(ratio / lr) / max`` over the applied updates so far, and
+    1 for the first update (the largest so far); with a back-off acting, the LR is the one applied."""
+    seen = Efficiency()
+    backoff = LRBackoff("update_ratio", threshold=1e-12, every=1, efficiency=0.99)
+    monitor = PrecursorMonitor(attention=False, log_partition=False, lr_backoff=backoff, log_every_n_steps=1)
+    quiet_trainer(max_steps=12, callbacks=[monitor, seen]).fit(fresh(lr=0.1, batches=12))
+    per_lr = [r / lr for r, lr in zip(seen.ratios, seen.lrs, strict=True)]
+    expected = [p / max(per_lr[: k + 1]) for k, p in enumerate(per_lr)]
+    assert seen.shares == pytest.approx(expected, rel=1e-5)
+    assert seen.shares[0] == 1.0 and min(seen.shares) < 0.99
+    assert len(set(seen.lrs)) > 1  # the back-off acted: the share is per unit of the LR applied
+
+
+@pytest.mark.parametrize(("lr", "acts"), [(1e-2, False), (1.0, True)])
+def test_the_backoff_waits_for_the_runs_own_updates_to_shrink_per_unit_of_lr(lr: float, acts: bool) -> None:
+    """A threshold every update passes: at an LR the tiny LM trains at, the update per unit of LR keeps more than
+    a fifth of its first size and the back-off leaves every update alone; at an LR far too large it falls under
+    that within a few updates and the back-off acts. Without the baseline (``efficiency=None``) it acts on both."""
+    for efficiency, expect in ((0.2, acts), (None, True)):
+        backoff = LRBackoff("update_ratio", threshold=1e-12, every=1, efficiency=efficiency)
+        monitor = PrecursorMonitor(attention=False, log_partition=False, lr_backoff=backoff)
+        quiet_trainer(max_steps=30, callbacks=[monitor]).fit(fresh(lr=lr, batches=30))
+        assert (float(monitor.backoff) < 1) is expect, (efficiency, float(monitor.backoff))
 
 
 class LoggedLR(pl.Callback):
@@ -261,7 +303,7 @@ def test_a_resumed_fit_continues_the_backoff_and_the_drift(tmp_path: Path) -> No
     average and weights."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    backoff = LRBackoff("update_ratio", threshold=0.005)
+    backoff = LRBackoff("update_ratio", threshold=0.005, efficiency=0.9)  # acts once the share falls under 0.9
 
     def monitor() -> PrecursorMonitor:
         return PrecursorMonitor(qk_clip=0.3, lr_backoff=backoff, log_every_n_steps=2)
@@ -278,6 +320,7 @@ def test_a_resumed_fit_continues_the_backoff_and_the_drift(tmp_path: Path) -> No
     assert float(resumed.backoff) == pytest.approx(float(straight.backoff))
     assert float(resumed.clipped_heads) == float(straight.clipped_heads)
     assert resumed.state_dict()["log_z"] == pytest.approx(straight.state_dict()["log_z"])
+    assert resumed.state_dict()["peak_per_lr"] == straight.state_dict()["peak_per_lr"] is not None
     for (name, a), b in zip(module.named_parameters(), again.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
@@ -295,6 +338,8 @@ def test_a_resumed_fit_continues_the_backoff_and_the_drift(tmp_path: Path) -> No
         (lambda: LRBackoff("loss"), "signal"),
         (lambda: LRBackoff(factor=1.0), "factor"),
         (lambda: LRBackoff(recovery=0.9), "recovery"),
+        (lambda: LRBackoff(efficiency=1.5), "efficiency"),
+        (lambda: LRBackoff("attention_logit", 100.0), "efficiency"),
     ],
 )
 def test_bad_arguments_are_refused_with_the_fix(make: Any, match: str) -> None:
@@ -317,7 +362,7 @@ def test_the_adam_actions_refuse_another_optimizer() -> None:
             quiet_trainer(max_steps=1, callbacks=[PrecursorMonitor(update_clip=1.0)]).fit(module())
     # what a preset uses: the Adam actions off for this fit, in one line; the back-off and the precursors go on
     monitor = PrecursorMonitor(
-        reset_moments=True, lr_backoff=LRBackoff(threshold=1e-12, every=1), other_optimizers="warn"
+        reset_moments=True, lr_backoff=LRBackoff(threshold=1e-12, every=1, efficiency=None), other_optimizers="warn"
     )
     trainer = quiet_trainer(max_steps=4, log_every_n_steps=2, callbacks=[monitor])
     with pytest.warns(UserWarning, match="optimizer is SGD, not torch.optim.Adam or AdamW, so it is off"):
@@ -442,7 +487,9 @@ class SometimesUnused(TinyLM):
 def test_the_backoff_leaves_a_tensor_without_a_gradient_where_adam_left_it() -> None:
     """Its state still holds the step it took last time: rescaling that would move a weight Adam did not move."""
     snapshots = Snapshots()
-    monitor = PrecursorMonitor(attention=False, log_partition=False, lr_backoff=LRBackoff("update_ratio", 1e-9))
+    monitor = PrecursorMonitor(
+        attention=False, log_partition=False, lr_backoff=LRBackoff("update_ratio", 1e-9, efficiency=None)
+    )
     torch.manual_seed(0)
     quiet_trainer(max_steps=6, callbacks=[monitor, snapshots]).fit(SometimesUnused())
     assert float(monitor.backoff) < 1  # it acted on the steps in between
@@ -492,7 +539,9 @@ def test_the_steps_before_validation_are_the_ones_lightning_validates_after() ->
 
 def test_the_backoff_says_once_when_it_first_acts_and_never_when_it_does_not() -> None:
     def fit(threshold: float) -> list[str]:
-        monitor = PrecursorMonitor(lr_backoff=LRBackoff("update_ratio", threshold, every=1), log_every_n_steps=2)
+        monitor = PrecursorMonitor(
+            lr_backoff=LRBackoff("update_ratio", threshold, every=1, efficiency=None), log_every_n_steps=2
+        )
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             quiet_trainer(max_steps=8, callbacks=[monitor]).fit(fresh())
