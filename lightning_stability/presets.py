@@ -88,6 +88,13 @@ class Preset:
             named). Needs ``health``; refused under fp16 loss scaling.
         router: attach ``RouterHealthMonitor`` (each MoE layer's load, MaxVio, dead experts, routing entropy, router
             logits and z on logging steps); it refuses, at setup, a model with no router it can read.
+        router_balance_bias: ``RouterHealthMonitor(balance_bias=...)``: the auxiliary-loss-free balancing bias's
+            step (DeepSeek-V3's 1e-3), added to the scores that choose the experts and moved towards balance after
+            each applied update; ``None``: off (the monitor only observes). Only ``router=True`` reads it; the
+            monitor refuses, at setup, a router whose choice it cannot redo (Hugging Face Mixtral, Qwen2-MoE,
+            Qwen3-MoE and OLMoE routers it can).
+        router_z_loss: ``RouterHealthMonitor(z_loss=...)``: the router z-loss's coefficient (ST-MoE's 1e-3), added
+            as a gradient on each router's logits; ``None``: off. Only ``router=True`` reads it.
         checkpoint: attach ``StableCheckpoint`` and ``AtomicCheckpointIO``; ``False``: neither (Lightning's
             ``ModelCheckpoint`` applies unless ``enable_checkpointing=False``).
         watchdog: with several processes, set the NCCL watchdog variables you have not set and a 10-minute
@@ -130,6 +137,8 @@ class Preset:
     per_layer: bool | int = False
     replay: bool = False
     router: bool = False
+    router_balance_bias: float | None = None
+    router_z_loss: float | None = None
     checkpoint: bool = True
     watchdog: bool = True
     sources: dict[str, str] = field(default_factory=dict, compare=False)
@@ -159,6 +168,10 @@ class Preset:
             )
         if self.lr_backoff is not None:
             check_number("lr_backoff", self.lr_backoff, example="0.02 (or None: no LR back-off)")
+        if self.router_balance_bias is not None:
+            check_number("router_balance_bias", self.router_balance_bias, example="1e-3 (or None: no balancing bias)")
+        if self.router_z_loss is not None:
+            check_number("router_z_loss", self.router_z_loss, example="1e-3 (or None: no router z-loss)")
         if not isinstance(self.per_layer, bool):
             check_int("per_layer", self.per_layer, 1, "per_layer=True (every module), 5 (the 5 largest) or False")
         if self.lr_scaling not in ("linear", "sqrt", "none"):
@@ -243,6 +256,8 @@ _BASE = Preset(
         "again: a transient fault applied as replayed, bad data quarantined; one host read a step, not under fp16)",
         "lr_schedule": "on: the recipe's schedule (lr_schedule=False keeps your configure_optimizers' scheduler)",
         "router": "off: a dense model has no router (moe: on)",
+        "router_balance_bias": "off: read only with router=True (moe: 1e-3)",
+        "router_z_loss": "off: read only with router=True (moe: 1e-3)",
         "checkpoint": "on: StableCheckpoint with atomic saves (checkpoint=False: Lightning's own checkpointing)",
         "watchdog": "on: PyTorch's NCCL watchdog variables and a 10-minute timeout (watchdog=False: yours as set)",
         "min_lr_ratio": "0: decay to zero, as transformers' linear and cosine schedules do",
@@ -258,6 +273,13 @@ _BASE = Preset(
         "`lightning-stability plan` says when a size is needed to fit",
         "num_nodes": "1",
     },
+)
+
+ROUTER_ACTIONS = (
+    "1e-3 (DeepSeek-V3's bias rate, ST-MoE's z-loss coefficient), both on: on benchmarks/moe_collapse.py's collapse "
+    "(a top-1 OLMoE, 8 small experts, 8 tables sharing 32 tokens, a skewed router start), bias and z-loss together "
+    "end at held-out MaxVio 0.29 against 6.29 and held-out loss 0.953 against 1.022 (mean of 3 seeds), better than "
+    "either alone"
 )
 
 _FP16 = {
@@ -281,11 +303,14 @@ def _table() -> dict[str, Preset]:
         "mixture-of-experts models",
         {
             "max_norm": clip,
-            "router": "on: the routers' load and logits (RouterHealthMonitor, monitor only: no benchmark supports an "
-            "action on the router for every MoE yet)",
+            "router": "on: the routers' load and logits (RouterHealthMonitor)",
+            "router_balance_bias": ROUTER_ACTIONS,
+            "router_z_loss": ROUTER_ACTIONS,
         },
         max_norm=2.0,
         router=True,
+        router_balance_bias=1e-3,
+        router_z_loss=1e-3,
     )
     size = "a common recipe by model size (<1B: 2-4 steps, batch 256-512; 1-10B: 8-16, 1024-2048; >10B: 32-64, 4096-8k)"
     under_1b = _BASE.derive(

@@ -428,8 +428,10 @@ _PARTS = (
     ),
     _Part(
         RouterHealthMonitor,
-        lambda p, a: RouterHealthMonitor() if p.router else None,
-        "router",
+        lambda p, a: (
+            RouterHealthMonitor(balance_bias=p.router_balance_bias, z_loss=p.router_z_loss) if p.router else None
+        ),
+        "router, router_balance_bias, router_z_loss",
         "router=False",
     ),
     _Part(

@@ -309,6 +309,8 @@ ENTRIES: dict[str, Entry] = {
             "per_layer": [0, "all"],
             "replay": [1],
             "router": [1],
+            "router_balance_bias": [0, -1e-3, "1e-3"],
+            "router_z_loss": [0, float("nan"), "1e-3"],
             "checkpoint": [None],
             "watchdog": [1],
             "sources": [3],

@@ -257,6 +257,8 @@ REACHES: dict[str, tuple[str, Any, dict[str, Any], Callable[[pl.Trainer], Any]]]
     "per_layer": ("gpt", 3, {}, attr(GradientNormMonitor, "per_layer")),
     "replay": ("gpt", True, {}, lambda t: one(t, StepReplay) is not None),
     "router": ("moe", False, {}, lambda t: one(t, RouterHealthMonitor) is not None),
+    "router_balance_bias": ("moe", 1e-2, {}, attr(RouterHealthMonitor, "balance_bias")),
+    "router_z_loss": ("moe", 1e-2, {}, attr(RouterHealthMonitor, "z_loss")),
     "checkpoint": ("gpt", False, {}, lambda t: one(t, StableCheckpoint) is not None),
     "watchdog": ("175b", False, {"devices": 2}, lambda t: t.strategy._timeout != default_pg_timeout),
 }
@@ -357,6 +359,9 @@ def test_per_layer_k_logs_the_k_largest_of_each_and_false_no_gradient_norm_per_m
         ("skip_on", "grad"),
         ("lr_backoff", 0),
         ("lr_backoff", "0.02"),
+        ("router_balance_bias", 0),
+        ("router_balance_bias", "1e-3"),
+        ("router_z_loss", -1.0),
         ("per_layer", 0),
         ("per_layer", "all"),
     ],

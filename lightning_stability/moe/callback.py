@@ -159,8 +159,8 @@ class RouterHealthMonitor(LedgerCallback):
             raise StabilityConfigError(
                 f"RouterHealthMonitor(balance_bias={self.balance_bias}): router(s) {', '.join(unknown)} are not ones "
                 f"whose choice of experts it can redo ({', '.join(sorted(BIASABLE))}: softmax scores, top-k of them). "
-                "Fix: pass balance_bias=None, and add the bias inside your router (DeepSeek-V3's has its own, "
-                "e_score_correction_bias)."
+                "Fix: pass balance_bias=None (the moe preset: router_balance_bias=None), and add the bias inside "
+                "your router (DeepSeek-V3's has its own, e_score_correction_bias)."
             )
         for router in hooks.routers:
             module = router.module
@@ -228,14 +228,29 @@ class RouterHealthMonitor(LedgerCallback):
             self._hooks.active = False
 
     def _after_update(self, ledger: StepLedger) -> None:
-        """Row 11, right after the update: the router-logit clip, then the balancing bias's step."""
+        """Row 11, right after the update of the optimizer that holds the routers (with one optimizer, every
+        update): the router-logit clip, then the balancing bias's step."""
         hooks = self._hooks
-        if hooks is None:
+        if hooks is None or not self._acts_after(ledger.step.optimizer, ledger):
             return
         if self.logit_clip is not None and hooks.step_max:
             self._clip_logits(hooks)
         if self.balance_bias is not None and hooks.step_counts:
             self._move_bias(hooks, ledger.outcome)
+
+    def _acts_after(self, optimizer: Optimizer, ledger: StepLedger) -> bool:
+        """Whether the actions run after ``optimizer``'s update: with several optimizers, after the update of the
+        first one holding a router's parameter (so the clip sees the routers' own update, and the bias moves by that
+        update's outcome), once per batch; the first to step when none holds one (frozen routers)."""
+        trainer = ledger.trainer
+        optimizers = trainer.optimizers if trainer is not None else []
+        if len(optimizers) < 2:
+            return True
+        params = {id(p) for r in self._hooks.routers for p in r.module.parameters()} if self._hooks else set()
+        holder = next(
+            (o for o in optimizers if any(id(p) in params for g in o.param_groups for p in g["params"])), None
+        )
+        return holder is None or holder is optimizer
 
     def _move_bias(self, hooks: RouterHooks, outcome: Outcome | Tensor) -> None:
         """After an applied step (a skipped one leaves the bias), each router's bias moved from the step's load,

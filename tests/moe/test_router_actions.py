@@ -182,6 +182,15 @@ def test_the_clip_brings_a_linear_router_s_logit_max_back_to_tau() -> None:
     assert clip_routers_([list(router.parameters())], torch.tensor([0.5]), tau=1.0).tolist() == [1.0]  # under tau
 
 
+def test_a_non_finite_logit_max_scales_nothing() -> None:
+    """A broken forward's max (+inf, NaN; its step is skipped) leaves the routers as they are: ``tau / inf`` would
+    zero them."""
+    routers = [[torch.ones(2, 3)] for _ in range(4)]
+    maxima = torch.tensor([float("inf"), float("nan"), float("-inf"), 4.0])
+    assert clip_routers_(routers, maxima, tau=2.0).tolist() == [1.0, 1.0, 1.0, 0.5]
+    assert [float(r[0].max()) for r in routers] == [1.0, 1.0, 1.0, 0.5]
+
+
 class ClipByHand(pl.Callback):
     """The router-logit clip written out: each router's logit max over the step's forwards, and once the step is
     over its weight scaled by ``tau / max`` where the max passed ``tau``."""

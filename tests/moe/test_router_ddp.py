@@ -62,3 +62,28 @@ def test_with_every_action_on_every_rank_acts_as_one_process(tmp_path: Path) -> 
         for name, weight in alone["routers"].items():
             got, expected = torch.tensor(rank["routers"][name]), torch.tensor(weight)
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, NaN equal to NaN (what JSON gave back)."""
+    a, b = (torch.tensor(x, dtype=torch.float64) for x in (a, b))
+    return bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()))
+
+
+def test_a_fault_on_one_rank_is_decided_alike_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1 alone routes with logits of +inf at one batch (its loss NaN, so every rank's averaged gradients): every
+    rank skips that step, and its bias and routers stay as they were at that step (the clip scales nothing: the +inf
+    max would zero the routers); every rank holds the same bias and routers after every batch, and logs the same
+    figures."""
+    got = torchrun(Path(run.__file__), run.WORLD, tmp_path, "fault", timeout=300)
+    for rank in got:
+        assert rank["skipped"] == 1
+        assert rank["by_batch"][run.FAULT_AT] == rank["by_batch"][run.FAULT_AT - 1]  # the skipped step left both
+        assert rank["by_batch"] == got[0]["by_batch"]
+        assert all(torch.tensor(w).isfinite().all() for w in rank["routers"].values())
+        assert sorted(rank["logged"]) == sorted(got[0]["logged"])
+        for batch, metrics in got[0]["logged"].items():
+            assert all(_same(rank["logged"][batch][k], v) for k, v in metrics.items()), batch
+    assert any(any(b) for b in got[0]["bias"].values())  # the bias moved on the other steps
+    window = got[0]["logged"][str(run.FAULT_AT + 1)]  # the window of the faulty batch: its +inf logits seen
+    assert window["stability/router/logit_max_by_module/model.model.layers.0.mlp.gate"] == float("inf")
