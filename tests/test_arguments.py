@@ -171,6 +171,24 @@ ENTRIES: dict[str, Entry] = {
             "recovery": [1.0],
             "floor": [-1.0],
             "every": [0, 1.5],
+            "efficiency": [1.5, 0],
+            "ceiling": [0, -1.0],
+        },
+    ),
+    "CriticalBatchMonitor": (
+        ls.CriticalBatchMonitor,
+        {"micro_batch_size": [0, 2.5], "ema_decay": [1.5, -0.1], "log_every_n_steps": [0]},
+    ),
+    "BatchRamp": (
+        lambda **kw: ls.BatchRamp(**{"max_factor": 8, **kw}),
+        {
+            "max_factor": [1, 0],
+            "growth": [1],
+            "warmup_steps": [-1],
+            "beta2_half_life": [1],
+            "micro_batch_size": [0],
+            "ema_decay": [1.5],
+            "log_every_n_steps": [0],
         },
     ),
     "register_attention": (
@@ -311,6 +329,7 @@ ENTRIES: dict[str, Entry] = {
             "router": [1],
             "router_balance_bias": [0, -1e-3, "1e-3"],
             "router_z_loss": [0, float("nan"), "1e-3"],
+            "batch_ramp": [1, 2.5],
             "checkpoint": [None],
             "watchdog": [1],
             "sources": [3],
