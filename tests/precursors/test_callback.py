@@ -206,10 +206,20 @@ def test_the_backoff_waits_for_the_runs_own_updates_to_shrink_per_unit_of_lr(lr:
     a fifth of its first size and the back-off leaves every update alone; at an LR far too large it falls under
     that within a few updates and the back-off acts. Without the baseline (``efficiency=None``) it acts on both."""
     for efficiency, expect in ((0.2, acts), (None, True)):
-        backoff = LRBackoff("update_ratio", threshold=1e-12, every=1, efficiency=efficiency)
+        backoff = LRBackoff("update_ratio", threshold=1e-12, every=1, efficiency=efficiency, ceiling=None)
         monitor = PrecursorMonitor(attention=False, log_partition=False, lr_backoff=backoff)
         quiet_trainer(max_steps=30, callbacks=[monitor]).fit(fresh(lr=lr, batches=30))
         assert (float(monitor.backoff) < 1) is expect, (efficiency, float(monitor.backoff))
+
+
+def test_past_the_ceiling_the_backoff_acts_whatever_the_share() -> None:
+    """At an LR the tiny LM trains at, the share stays above 0.2: the back-off acts only once the ratio passes a
+    ceiling (here one every update passes), and never under a ceiling no update reaches."""
+    for ceiling, expect in ((1e-12, True), (1e9, False)):
+        backoff = LRBackoff("update_ratio", threshold=1e-12, every=1, efficiency=0.2, ceiling=ceiling)
+        monitor = PrecursorMonitor(attention=False, log_partition=False, lr_backoff=backoff)
+        quiet_trainer(max_steps=30, callbacks=[monitor]).fit(fresh(lr=1e-2, batches=30))
+        assert (float(monitor.backoff) < 1) is expect, (ceiling, float(monitor.backoff))
 
 
 class LoggedLR(pl.Callback):
