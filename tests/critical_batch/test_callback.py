@@ -57,13 +57,13 @@ def test_estimate_is_the_by_hand_computation_on_the_same_micro_batches() -> None
 
 class _Location(pl.LightningModule):
     """The loss ``|w - z|^2 / 2`` of samples ``z ~ N(0, I)`` in 256 dimensions, at weights held still (LR 0): the
-    per-sample gradient is ``w - z``, so ``|G|^2 = |w|^2 = 16`` and ``tr(Sigma) = 256``: a critical batch of 16
-    samples, known exactly."""
+    per-sample gradient is ``w - z``, so ``|G|^2 = |w|^2`` and ``tr(Sigma) = 256``: a critical batch of
+    ``256 / |w|^2`` samples (16 at ``w = 0.25``), known exactly."""
 
-    def __init__(self, micro: int) -> None:
+    def __init__(self, micro: int, w: float = 0.25, n: int = 2048) -> None:
         super().__init__()
-        self.w = torch.nn.Parameter(torch.full((256,), 0.25))
-        self.micro = micro
+        self.w = torch.nn.Parameter(torch.full((256,), w))
+        self.micro, self.n = micro, n
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return 0.5 * (self.w - batch[0]).pow(2).sum(1).mean()
@@ -72,7 +72,7 @@ class _Location(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
     def train_dataloader(self) -> DataLoader:
-        z = torch.randn(2048, 256, generator=torch.Generator().manual_seed(0))
+        z = torch.randn(self.n, 256, generator=torch.Generator().manual_seed(0))
         return DataLoader(TensorDataset(z), batch_size=self.micro, shuffle=True)
 
 
@@ -83,6 +83,17 @@ def test_estimate_is_the_known_noise_scale_in_samples(micro: int, steps: int) ->
     _fit([GradientAccumulation(steps=steps), monitor], _Location(micro), max_epochs=1)
     assert monitor.critical_batch == pytest.approx(16.0, rel=0.1)
     assert abs(monitor.critical_batch - 16.0) < 4 * monitor.critical_batch_stderr
+
+
+@pytest.mark.parametrize(("rule", "batches"), [({}, {8, 16, 32}), ({"fraction": 2.0, "confidence": 0.0}, {128})])
+def test_the_batch_stays_below_half_a_known_critical_batch(rule: dict[str, float], batches: set[int]) -> None:
+    """A critical batch of 64 samples: by default the batch grows from 4 to at most 32; the rule of the figure above
+    the current batch (``fraction=growth, confidence=0``) takes it to 128, twice the figure."""
+    accumulation = GradientAccumulation(steps=2, lr_scaling="linear")
+    ramp = BatchRamp(max_factor=64, beta2_half_life=False, log_every_n_steps=5, **rule)  # type: ignore[arg-type]
+    _fit([accumulation, ramp], _Location(micro=2, w=0.125, n=8192), max_epochs=1)
+    assert ramp.critical_batch == pytest.approx(64.0, rel=0.25)
+    assert accumulation.factor * 2 in batches  # global batch: factor x 2 samples
 
 
 @pytest.mark.parametrize("counter", [count_syncs_per_step, count_host_data_per_step])
