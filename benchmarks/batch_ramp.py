@@ -8,8 +8,9 @@ a step. Arms, per model family and seed, on the same data order, initial weights
   batch throughout.
 * **monitor** -- the same plus ``CriticalBatchMonitor()``: the estimator's cost (``time x fixed``), nothing else
   changes (its updates are bit-identical to fixed's).
-* **ramp** -- ``GradientAccumulation(steps=2, lr_scaling="sqrt")``, ``BatchRamp(max_factor=--max-factor)`` and the
-  same schedule, which counts samples once the batch grew.
+* **ramp** -- ``GradientAccumulation(steps=2, lr_scaling="sqrt")``, ``BatchRamp(max_factor=--max-factor,
+  fraction=--fraction, confidence=--confidence)`` (defaults: ``BatchRamp``'s) and the same schedule, which counts
+  samples once the batch grew.
 
 Every arm trains one epoch over the same ``--samples`` (equal samples), AdamW (lr ``--lr`` for one micro-batch of
 ``--micro`` samples, weight decay 0.01). Families (``--families``):
@@ -25,11 +26,15 @@ stopped after a quarter of its samples and checkpointed; from that checkpoint, s
 ``--check-factors`` x the micro-batch train ``--check-samples`` samples each (plain PyTorch, the checkpoint's
 optimizer state, LR by the square-root rule and beta2 by the half-life rule from the checkpoint's own), and the
 held-out loss each gains is fitted to McCandlish et al.'s model of equal samples, ``gain(B) ~ 1 / (B + B_noise)``
-(:func:`noise_scale_from_branches`).
-The fitted ``B_noise`` is printed beside the figure the run had measured at the checkpoint: where the two disagree
-by more than a factor of two, the ramp followed a wrong figure there.
+(:func:`noise_scale_from_branches`). Beside it, the exact ``tr(Sigma) / |G|^2`` at the checkpoint's weights from
+``--check-exact`` per-sample gradients (:func:`exact_noise_scale`): the estimator's own quantity, free of its
+averaging over a moving run. Both are printed beside the figure the run had measured at the checkpoint. The branch
+fit holds only while a branch's gain per step stays constant (short branches late in a run); where it and the exact
+figure disagree, trust the exact one for the estimator, the branches for what the batch does to the loss.
 
-``--quick``: the ``mlp`` family, one seed, 2,048 samples, the check included: a smoke test (seconds), not a result.
+``--quick``: the ``mlp`` family, one seed, 2,048 samples, the check included, and the ramp growing while the figure
+is above the current batch (``--fraction 2 --confidence 0``, so that a run this short changes the batch): a smoke
+test (seconds), not a result.
 Nothing here is a timing benchmark: ``time x fixed`` is a ratio of two fits measured in the same run.
 """
 
@@ -50,6 +55,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_stability import BatchRamp, CriticalBatchMonitor, GradientAccumulation, WarmupConstantCosineLR
+from lightning_stability.critical_batch.noise_scale import critical_batch
 from lightning_stability.critical_batch.ramp import beta2_at
 
 FAMILIES = ("mlp", "gpt2")
@@ -74,6 +80,25 @@ def noise_scale_from_branches(batches: list[float], gains: list[float]) -> float
     if slope <= 0:
         return math.nan
     return (mean_y - slope * mean_b) / slope
+
+
+def exact_noise_scale(task: Task, net: nn.Module, samples: int, seed: int = 5) -> float:
+    """``B_simple = tr(Sigma) / |G|^2`` at ``net``'s weights from ``samples`` per-sample gradients of the training
+    set (one backward each): ``tr(Sigma)`` their summed variance, ``|G|^2`` the squared norm of their mean less
+    ``tr(Sigma) / samples`` (unbiased). The estimator's own quantity, without its averaging over a moving run."""
+    order = torch.randperm(len(task.train), generator=torch.Generator().manual_seed(seed))[:samples]  # type: ignore[arg-type]
+    rows = []
+    for i in order.tolist():
+        item = task.train[i]
+        batch = [t.unsqueeze(0) for t in item] if isinstance(item, list | tuple) else item.unsqueeze(0)
+        net.zero_grad(set_to_none=True)
+        task.loss(net, batch).backward()
+        rows.append(torch.cat([p.grad.reshape(-1).double() for p in net.parameters() if p.grad is not None]))
+    net.zero_grad(set_to_none=True)
+    grads = torch.stack(rows)
+    trace = grads.var(0).sum()
+    g2 = grads.mean(0).pow(2).sum() - trace / len(rows)
+    return float(trace / g2) if g2 > 0 else math.inf
 
 
 # ---------------------------------------------------------------------------------------------- the families
@@ -165,7 +190,10 @@ def callbacks_of(arm: str, args: argparse.Namespace) -> tuple[list[Any], Any]:
     if arm == "monitor":
         extra = CriticalBatchMonitor(log_every_n_steps=10)
     elif arm == "ramp":
-        extra = BatchRamp(max_factor=args.max_factor, warmup_steps=20, log_every_n_steps=10)
+        extra = BatchRamp(
+            max_factor=args.max_factor, warmup_steps=20, fraction=args.fraction, confidence=args.confidence,
+            log_every_n_steps=10,
+        )  # fmt: skip
     return [accumulation, *([extra] if extra is not None else []), WarmupConstantCosineLR()], extra
 
 
@@ -217,11 +245,14 @@ def offline_check(family: str, args: argparse.Namespace, directory: Path) -> dic
     measured = next(
         (float(v["critical_batch"]) for v in checkpoint["callbacks"].values() if "critical_batch" in v), math.nan
     )
+    state = next(v["state"] for v in checkpoint["callbacks"].values() if "critical_batch" in v)
+    averaged, averaged_stderr = (float(x) for x in critical_batch(torch.tensor(state)))
     factor_then = next((int(v["factor"]) for v in checkpoint["callbacks"].values() if "grown" in v), START_FACTOR)
     task = TASKS[family](args.samples, 0)
     base = Module(task, args.lr, args.micro, 0)
     base.load_state_dict(checkpoint["state_dict"])
     before = held_out_loss(task, base.net)
+    exact = exact_noise_scale(task, base.net, args.check_exact)
     batches, gains = [], []
     for mult in args.check_factors:
         net = copy.deepcopy(base.net)
@@ -242,8 +273,9 @@ def offline_check(family: str, args: argparse.Namespace, directory: Path) -> dic
             seen += batch
         batches.append(float(batch))
         gains.append(before - held_out_loss(task, net))
-    return {"measured": measured, "fitted": noise_scale_from_branches(batches, gains), "batches": batches,
-            "gains": gains, "at_step": half["steps"]}  # fmt: skip
+    return {"measured": measured, "averaged": averaged, "averaged_stderr": averaged_stderr, "exact": exact,
+            "fitted": noise_scale_from_branches(batches, gains), "batches": batches, "gains": gains,
+            "at_step": half["steps"], "factor": factor_then}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -256,14 +288,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--max-factor", type=int, default=32)
+    parser.add_argument("--fraction", type=float, default=0.5, help="BatchRamp(fraction=)")
+    parser.add_argument("--confidence", type=float, default=1.0, help="BatchRamp(confidence=)")
     parser.add_argument("--check", action="store_true", help="the offline check of the estimate (branches)")
     parser.add_argument("--check-factors", default="2,8,32")
     parser.add_argument("--check-samples", type=int, default=2048)
+    parser.add_argument("--check-exact", type=int, default=512, help="per-sample gradients for the exact figure")
     parser.add_argument("--out", default="batch_ramp_out")
     args = parser.parse_args(argv)
     if args.quick:
         args.families, args.seeds, args.samples, args.check = "mlp", 1, 2048, True
-        args.max_factor, args.check_samples = 16, 512
+        args.max_factor, args.check_samples, args.check_exact = 16, 512, 256
+        args.fraction, args.confidence = 2.0, 0.0  # a rule that changes the batch this early: the smoke test takes one
     args.families = [f for f in args.families.split(",") if f]
     unknown = sorted(set(args.families) - set(FAMILIES))
     if unknown:
@@ -312,8 +348,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             results["checks"][family] = check
             gains = ", ".join(f"B={b:g}: {g:+.4g}" for b, g in zip(check["batches"], check["gains"], strict=True))
             ratio = check["fitted"] / check["measured"] if check["measured"] > 0 else math.nan
-            print(f"{family}: step {check['at_step']}, measured B_crit {check['measured']:.4g}, fitted from the "
-                  f"branches {check['fitted']:.4g} (x{ratio:.2g}); held-out gains {gains}")  # fmt: skip
+            print(f"{family}: step {check['at_step']} (batch {check['factor'] * args.micro}), measured B_crit "
+                  f"{check['measured']:.4g} (last read; averages now {check['averaged']:.4g} +- "
+                  f"{check['averaged_stderr']:.2g}), exact from {args.check_exact} per-sample gradients "
+                  f"{check['exact']:.4g}, fitted from the branches {check['fitted']:.4g} (x{ratio:.2g} the measured); "
+                  f"held-out gains {gains}")  # fmt: skip
     return results
 
 

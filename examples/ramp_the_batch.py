@@ -1,4 +1,4 @@
-"""Grow the batch while the measured critical batch is above it: accumulation 2 -> up to 16 micro-batches.
+"""Grow the batch while the measured critical batch is well above it: accumulation 2 -> up to 16 micro-batches.
 
 Run: python examples/ramp_the_batch.py   (EXAMPLE_STEPS=20 runs it at a tiny size, as CI does)
 """

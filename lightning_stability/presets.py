@@ -56,8 +56,8 @@ class Preset:
         lr_scaling: ``GradientAccumulation(lr_scaling=...)``: ``"none"`` (the LR as configured), ``"linear"`` or
             ``"sqrt"``.
         batch_ramp: ``BatchRamp(max_factor=...)``: the accumulation grows from ``accumulation`` up to this while the
-            measured critical batch is above the batch (needs ``accumulation >= 2`` and ``lr_scaling`` ``"sqrt"`` or
-            ``"linear"``); ``None``: no ramp.
+            measured critical batch is well above the batch (needs ``accumulation >= 2`` and ``lr_scaling``
+            ``"sqrt"`` or ``"linear"``); ``None``: no ramp.
         effective_batch: the global batch the recipe was written for: samples per optimizer step over all
             data-parallel processes. The preset sets neither your DataLoader's ``batch_size`` nor the accumulation
             from it: at fit start a warning says when ``batch_size x accumulation x data-parallel processes``

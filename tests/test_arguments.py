@@ -185,6 +185,8 @@ ENTRIES: dict[str, Entry] = {
             "max_factor": [1, 0],
             "growth": [1],
             "warmup_steps": [-1],
+            "fraction": [0, -0.5, float("inf")],
+            "confidence": [-1, float("nan")],
             "beta2_half_life": [1],
             "micro_batch_size": [0],
             "ema_decay": [1.5],

@@ -221,13 +221,17 @@ class CriticalBatchMonitor(LedgerCallback):
 
 
 class BatchRamp(CriticalBatchMonitor):
-    """Grow the global batch while the measured critical batch is above it: ``GradientAccumulation``'s factor,
-    times ``growth`` at a decision, up to ``max_factor``, never less.
+    """Grow the global batch while the measured critical batch is well above it: ``GradientAccumulation``'s
+    factor, times ``growth`` at a decision, up to ``max_factor``, never less.
 
     It measures as :class:`CriticalBatchMonitor` does (the same keys). On each logging step the figure reaches the
     host; at row 13 of the next step (``Stage.AFTER_STEP``, before ``GradientAccumulation`` and ``ScheduledLR``
-    there) it decides: if the critical batch is above the current global batch (``factor x micro-batch size x
-    ranks``) and ``warmup_steps`` steps were measured, the factor grows from the next update on. At the change:
+    there) it decides: if ``warmup_steps`` steps were measured and the global batch after the change (``factor x
+    growth x micro-batch size x ranks``) is at most ``fraction`` of the critical batch's lower bound (the figure
+    less ``confidence`` standard errors), the factor grows from the next update on. By McCandlish et al.'s model a
+    batch ``B`` needs ``1 + B / B_crit`` times the samples of a tiny one to reach a loss: a batch at the figure
+    itself needs twice as many, which at equal samples is a worse loss; hence the share and the bound. At the
+    change:
 
     * the LR follows ``GradientAccumulation``'s ``lr_scaling`` (``"sqrt"``: ``x sqrt(k'/k)``, the square-root rule
       for Adam; ``"linear"``: ``x k'/k``), written by ``ScheduledLR`` or by ``GradientAccumulation``;
@@ -248,6 +252,11 @@ class BatchRamp(CriticalBatchMonitor):
         growth: the factor is multiplied by this at each change (an int >= 2, so the schedule's sample count stays
             a whole number of starting batches).
         warmup_steps: measured steps before the first decision (the averages need about ``1 / (1 - ema_decay)``).
+        fraction: the largest share of the critical batch's lower bound the global batch may grow to (0.5: at
+            most 1.5 times the samples of a tiny batch to reach a loss, by McCandlish et al.'s model).
+        confidence: standard errors taken off the figure for its lower bound (1.0). The error is a lower bound
+            of the real one (``critical_batch_stderr``); 0 decides on the figure alone, which early in a run is
+            mostly noise.
         beta2_half_life: keep Adam's beta2 at a fixed half-life in samples; ``False`` leaves ``betas`` alone.
         micro_batch_size, ema_decay, log_every_n_steps: as :class:`CriticalBatchMonitor`; decisions are taken
             every ``log_every_n_steps`` steps.
@@ -268,6 +277,8 @@ class BatchRamp(CriticalBatchMonitor):
         max_factor: int,
         growth: int = 2,
         warmup_steps: int = 20,
+        fraction: float = 0.5,
+        confidence: float = 1.0,
         beta2_half_life: bool = True,
         micro_batch_size: int | None = None,
         ema_decay: float = 0.95,
@@ -277,6 +288,10 @@ class BatchRamp(CriticalBatchMonitor):
         self.max_factor = check_int("max_factor", max_factor, 2, "32 (micro-batches per step and rank)")
         self.growth = check_int("growth", growth, 2, "2 (the batch doubles at each change)")
         self.warmup_steps = check_int("warmup_steps", warmup_steps, 0, "20")
+        self.fraction = check_number("fraction", fraction, 0.0, math.inf, "0.5 (the batch at most half the figure)")
+        self.confidence = check_number(
+            "confidence", confidence, 0.0, math.inf, "1.0 (one standard error off)", low_inclusive=True
+        )
         self.beta2_half_life = check_bool("beta2_half_life", beta2_half_life)
         self._base_factor = 1
         self._base_beta2: list[float] = []  # each param group's configured beta2, at the starting factor
@@ -371,7 +386,16 @@ class BatchRamp(CriticalBatchMonitor):
         assert accumulation is not None
         factor = accumulation.factor
         global_micro = self._samples * self._ranks
-        new = grown_factor(factor, self.critical_batch, global_micro, self.max_factor, self.growth)
+        new = grown_factor(
+            factor,
+            self.critical_batch,
+            global_micro,
+            self.max_factor,
+            self.growth,
+            stderr=self.critical_batch_stderr,
+            fraction=self.fraction,
+            confidence=self.confidence,
+        )
         if new == factor:
             return
         applied = int(ledger.record_of().applied_steps)  # HOST SYNC only where skips are decided on the device

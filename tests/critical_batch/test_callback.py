@@ -55,6 +55,47 @@ def test_estimate_is_the_by_hand_computation_on_the_same_micro_batches() -> None
     assert monitor.critical_batch == pytest.approx(value.item(), rel=1e-4)  # read on the host on logging steps
 
 
+class _Location(pl.LightningModule):
+    """The loss ``|w - z|^2 / 2`` of samples ``z ~ N(0, I)`` in 256 dimensions, at weights held still (LR 0): the
+    per-sample gradient is ``w - z``, so ``|G|^2 = |w|^2`` and ``tr(Sigma) = 256``: a critical batch of
+    ``256 / |w|^2`` samples (16 at ``w = 0.25``), known exactly."""
+
+    def __init__(self, micro: int, w: float = 0.25, n: int = 2048) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.full((256,), w))
+        self.micro, self.n = micro, n
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return 0.5 * (self.w - batch[0]).pow(2).sum(1).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def train_dataloader(self) -> DataLoader:
+        z = torch.randn(self.n, 256, generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(z), batch_size=self.micro, shuffle=True)
+
+
+@pytest.mark.parametrize(("micro", "steps"), [(1, 8), (4, 2), (4, 8)])
+def test_estimate_is_the_known_noise_scale_in_samples(micro: int, steps: int) -> None:
+    """Against the truth, not the same formula: whatever the micro-batch and the factor, the figure is in samples."""
+    monitor = CriticalBatchMonitor(ema_decay=0.98, log_every_n_steps=1)
+    _fit([GradientAccumulation(steps=steps), monitor], _Location(micro), max_epochs=1)
+    assert monitor.critical_batch == pytest.approx(16.0, rel=0.1)
+    assert abs(monitor.critical_batch - 16.0) < 4 * monitor.critical_batch_stderr
+
+
+@pytest.mark.parametrize(("rule", "batches"), [({}, {8, 16, 32}), ({"fraction": 2.0, "confidence": 0.0}, {128})])
+def test_the_batch_stays_below_half_a_known_critical_batch(rule: dict[str, float], batches: set[int]) -> None:
+    """A critical batch of 64 samples: by default the batch grows from 4 to at most 32; the rule of the figure above
+    the current batch (``fraction=growth, confidence=0``) takes it to 128, twice the figure."""
+    accumulation = GradientAccumulation(steps=2, lr_scaling="linear")
+    ramp = BatchRamp(max_factor=64, beta2_half_life=False, log_every_n_steps=5, **rule)  # type: ignore[arg-type]
+    _fit([accumulation, ramp], _Location(micro=2, w=0.125, n=8192), max_epochs=1)
+    assert ramp.critical_batch == pytest.approx(64.0, rel=0.25)
+    assert accumulation.factor * 2 in batches  # global batch: factor x 2 samples
+
+
 @pytest.mark.parametrize("counter", [count_syncs_per_step, count_host_data_per_step])
 def test_no_host_sync_off_logging_steps(counter: Any) -> None:
     """Neither a host read nor a tensor made from host data (a blocking copy on a GPU) is added to a step."""
@@ -94,7 +135,8 @@ def _ramp_run(
     callbacks = [
         WarmupConstantCosineLR(warmup=0.1, decay=0.3),
         accumulation,
-        BatchRamp(max_factor=8, warmup_steps=6, ema_decay=0.8, log_every_n_steps=2),
+        # the rule of the figure above the current batch (fraction=growth, confidence=0): these tests are of a change
+        BatchRamp(max_factor=8, warmup_steps=6, fraction=2.0, confidence=0.0, ema_decay=0.8, log_every_n_steps=2),
         windows,
         ExactResume(),
         ModelCheckpoint(dirpath=root, every_n_train_steps=every, save_top_k=-1),
@@ -198,6 +240,8 @@ def test_beta2_rule_refuses_an_optimizer_without_betas() -> None:
         ({"max_factor": 8, "growth": 1.5}, r"`growth=1.5` must be an int >= 2"),
         ({"max_factor": 8, "ema_decay": 1.0}, r"`ema_decay=1.0`"),
         ({"max_factor": 8, "micro_batch_size": 0}, r"`micro_batch_size=0` must be an int >= 1"),
+        ({"max_factor": 8, "fraction": 0}, r"`fraction=0` must be a finite number > 0.0.*fraction=0.5"),
+        ({"max_factor": 8, "confidence": -1}, r"`confidence=-1` must be a finite number >= 0.0.*confidence=1.0"),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:

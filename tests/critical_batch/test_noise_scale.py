@@ -89,8 +89,9 @@ def test_no_gradient_signal_is_an_infinite_critical_batch_and_none_yet_is_nan() 
 @pytest.mark.parametrize(
     ("factor", "critical", "expected"),
     [
-        (2, 300.0, 4),  # 300 > 2 x 64: doubles
-        (4, 300.0, 8),  # 300 > 256
+        (2, 300.0, 4),  # 4 x 64 <= 300: doubles
+        (4, 300.0, 4),  # 8 x 64 > 300: stays (the batch never passes the figure)
+        (4, 512.0, 8),  # 8 x 64 <= 512
         (8, 300.0, 8),  # 300 <= 8 x 64
         (4, 200.0, 4),  # 200 <= 256: stays
         (16, 1e9, 16),  # at the bound
@@ -101,6 +102,25 @@ def test_no_gradient_signal_is_an_infinite_critical_batch_and_none_yet_is_nan() 
 )
 def test_grown_factor(factor: int, critical: float, expected: int) -> None:
     assert grown_factor(factor, critical, global_micro_batch=64, max_factor=16, growth=2) == expected
+
+
+@pytest.mark.parametrize(
+    ("critical", "stderr", "fraction", "confidence", "expected"),
+    [
+        (512.0, 0.0, 0.5, 0.0, 4),  # 4 x 64 = 256 <= 0.5 x 512: doubles
+        (500.0, 0.0, 0.5, 0.0, 2),  # 256 > 250: stays
+        (1024.0, 200.0, 0.5, 1.0, 4),  # 256 <= 0.5 x (1024 - 200)
+        (1024.0, 600.0, 0.5, 1.0, 2),  # 256 > 0.5 x (1024 - 600): too uncertain
+        (1024.0, 2000.0, 0.5, 1.0, 2),  # the lower bound below 0: stays
+        (1024.0, math.nan, 0.5, 1.0, 2),  # no error known: stays
+        (1024.0, math.nan, 0.5, 0.0, 4),  # ... unless no confidence is asked
+    ],
+)
+def test_grown_factor_keeps_the_batch_below_a_share_of_the_lower_bound(
+    critical: float, stderr: float, fraction: float, confidence: float, expected: int
+) -> None:
+    """From 2 micro-batches of 64 samples: grown to 4 (256 samples) or kept."""
+    assert grown_factor(2, critical, 64, 16, 2, stderr=stderr, fraction=fraction, confidence=confidence) == expected
 
 
 def test_beta2_keeps_its_half_life_in_samples() -> None:

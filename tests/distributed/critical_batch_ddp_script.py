@@ -60,7 +60,8 @@ def ramp() -> dict[str, Any]:
     callbacks = [
         WarmupConstantCosineLR(warmup=0.1, decay=0.3),
         accumulation,
-        BatchRamp(max_factor=8, warmup_steps=6, ema_decay=0.8, log_every_n_steps=2),
+        # the rule of the figure above the current batch (fraction=growth, confidence=0): a test of a change
+        BatchRamp(max_factor=8, warmup_steps=6, fraction=2.0, confidence=0.0, ema_decay=0.8, log_every_n_steps=2),
         windows,
     ]
     module = TinyModule(n=640, batch_size=4)  # 80 micro-batches per rank
