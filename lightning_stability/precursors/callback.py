@@ -93,8 +93,8 @@ class LRBackoff:
             of LR (``update_ratio`` over the LR applied) has fallen below this share of the largest it has been in
             the run (``stability/update_efficiency`` logs the share; 0.3). A healthy run keeps about a third or more
             of its first updates' size per unit of LR; at an LR too large for the model the gradients turn against
-            the last ones, Adam's moving average cancels them and the weights grow, and the share falls to 0.1-0.2
-            within a few dozen updates (``benchmarks/README.md``, the no-harm section). ``None``: the threshold
+            the last ones, Adam's moving average cancels them and the weights grow, and the share falls to about
+            0.1-0.25 within a few dozen updates (``docs/concepts/spike-precursors.md``). ``None``: the threshold
             alone. The share is meant for optimizers whose update is normalized (Adam and its kin, Adafactor,
             Lion); with SGD it follows the gradient's norm, so pass ``None`` there or expect the back-off to act
             less.
