@@ -612,9 +612,11 @@ class PrecursorMonitor(LedgerCallback):
 
     def _efficiency(self, ratio: Tensor, lrs: list[Any] | None, applied: Tensor, tick: bool) -> Tensor | None:
         """The update per unit of LR applied, as a share of the largest of the run (the peak moves on the
-        back-off's clock, applied updates only). ``None`` when the update's LR is 0 or unknown."""
-        lr = lrs[0] if lrs else None
-        if lr is None or (not isinstance(lr, Tensor) and lr <= 0):
+        back-off's clock, applied updates only). The LR is the first param group's that is not 0 (a frozen group
+        at 0 is passed over; the groups' LRs keep their proportions under the package's schedules). ``None`` when
+        every LR is 0 or unknown."""
+        lr = next((x for x in lrs or [] if isinstance(x, Tensor) or x > 0), None)
+        if lr is None:
             return None
         per_lr = ratio / (lr.to(ratio.device) if isinstance(lr, Tensor) else lr)
         peak = self._peak_per_lr

@@ -212,6 +212,24 @@ def test_the_backoff_waits_for_the_runs_own_updates_to_shrink_per_unit_of_lr(lr:
         assert (float(monitor.backoff) < 1) is expect, (efficiency, float(monitor.backoff))
 
 
+def test_the_share_reads_the_first_group_whose_lr_is_not_zero() -> None:
+    """A frozen first param group (LR 0) is passed over: the share is measured on the LR of the group that trains,
+    and the back-off acts on it (without a baseline, the share would never be measured and it never would)."""
+
+    class FrozenEmbedding(TinyLM):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            rest = [p for n, p in self.named_parameters() if not n.startswith("embed")]
+            return torch.optim.AdamW([{"params": self.embed.parameters(), "lr": 0.0}, {"params": rest, "lr": 1.0}])
+
+    backoff = LRBackoff("update_ratio", threshold=1e-12, every=1, efficiency=0.2, ceiling=None)
+    monitor = PrecursorMonitor(attention=False, log_partition=False, lr_backoff=backoff, log_every_n_steps=1)
+    trainer = quiet_trainer(max_steps=30, callbacks=[monitor])
+    torch.manual_seed(0)
+    trainer.fit(FrozenEmbedding(batches=30))
+    assert float(trainer.callback_metrics["stability/update_efficiency"]) < 0.2
+    assert float(monitor.backoff) < 1
+
+
 def test_past_the_ceiling_the_backoff_acts_whatever_the_share() -> None:
     """At an LR the tiny LM trains at, the share stays above 0.2: the back-off acts only once the ratio passes a
     ceiling (here one every update passes), and never under a ceiling no update reaches."""
