@@ -21,9 +21,12 @@ def test_the_plain_arm_collapses_and_the_monitor_changes_nothing(capsys: pytest.
 
 
 @pytest.mark.usefixtures("restore_process_settings")
-def test_without_the_skew_the_same_model_stays_near_balanced() -> None:
-    (run,) = moe_collapse.main(["--quick", "--arms", "plain", "--skew", "0"])["plain"]
-    assert run.held_vio < 1.5
+def test_without_the_skew_the_disjoint_case_stays_near_balanced() -> None:
+    """The earlier case (4 disjoint clusters, experts of 64): unskewed it stays near balance, skewed it does not."""
+    earlier = ["--quick", "--arms", "plain", "--data", "disjoint", "--clusters", "4", "--expert-size", "64"]
+    (unskewed,) = moe_collapse.main([*earlier, "--skew", "0"])["plain"]
+    (skewed,) = moe_collapse.main(earlier)["plain"]
+    assert unskewed.held_vio < 1.5 < skewed.held_vio
 
 
 def test_each_cluster_keeps_to_its_own_tokens() -> None:
