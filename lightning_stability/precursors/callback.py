@@ -552,7 +552,7 @@ class PrecursorMonitor(LedgerCallback):
         maxima = open_step.maxima if open_step.maxima is not None else self._attention_maxima()
         log_z = self._log_z.end_step() if self._log_z is not None else None
         signals = self._signals(size, maxima, log_z, applied, open_step.tick)
-        if size is not None and "update_ratio" in signals and self._uses_efficiency:
+        if "update_ratio" in signals and self._uses_efficiency:
             efficiency = self._efficiency(signals["update_ratio"], ledger.step.scale.lrs, applied, open_step.tick)
             if efficiency is not None:
                 signals["update_efficiency"] = efficiency
@@ -621,12 +621,11 @@ class PrecursorMonitor(LedgerCallback):
         per_lr = ratio / (lr.to(ratio.device) if isinstance(lr, Tensor) else lr)
         peak = self._peak_per_lr
         if isinstance(peak, Tensor) and peak.device != per_lr.device:  # resumed: restored on the CPU
-            peak = peak.to(per_lr.device)
-        if tick:
-            moved = per_lr if not isinstance(peak, Tensor) else torch.maximum(peak, per_lr)
-            peak = moved if not isinstance(peak, Tensor) else torch.where(applied.to(moved.device), moved, peak)
-            peak = torch.nan_to_num(peak, nan=0.0, posinf=0.0)  # a non-finite update never sets the baseline
-        self._peak_per_lr = peak
+            peak = self._peak_per_lr = peak.to(per_lr.device)
+        if tick:  # applied updates only; a non-finite one never moves the baseline
+            base = peak if isinstance(peak, Tensor) else torch.zeros_like(per_lr)
+            seen = torch.maximum(base, torch.where(torch.isfinite(per_lr), per_lr, 0.0))
+            peak = self._peak_per_lr = torch.where(applied.to(seen.device), seen, base)
         if not isinstance(peak, Tensor):
             return None
         return per_lr / peak.clamp(min=torch.finfo(torch.float32).tiny)

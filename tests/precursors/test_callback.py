@@ -212,6 +212,19 @@ def test_the_backoff_waits_for_the_runs_own_updates_to_shrink_per_unit_of_lr(lr:
         assert (float(monitor.backoff) < 1) is expect, (efficiency, float(monitor.backoff))
 
 
+def test_the_baseline_moves_on_applied_finite_updates_only() -> None:
+    """The run's largest update per unit of LR: a skipped update and a non-finite one leave it where it was."""
+    monitor = PrecursorMonitor(attention=False, log_partition=False, lr_backoff=LRBackoff())
+    yes, no = torch.tensor(True), torch.tensor(False)
+    share = monitor._efficiency(torch.tensor(0.2), [0.1], yes, tick=True)  # per unit of LR: 2
+    assert share is not None and float(share) == 1.0
+    for ratio, applied in ((torch.tensor(0.5), no), (torch.tensor(float("nan")), yes), (torch.tensor(1e9), no)):
+        monitor._efficiency(ratio, [0.1], applied, tick=True)
+        assert float(monitor._peak_per_lr) == pytest.approx(2.0)
+    share = monitor._efficiency(torch.tensor(0.05), [0.1], yes, tick=True)
+    assert share is not None and float(share) == pytest.approx(0.25)
+
+
 def test_the_share_reads_the_first_group_whose_lr_is_not_zero() -> None:
     """A frozen first param group (LR 0) is passed over: the share is measured on the LR of the group that trains,
     and the back-off acts on it (without a baseline, the share would never be measured and it never would)."""
