@@ -119,6 +119,7 @@ class RouterHealthMonitor(LedgerCallback):
         self.window = RouterWindow()
         self._hooks: RouterHooks | None = None
         self._routers: list[str] = []
+        self._holder: list[Optimizer | None] = []  # the optimizer holding the routers, once found in a fit
         self._clipped: list[list[Tensor]] = []  # each router's own parameters (logit_clip)
 
     # ------------------------------------------------------------------ setup
@@ -126,6 +127,7 @@ class RouterHealthMonitor(LedgerCallback):
         self._remove_hooks()
         self._hooks = RouterHooks(pl_module, self.window)  # raises when there is no router to read
         self._routers = [r.name for r in self._hooks.routers]
+        self._holder = []
         ledger = StepLedger.of(trainer)
         ledger.at(Stage.OPEN, "RouterHealthMonitor", self._step_opens)
         if self.z_loss is not None:
@@ -231,7 +233,8 @@ class RouterHealthMonitor(LedgerCallback):
         """Row 11, right after the update of the optimizer that holds the routers (with one optimizer, every
         update): the router-logit clip, then the balancing bias's step."""
         hooks = self._hooks
-        if hooks is None or not self._acts_after(ledger.step.optimizer, ledger):
+        acting = self.logit_clip is not None or self.balance_bias is not None
+        if hooks is None or not acting or not self._acts_after(ledger.step.optimizer, ledger):
             return
         if self.logit_clip is not None and hooks.step_max:
             self._clip_logits(hooks)
@@ -241,15 +244,18 @@ class RouterHealthMonitor(LedgerCallback):
     def _acts_after(self, optimizer: Optimizer, ledger: StepLedger) -> bool:
         """Whether the actions run after ``optimizer``'s update: with several optimizers, after the update of the
         first one holding a router's parameter (so the clip sees the routers' own update, and the bias moves by that
-        update's outcome), once per batch; the first to step when none holds one (frozen routers)."""
+        update's outcome), once per batch; the first to step when none holds one (frozen routers). The holder is
+        found once per fit."""
         trainer = ledger.trainer
         optimizers = trainer.optimizers if trainer is not None else []
         if len(optimizers) < 2:
             return True
-        params = {id(p) for r in self._hooks.routers for p in r.module.parameters()} if self._hooks else set()
-        holder = next(
-            (o for o in optimizers if any(id(p) in params for g in o.param_groups for p in g["params"])), None
-        )
+        if not self._holder:
+            params = {id(p) for r in self._hooks.routers for p in r.module.parameters()} if self._hooks else set()
+            self._holder = [
+                next((o for o in optimizers if any(id(p) in params for g in o.param_groups for p in g["params"])), None)
+            ]
+        holder = self._holder[0]
         return holder is None or holder is optimizer
 
     def _move_bias(self, hooks: RouterHooks, outcome: Outcome | Tensor) -> None:
@@ -338,6 +344,7 @@ class RouterHealthMonitor(LedgerCallback):
     def transient_state(self) -> dict[str, Any]:
         return {
             "_hooks": None,
+            "_holder": [],
             "_clipped": [],
             "_bias_handles": [],
             "_biased": [],
