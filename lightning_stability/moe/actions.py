@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_stability.moe.load import softmax_and_lse
 from lightning_stability.norms import local_tensor
 from lightning_stability.precursors.actions import qk_clip_factors
 
@@ -38,8 +39,7 @@ def z_loss_grad(logits: Tensor, coef: float) -> Tensor:
     shape of ``logits``; tokens: every dim but the last)."""
     flat = logits.detach().float()
     tokens = max(flat.numel() // max(flat.shape[-1], 1), 1)
-    lse = torch.logsumexp(flat, dim=-1, keepdim=True)
-    softmax = (flat - lse).exp_()  # on a CPU several times faster than torch.softmax over a few experts
+    softmax, lse = softmax_and_lse(flat)
     return softmax.mul_(lse).mul_(2.0 * coef / tokens)
 
 

@@ -36,6 +36,14 @@ from lightning_stability import ranks
 from lightning_stability.errors import StabilityConfigError
 
 
+def softmax_and_lse(flat: Tensor) -> tuple[Tensor, Tensor]:
+    """``(softmax, logsumexp)`` over the last dim of ``flat`` (fp32 logits), the log-sum-exp kept (``keepdim``).
+    The softmax is taken from the log-sum-exp: on a CPU, ``torch.softmax`` over a last dim of a few experts takes
+    several times as long as this subtraction and exp."""
+    lse = torch.logsumexp(flat, dim=-1, keepdim=True)
+    return (flat - lse).exp_(), lse
+
+
 def routing_stats(logits: Tensor, experts: Tensor, num_experts: int, scores: str = "softmax") -> tuple[Tensor, ...]:
     """One router call's share of the figures: ``(counts, sums, logit_max)``.
 
@@ -53,14 +61,12 @@ def routing_stats(logits: Tensor, experts: Tensor, num_experts: int, scores: str
     chosen = experts.detach().reshape(-1).long()
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, chosen, torch.ones_like(chosen))  # no bincount: on CUDA it reads the maximum on the host
-    lse = torch.logsumexp(flat, dim=-1, keepdim=True)
-    if scores == "sigmoid":
+    if scores == "sigmoid":  # the log-sum-exp for the router z, the scores for the entropy
+        lse = torch.logsumexp(flat, dim=-1, keepdim=True)
         p = torch.sigmoid(flat)
         p = p / p.sum(dim=-1, keepdim=True)
     else:
-        # the softmax from the log-sum-exp the z-loss needs anyway: on a CPU, torch.softmax over a last dim of a few
-        # experts takes several times as long as this subtraction and exp
-        p = (flat - lse).exp_()
+        p, lse = softmax_and_lse(flat)
     entropy = torch.special.entr(p).sum()  # over tokens and experts: the sum of the tokens' entropies; entr(0) = 0
     top = flat.amax() if flat.numel() else torch.full((), -math.inf, device=flat.device)
     return counts, torch.stack([entropy, lse.square().sum()]), top
